@@ -1,0 +1,256 @@
+"""Exact projection of a pytree onto a sparsity set (hard thresholding).
+
+``project_topk`` keeps exactly the requested number of entries with the largest
+scores (``|v|`` by default, or any SAFE+ saliency) and zeroes the rest:
+
+* unstructured, **global** scope: one threshold over all prunable leaves;
+* unstructured, **per-leaf** scope: the same sparsity in every leaf;
+* :class:`NM`: ``n`` kept in every group of ``m`` consecutive entries along
+  the reduction axis (2:4, 4:8 hardware sparsity);
+* :class:`PerOutput`: the same sparsity within every output unit (Wanda's
+  per-row grouping).
+
+The global threshold is found by radix selection on the float bit patterns
+(see ``_select.py``), never by sorting the concatenated model.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+from typing import Any, NamedTuple, Optional, Union
+
+import jax
+import jax.numpy as jnp
+
+from safe_optax import _prunable
+from safe_optax import _select
+
+SCOPES = ("global", "per_leaf")
+
+
+class NM(NamedTuple):
+  """N:M semi-structured sparsity: keep ``n`` of every ``m`` consecutive entries.
+
+  Groups run along ``axis``, the reduction (input) axis: ``-2`` is ``in`` for a
+  Flax ``Dense`` kernel ``(in, out)`` and for a conv kernel ``(h, w, in, out)``.
+  """
+
+  n: int
+  m: int
+  axis: int = -2
+
+
+class PerOutput(NamedTuple):
+  """Unstructured sparsity with the same fraction kept in every output unit.
+
+  Each group is every entry sharing one index along ``axis`` (the output axis,
+  ``-1`` for Flax kernels): Wanda's per-output-row comparison group.
+  """
+
+  axis: int = -1
+
+
+Structure = Optional[Union[NM, PerOutput]]
+
+
+def validate_sparsity(sparsity: Any, name: str = "sparsity") -> None:
+  """Raises ``ValueError`` for a concrete sparsity outside ``[0, 1)``; tracers pass."""
+  if isinstance(sparsity, jax.core.Tracer):
+    return
+  if isinstance(sparsity, (numbers.Real, jax.Array)) and jnp.ndim(sparsity) == 0:
+    value = float(sparsity)
+    if not 0.0 <= value < 1.0:
+      raise ValueError(f"`{name}` must be in [0, 1), got {value}.")
+    return
+  raise TypeError(f"`{name}` must be a real number in [0, 1), got {sparsity!r}.")
+
+
+def check_config(sparsity: Any, scope: Optional[str], structure: Structure) -> str:
+  """Validates a projection configuration at construction time; returns the scope.
+
+  Args:
+    sparsity: fraction to prune (unstructured and :class:`PerOutput`), or
+      ``None`` / ``1 - n/m`` for :class:`NM`.
+    scope: ``None`` (means ``"global"``), ``"global"`` or ``"per_leaf"``;
+      only for unstructured sparsity.
+    structure: ``None``, :class:`NM` or :class:`PerOutput`.
+  """
+  if structure is not None and not isinstance(structure, (NM, PerOutput)):
+    raise TypeError(
+        f"`structure` must be None, NM(n, m, axis) or PerOutput(axis), got {structure!r}."
+    )
+  if structure is not None and scope is not None:
+    raise ValueError(
+        f"`scope` applies to unstructured sparsity only; got scope={scope!r} with "
+        f"structure={structure!r}. Leave scope=None."
+    )
+  if isinstance(structure, NM):
+    n, m = structure.n, structure.m
+    if not (isinstance(n, int) and isinstance(m, int) and 1 <= n <= m):
+      raise ValueError(f"NM(n, m) needs integers with 1 <= n <= m, got n={n}, m={m}.")
+    if sparsity is not None:
+      validate_sparsity(sparsity)
+      if not isinstance(sparsity, jax.core.Tracer) and abs(float(sparsity) - (1 - n / m)) > 1e-6:
+        raise ValueError(
+            f"`sparsity`={float(sparsity)} contradicts NM({n}, {m}), which prunes "
+            f"{1 - n / m:g}; pass sparsity=None or {1 - n / m:g}."
+        )
+    return "nm"
+  if sparsity is None:
+    raise ValueError("`sparsity` is required unless `structure` is NM(n, m).")
+  validate_sparsity(sparsity)
+  if isinstance(structure, PerOutput):
+    return "per_output"
+  scope = "global" if scope is None else scope
+  if scope not in SCOPES:
+    raise ValueError(f"`scope` must be one of {SCOPES}, got {scope!r}.")
+  return scope
+
+
+def _to_groups(x: jax.Array, structure: Structure, name: str) -> jax.Array:
+  """Reshapes a leaf into ``(groups, group_size)`` rows for structured selection."""
+  axis = structure.axis
+  if not -x.ndim <= axis < x.ndim:
+    raise ValueError(f"leaf '{name}' of shape {x.shape} has no axis {axis} for {structure}.")
+  if isinstance(structure, NM):
+    size = x.shape[axis]
+    if size % structure.m:
+      raise ValueError(
+          f"leaf '{name}' has {size} entries along axis {axis}, not divisible by "
+          f"m={structure.m} for {structure}; exclude it through `prunable`."
+      )
+    return jnp.moveaxis(x, axis, -1).reshape(-1, structure.m)
+  return jnp.moveaxis(x, axis, 0).reshape(x.shape[axis], -1)
+
+
+def _from_groups(mask: jax.Array, shape: tuple[int, ...], structure: Structure) -> jax.Array:
+  axis = structure.axis % len(shape)
+  if isinstance(structure, NM):
+    moved = shape[:axis] + shape[axis + 1:] + (shape[axis],)
+    return jnp.moveaxis(mask.reshape(moved), -1, axis)
+  moved = (shape[axis],) + shape[:axis] + shape[axis + 1:]
+  return jnp.moveaxis(mask.reshape(moved), 0, axis)
+
+
+@functools.partial(jax.jit, static_argnames=("flags", "paths", "scope", "structure", "static_sparsity"))
+def _project_leaves(leaves, score_leaves, sparsity, *, flags, paths, scope, structure, static_sparsity):
+  if static_sparsity is not None:
+    sparsity = static_sparsity
+  pruned = [i for i, flag in enumerate(flags) if flag]
+  keys = {i: _select.order_keys(jnp.abs(leaves[i]) if score_leaves[i] is None else score_leaves[i])
+          for i in pruned}
+  if scope == "global":
+    k = _select.num_keep(sum(leaves[i].size for i in pruned), sparsity)
+    masks = dict(zip(pruned, _select.topk_masks([keys[i] for i in pruned], k)))
+    groups = [pruned]
+  elif scope == "per_leaf":
+    masks = {i: _select.topk_masks([keys[i]], _select.num_keep(keys[i].size, sparsity))[0]
+             for i in pruned}
+    groups = [[i] for i in pruned]
+  else:
+    masks = {}
+    for i in pruned:
+      rows = _to_groups(keys[i], structure, paths[i])
+      k = structure.n if scope == "nm" else _select.num_keep(rows.shape[1], sparsity)
+      masks[i] = _from_groups(_select.group_topk_mask(rows, k), keys[i].shape, structure)
+    groups = [[i] for i in pruned]
+
+  projected, out_masks = list(leaves), [None] * len(leaves)
+  for i, leaf in enumerate(leaves):
+    if not flags[i]:
+      out_masks[i] = jnp.ones(jnp.shape(leaf), bool)
+  for group in groups:
+    # A NaN anywhere in a scope's values or scores poisons the whole scope, so the
+    # failure shows in the loss (and optax.apply_if_finite) instead of being hidden.
+    poisoned = _select.has_nan([keys[i] for i in group])
+    if any(score_leaves[i] is not None for i in group):
+      poisoned = poisoned | jnp.stack([jnp.isnan(leaves[i]).any() for i in group]).any()
+    for i in group:
+      leaf = leaves[i]
+      kept = jnp.where(masks[i], leaf, jnp.zeros((), leaf.dtype))
+      projected[i] = jnp.where(poisoned, jnp.full((), jnp.nan, leaf.dtype), kept)
+      out_masks[i] = masks[i]
+  return projected, out_masks
+
+
+def project_topk(
+    tree: Any,
+    sparsity: Any = None,
+    *,
+    scope: Optional[str] = None,
+    structure: Structure = None,
+    scores: Any = None,
+    prunable: _prunable.Prunable = None,
+) -> tuple[Any, Any]:
+  r"""Projects ``tree`` onto the set of trees with the requested sparsity.
+
+  Solves :math:`\arg\min_{\|z\|_0 \le d} \|z - v\|_P^2` for diagonal ``P``:
+  keeps the ``d`` entries with the largest score (``|v|`` when ``scores`` is
+  None, i.e. ``P = I``; pass ``sqrt(P) * |v|`` for SAFE+) and zeroes the rest.
+  Exactly ``n - floor(sparsity * n)`` entries are kept per scope (``n`` the
+  prunable entry count of the scope), whatever the ties: among equal scores
+  the earlier entry (flatten order, then row-major) is kept.
+
+  NaN: if any prunable value or score of a scope is NaN, every projected entry
+  of that scope is NaN, so the failure cannot pass unnoticed; the masks still
+  hold exactly the requested count (NaN scores rank highest).
+
+  Args:
+    tree: pytree of arrays (Linen params, NNX ``State``, tuples, ...). Not modified.
+    sparsity: fraction of prunable entries to zero, in ``[0, 1)``. May be a
+      traced scalar (schedules, ``optax.inject_hyperparams``). ``None`` or
+      ``1 - n/m`` for :class:`NM`.
+    scope: ``"global"`` (default: one threshold across all prunable leaves) or
+      ``"per_leaf"`` (same sparsity in every leaf). Unstructured only.
+    structure: ``None`` (unstructured), :class:`NM` or :class:`PerOutput`.
+    scores: optional pytree shaped like ``tree`` with the ranking score of each
+      prunable entry (higher is kept); other leaves may be ``None``.
+    prunable: which leaves are pruned: ``None`` (floating leaves with
+      ``ndim >= 2``), a bool pytree, or a callable ``(key_path, leaf) -> bool``.
+
+  Returns:
+    ``(projected_tree, keep_masks)``: the projected tree (same structure and
+    dtypes; non-prunable leaves returned as they are) and a pytree of bool
+    masks (all ``True`` for non-prunable leaves).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from safe_optax import project_topk
+    >>> params = {'w': jnp.array([[3., -1.], [0.5, -4.]]), 'b': jnp.array([9., 9.])}
+    >>> sparse, masks = project_topk(params, 0.5)
+    >>> sparse['w']
+    Array([[ 3.,  0.],
+           [ 0., -4.]], dtype=float32)
+    >>> sparse['b'], masks['w'].sum()
+    (Array([9., 9.], dtype=float32), Array(2, dtype=int32))
+
+  References:
+    Lee, Lee, Chung, Lee, `SAFE: Finding Sparse and Flat Minima to Improve
+    Pruning`, ICML 2025 (§3.4, generalized projection).
+  """
+  scope = check_config(sparsity, scope, structure)
+  resolved = _prunable.resolve(tree, prunable)
+  if scores is None:
+    score_leaves = [None] * len(resolved.leaves)
+  else:
+    try:
+      score_leaves = resolved.treedef.flatten_up_to(scores)
+    except (ValueError, TypeError) as err:
+      raise ValueError(f"`scores` must have the structure of the tree: {err}") from err
+    for i, (flag, leaf, score) in enumerate(zip(resolved.flags, resolved.leaves, score_leaves)):
+      if not flag:
+        score_leaves[i] = None
+      elif score is None or jnp.shape(score) != jnp.shape(leaf):
+        raise ValueError(
+            f"`scores` for prunable leaf '{resolved.paths[i]}' must have shape "
+            f"{jnp.shape(leaf)}, got {None if score is None else jnp.shape(score)}."
+        )
+  static = sparsity if isinstance(sparsity, numbers.Real) else None
+  dynamic = None if static is not None or sparsity is None else jnp.asarray(sparsity, jnp.float32)
+  projected, masks = _project_leaves(
+      resolved.leaves, score_leaves, dynamic, flags=resolved.flags, paths=resolved.paths,
+      scope=scope, structure=structure, static_sparsity=None if static is None else float(static),
+  )
+  return (jax.tree.unflatten(resolved.treedef, projected),
+          jax.tree.unflatten(resolved.treedef, masks))

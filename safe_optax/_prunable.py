@@ -1,0 +1,129 @@
+"""Which leaves of a pytree are pruned: selection, validation and path names.
+
+Works on any pytree (Linen dicts, NNX ``State``, tuples, custom nodes): the
+selection is resolved once per tree structure into a tuple of static flags,
+one per leaf in ``jax.tree_util`` flatten order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple, Union
+
+import jax
+import jax.numpy as jnp
+
+KeyPath = tuple[Any, ...]
+Prunable = Union[None, Any, Callable[[KeyPath, Any], bool]]
+
+
+class ResolvedLeaves(NamedTuple):
+  """A flattened tree with its prunable flags (static) and readable paths."""
+
+  leaves: list[Any]
+  treedef: Any
+  flags: tuple[bool, ...]
+  paths: tuple[str, ...]
+
+
+def default_prunable(path: KeyPath, leaf: Any) -> bool:
+  """The default rule: floating-point leaves with ``ndim >= 2`` (kernels, matrices).
+
+  Biases, normalisation scales and offsets, and scalars are left dense.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from safe_optax import default_prunable
+    >>> default_prunable((), jnp.zeros((3, 4))), default_prunable((), jnp.zeros(4))
+    (True, False)
+  """
+  del path
+  return _is_floating(leaf) and jnp.ndim(leaf) >= 2
+
+
+def _is_floating(leaf: Any) -> bool:
+  return hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating)
+
+
+def path_str(path: KeyPath) -> str:
+  """A readable name for a key path, e.g. ``'params/Dense_0/kernel'``."""
+  parts = []
+  for entry in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(entry, attr):
+        parts.append(str(getattr(entry, attr)))
+        break
+    else:
+      parts.append(str(entry))
+  # NNX variables flatten through a trailing ``.value`` attribute.
+  if len(parts) > 1 and parts[-1] == "value":
+    parts.pop()
+  return "/".join(parts) or "<root>"
+
+
+def _flags_from_tree(prunable: Any, tree: Any) -> list[bool]:
+  """Broadcasts a bool pytree (the tree itself or a prefix of it) onto ``tree``'s leaves."""
+  try:
+    expanded = jax.tree.map(
+        lambda flag, sub: jax.tree.map(lambda _: bool(flag), sub), prunable, tree
+    )
+  except (ValueError, TypeError) as err:
+    raise ValueError(
+        "`prunable` must be None, a callable (key_path, leaf) -> bool, or a pytree of "
+        f"bools with the structure of the parameters (or a prefix of it): {err}"
+    ) from err
+  return jax.tree.leaves(expanded)
+
+
+def resolve(tree: Any, prunable: Prunable = None) -> ResolvedLeaves:
+  """Flattens ``tree`` and decides which leaves are prunable.
+
+  Args:
+    tree: any pytree of arrays.
+    prunable: ``None`` for :func:`default_prunable`; a callable
+      ``(key_path, leaf) -> bool``; or a pytree of bools shaped like ``tree``
+      (or a prefix of it).
+
+  Returns:
+    A :class:`ResolvedLeaves`.
+
+  Raises:
+    TypeError: a leaf selected as prunable is not a floating-point array.
+    ValueError: no leaf is prunable, or ``prunable`` does not match ``tree``.
+  """
+  with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  paths = tuple(path_str(p) for p, _ in with_path)
+  leaves = [leaf for _, leaf in with_path]
+  if prunable is None:
+    flags = [default_prunable(p, leaf) for p, leaf in with_path]
+  elif callable(prunable):
+    flags = [bool(prunable(p, leaf)) for p, leaf in with_path]
+  else:
+    flags = _flags_from_tree(prunable, tree)
+  for flag, leaf, name in zip(flags, leaves, paths):
+    if flag and not _is_floating(leaf):
+      dtype = getattr(leaf, "dtype", type(leaf).__name__)
+      raise TypeError(
+          f"leaf '{name}' is selected as prunable but has dtype {dtype}; only "
+          "floating-point leaves can be pruned. Exclude it through `prunable`."
+      )
+  if not any(flags):
+    raise ValueError(
+        f"no prunable leaves among {len(leaves)} leaves; the default selects floating "
+        "leaves with ndim >= 2. Pass `prunable` (a bool pytree or a callable "
+        "(key_path, leaf) -> bool) to choose them."
+    )
+  return ResolvedLeaves(leaves, treedef, tuple(flags), paths)
+
+
+def prunable_mask(tree: Any, prunable: Prunable = None) -> Any:
+  """The bool pytree (same structure as ``tree``) of leaves that are pruned.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from safe_optax import prunable_mask
+    >>> prunable_mask({'w': jnp.ones((2, 3)), 'b': jnp.ones(3)})
+    {'b': False, 'w': True}
+  """
+  resolved = resolve(tree, prunable)
+  return jax.tree.unflatten(resolved.treedef, list(resolved.flags))
