@@ -1,19 +1,75 @@
-"""safe_optax: SAFE / SAFE+ sparse and flat training as composable optax transforms."""
+"""safe_optax: SAFE / SAFE+ sparse and flat training as composable optax transforms.
 
+Layers, bottom up: exact top-k projection kernels (``project_topk``), optax
+transforms (``sam_perturb``, ``admm_penalty``, ``add_projected_gradient``),
+aliases (``safe``, ``safe_plus``, ``admm``, ``safe_sg``, ``safe_multi``) and
+the final projection (``finalize``, ``sparsity_report``).
+"""
+
+from safe_optax._admm import ADMMState
+from safe_optax._admm import admm_penalty
+from safe_optax._admm import constraint_distance
+from safe_optax._admm import dual_update
+from safe_optax._admm import find_admm_state
+from safe_optax._alias import admm
+from safe_optax._alias import safe
+from safe_optax._alias import safe_multi
+from safe_optax._alias import safe_plus
+from safe_optax._alias import safe_sg
+from safe_optax._finalize import LeafSparsity
+from safe_optax._finalize import SparsityReport
+from safe_optax._finalize import finalize
+from safe_optax._finalize import sparsity_report
 from safe_optax._projection import NM
 from safe_optax._projection import PerOutput
 from safe_optax._projection import project_topk
 from safe_optax._prunable import default_prunable
 from safe_optax._prunable import prunable_mask
+from safe_optax._sam import add_projected_gradient
+from safe_optax._sam import sam_perturb
+from safe_optax._schedules import penalty_schedule
+from safe_optax._scores import SaliencyInputs
+from safe_optax._scores import hutchinson_diagonal
+from safe_optax._scores import magnitude_scores
+from safe_optax._scores import obd_saliency
+from safe_optax._scores import obd_scores
+from safe_optax._scores import snip_scores
+from safe_optax._scores import wanda_saliency
+from safe_optax._scores import wanda_scores
 from safe_optax._select import num_keep
 
 __version__ = "0.1.0.dev0"
 
 __all__ = (
+    "ADMMState",
+    "LeafSparsity",
     "NM",
     "PerOutput",
+    "SaliencyInputs",
+    "SparsityReport",
+    "add_projected_gradient",
+    "admm",
+    "admm_penalty",
+    "constraint_distance",
     "default_prunable",
+    "dual_update",
+    "finalize",
+    "find_admm_state",
+    "hutchinson_diagonal",
+    "magnitude_scores",
     "num_keep",
+    "obd_saliency",
+    "obd_scores",
+    "penalty_schedule",
     "project_topk",
     "prunable_mask",
+    "safe",
+    "safe_multi",
+    "safe_plus",
+    "safe_sg",
+    "sam_perturb",
+    "snip_scores",
+    "sparsity_report",
+    "wanda_saliency",
+    "wanda_scores",
 )

@@ -1,0 +1,275 @@
+r"""The ADMM penalty and dual update of SAFE, as one optax transform.
+
+SAFE splits ``x = z`` with ``z`` sparse and keeps a scaled dual ``u``:
+
+.. math::
+
+  g &\leftarrow g + \lambda_t (x - z + u)  \quad \text{(prunable leaves)} \\
+  z &\leftarrow \mathrm{Proj}(x + u), \quad u \leftarrow u + x - z
+     \quad \text{every } K \text{ steps}
+
+with ``z0 = Proj(x0)`` and ``u0 = 0``. The official code updates ``z, u``
+after the x-step of step ``t`` when ``(t + 1) % K == 0``; this transform runs
+the same update lazily at the start of step ``t`` when ``t % K == 0, t > 0``,
+on the current params (the same iterate), so it needs no call outside
+``update`` and no knowledge of the base optimizer's final update.
+
+Place :func:`admm_penalty` *before* the base optimizer (default, as the
+official code: the penalty goes through momentum / Adam), or *after* it with
+``learning_rate`` set for the paper's decoupled step
+``x -= eta_t * lambda_t * (x - z + u)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from safe_optax import _projection
+from safe_optax import _prunable
+from safe_optax import _scores
+from safe_optax import _schedules
+
+SparsityArg = Union[float, Sequence[float], optax.Schedule, None]
+
+
+class ADMMState(NamedTuple):
+  """State of :func:`admm_penalty`."""
+
+  count: jax.Array
+  """Number of updates taken (int32)."""
+  z: Any
+  """Sparse target ``Proj(x + u)``; ``optax.MaskedNode()`` on non-prunable leaves."""
+  u: Any
+  """Scaled dual variable; ``optax.MaskedNode()`` on non-prunable leaves."""
+
+
+def check_dual_every(dual_every: Any) -> None:
+  if not isinstance(dual_every, int) or isinstance(dual_every, bool) or dual_every < 1:
+    raise ValueError(f"`dual_every` must be a positive int, got {dual_every!r}.")
+
+
+def sparsity_fn(sparsity: SparsityArg, scope: Optional[str], structure: _projection.Structure):
+  """Validates the projection config and returns ``(count, key) -> sparsity``.
+
+  A number (or traced scalar) is constant; a sequence is SAFE-Multi's set,
+  drawn uniformly at random at each dual update; a callable is a schedule.
+  """
+  if callable(sparsity):
+    probe = None if isinstance(structure, _projection.NM) else 0.5
+    _projection.check_config(probe, scope, structure)
+    return lambda count, key: sparsity(count)
+  if isinstance(sparsity, Sequence) and not isinstance(sparsity, str):
+    if not sparsity:
+      raise ValueError("`sparsity` as a set of choices (SAFE-Multi) must not be empty.")
+    for choice in sparsity:
+      _projection.check_config(choice, scope, structure)
+    choices = jnp.asarray(sparsity, jnp.float32)
+    return lambda count, key: jax.random.choice(key, choices)
+  _projection.check_config(sparsity, scope, structure)
+  return lambda count, key: sparsity
+
+
+def _prunable_leaves(tree: Any, flags: tuple[bool, ...]) -> list[Any]:
+  return [leaf for leaf, flag in zip(jax.tree.leaves(tree), flags) if flag]
+
+
+def _masked_tree(params: Any, flags: tuple[bool, ...], values: Sequence[Any]) -> Any:
+  """``params``-shaped tree with ``values`` on prunable leaves, MaskedNode elsewhere."""
+  it = iter(values)
+  leaves = [next(it) if flag else optax.MaskedNode() for flag in flags]
+  return jax.tree.unflatten(jax.tree.structure(params), leaves)
+
+
+def dual_update(
+    params: Any,
+    z: Sequence[jax.Array],
+    u: Sequence[jax.Array],
+    sparsity: Any,
+    *,
+    flags: tuple[bool, ...],
+    first: jax.Array,
+    scope: Optional[str] = None,
+    structure: _projection.Structure = None,
+    scores: Optional[Any] = None,
+) -> tuple[list[jax.Array], list[jax.Array]]:
+  """One ADMM z/u step on the prunable leaves: ``z = Proj(x + u); u = u + x - z``.
+
+  Args:
+    params: the full parameter tree ``x``.
+    z, u: lists of the prunable leaves' ``z`` and ``u``.
+    sparsity: target sparsity (number or traced scalar).
+    flags: prunable flags of ``params``' leaves.
+    first: True at initialisation, where ``u`` stays 0 (``z0 = Proj(x0)``).
+    scope, structure: as in :func:`safe_optax.project_topk`.
+    scores: optional list of scores for ``x + u`` (SAFE+).
+
+  Returns:
+    The new ``(z, u)`` lists.
+  """
+  del z
+  x = _prunable_leaves(params, flags)
+  v = [xi + ui for xi, ui in zip(x, u)]
+  every = tuple(True for _ in v)
+  z_new, _ = _projection.project_topk(
+      v, sparsity, scope=scope, structure=structure, scores=scores, prunable=list(every)
+  )
+  u_new = [
+      jnp.where(first, ui, ui + xi - zi) for xi, ui, zi in zip(x, u, z_new)
+  ]
+  return list(z_new), u_new
+
+
+def admm_penalty(
+    sparsity: SparsityArg,
+    penalty: Union[float, optax.Schedule],
+    *,
+    dual_every: int = 32,
+    penalty_schedule: Optional[str] = "constant",
+    total_steps: Optional[int] = None,
+    scope: Optional[str] = None,
+    structure: _projection.Structure = None,
+    scores: Union[None, str, _scores.Saliency] = None,
+    prunable: _prunable.Prunable = None,
+    learning_rate: Optional[Union[float, optax.Schedule]] = None,
+    seed: int = 0,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Adds SAFE's augmented-Lagrangian penalty and runs its dual update.
+
+  At step ``t`` (counted by the transform): if ``t % dual_every == 0``,
+  ``z = Proj(x + u)`` and, for ``t > 0``, ``u = u + x - z``; then on every
+  prunable leaf the update becomes ``g + lambda_t * (x - z + u)`` (or
+  ``g - eta_t * lambda_t * (x - z + u)`` with ``learning_rate``).
+
+  Args:
+    sparsity: fraction of prunable weights to zero, in ``[0, 1)``; a schedule
+      ``step -> sparsity``; or a sequence of values for SAFE-Multi (one drawn
+      at random at each dual update). ``None`` only with ``structure=NM(...)``.
+    penalty: ``lambda >= 0``, or a schedule ``step -> lambda``.
+    dual_every: ``K``, steps between dual updates.
+    penalty_schedule: ``"constant"``, ``"linear"`` or ``"cosine"`` ramp to
+      ``penalty`` over ``total_steps``.
+    total_steps: ``T`` for the ramps.
+    scope, structure, prunable: as in :func:`safe_optax.project_topk`.
+    scores: SAFE+ saliency: ``None``/``"magnitude"``, ``"snip"``, ``"obd"``,
+      or a callable ``SaliencyInputs -> scores`` (e.g. :func:`wanda_saliency`).
+    learning_rate: ``None`` to add the penalty to the gradient (place before
+      the base optimizer); a number or schedule for the decoupled plain step
+      (place after the base optimizer).
+    seed: seeds SAFE-Multi draws and Hutchinson probes.
+
+  Returns:
+    A :class:`optax.GradientTransformationExtraArgs` whose state is
+    :class:`ADMMState`. ``update`` needs ``params``; ``grad_fn`` is only used
+    by the ``"obd"`` saliency; other extra arguments are ignored.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from safe_optax import admm_penalty
+    >>> tx = optax.chain(admm_penalty(0.5, penalty=1.0, dual_every=2), optax.sgd(0.1))
+    >>> params = {'w': jnp.array([[4., -3.], [0.2, 0.1]])}
+    >>> zero = jax.tree.map(jnp.zeros_like, params)
+    >>> @jax.jit
+    ... def step(params, state):
+    ...   updates, state = tx.update(zero, state, params)
+    ...   return optax.apply_updates(params, updates), state
+    >>> state = tx.init(params)
+    >>> for _ in range(50):
+    ...   params, state = step(params, state)
+    >>> jnp.round(params['w'], 2)
+    Array([[ 4., -3.],
+           [ 0.,  0.]], dtype=float32)
+
+  References:
+    Lee, Lee, Chung, Lee, `SAFE: Finding Sparse and Flat Minima to Improve
+    Pruning`, ICML 2025 (Algorithm 1).
+  """
+  get_sparsity = sparsity_fn(sparsity, scope, structure)
+  check_dual_every(dual_every)
+  lam_fn = _schedules.penalty_schedule(penalty, penalty_schedule, total_steps)
+  saliency = _scores.get_saliency(scores)
+  if learning_rate is not None and not callable(learning_rate):
+    _schedules.check_nonnegative(learning_rate, "learning_rate")
+  base_key = jax.random.PRNGKey(seed)
+
+  def init_fn(params):
+    # Only tree maps, so optax.tree.map_params and sharded params work; a
+    # leafless tree (map_params' placeholder) yields an empty state.
+    if jax.tree.leaves(params):
+      flags = _prunable.resolve(params, prunable).flags
+    else:
+      flags = ()
+    x = _prunable_leaves(params, flags)
+    return ADMMState(
+        count=jnp.zeros([], jnp.int32),
+        z=_masked_tree(params, flags, [jnp.array(xi) for xi in x]) if flags else params,
+        u=_masked_tree(params, flags, [jnp.zeros_like(xi) for xi in x]) if flags else params,
+    )
+
+  def update_fn(updates, state, params=None, *, grad_fn=None, **extra_args):
+    del extra_args
+    if params is None:
+      raise ValueError("admm_penalty needs `params` in update(updates, state, params).")
+    flags = _prunable.resolve(params, prunable).flags
+    z = _prunable_leaves(state.z, flags)
+    u = _prunable_leaves(state.u, flags)
+    count = state.count
+    key = jax.random.fold_in(base_key, count)
+
+    def run_dual(z, u):
+      scores_now = None
+      if saliency is not None:
+        x = _prunable_leaves(params, flags)
+        inputs = _scores.SaliencyInputs(
+            values=[xi + ui for xi, ui in zip(x, u)], params=params, updates=updates,
+            grad_fn=grad_fn, key=key, flags=flags,
+        )
+        scores_now = list(saliency(inputs))
+      return dual_update(
+          params, z, u, get_sparsity(count, key), flags=flags, first=count == 0,
+          scope=scope, structure=structure, scores=scores_now,
+      )
+
+    z, u = lax.cond(count % dual_every == 0, run_dual, lambda z, u: (list(z), list(u)), z, u)
+    lam = lam_fn(count)
+    scale = lam if learning_rate is None else -lam * (
+        learning_rate(count) if callable(learning_rate) else learning_rate)
+    it = iter(zip(_prunable_leaves(params, flags), z, u))
+    new_updates = []
+    for g, flag in zip(jax.tree.leaves(updates), flags):
+      if flag:
+        xi, zi, ui = next(it)
+        g = (g + scale * (xi - zi + ui)).astype(g.dtype)
+      new_updates.append(g)
+    new_state = ADMMState(
+        count=optax.safe_increment(count),
+        z=_masked_tree(params, flags, z),
+        u=_masked_tree(params, flags, u),
+    )
+    return jax.tree.unflatten(jax.tree.structure(updates), new_updates), new_state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def find_admm_state(opt_state: Any) -> ADMMState:
+  """Returns the (single) :class:`ADMMState` inside a nested optax state."""
+  found = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, ADMMState))
+           if isinstance(s, ADMMState)]
+  if len(found) != 1:
+    raise ValueError(f"expected exactly one ADMMState in the optimizer state, found {len(found)}.")
+  return found[0]
+
+
+def constraint_distance(params: Any, opt_state: Any) -> jax.Array:
+  """``||x - z||_2`` over prunable leaves: how far the iterate is from its sparse target."""
+  state = find_admm_state(opt_state)
+  z_leaves = jax.tree.leaves(state.z, is_leaf=lambda n: isinstance(n, optax.MaskedNode))
+  sq = [jnp.sum(jnp.square(x.astype(jnp.float32) - z.astype(jnp.float32)))
+        for x, z in zip(jax.tree.leaves(params), z_leaves)
+        if not isinstance(z, optax.MaskedNode)]
+  return jnp.sqrt(sum(sq))

@@ -1,0 +1,237 @@
+"""Ready-made optimizers in optax's style: SAFE, SAFE+, ADMM and the paper's variants.
+
+Each alias is an ``optax.chain`` of this package's transforms and optax's
+SGD, as in the official recipe::
+
+  sam_perturb(rho) -> [add_projected_gradient] -> admm_penalty
+  -> add_decayed_weights(weight_decay) -> sgd(learning_rate, momentum)
+
+With ``decoupled_penalty=True`` the penalty moves after SGD as the paper's
+plain step ``x -= eta_t * lambda_t * (x - z + u)``. Call ``update`` with
+``params`` and ``grad_fn`` (the SAM aliases need it; ``admm`` does not).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional, Union
+
+import optax
+
+from safe_optax import _admm
+from safe_optax import _projection
+from safe_optax import _prunable
+from safe_optax import _sam
+from safe_optax import _scores
+
+
+def _pruning_chain(
+    learning_rate, sparsity, *, penalty, penalty_schedule, total_steps, rho, dual_every,
+    momentum, nesterov, weight_decay, scope, structure, prunable, scores, decoupled_penalty,
+    sparse_gradient, adaptive, seed,
+) -> optax.GradientTransformationExtraArgs:
+  penalty_tx = _admm.admm_penalty(
+      sparsity, penalty, dual_every=dual_every, penalty_schedule=penalty_schedule,
+      total_steps=total_steps, scope=scope, structure=structure, scores=scores,
+      prunable=prunable, learning_rate=learning_rate if decoupled_penalty else None, seed=seed,
+  )
+  head = []
+  if rho is not None:
+    head.append(_sam.sam_perturb(rho, adaptive=adaptive))
+  if sparse_gradient:
+    head.append(_sam.add_projected_gradient(
+        sparsity, scope=scope, structure=structure, prunable=prunable, seed=seed))
+  base = [
+      optax.add_decayed_weights(weight_decay),
+      optax.sgd(learning_rate, momentum=momentum or None, nesterov=nesterov),
+  ]
+  body = base + [penalty_tx] if decoupled_penalty else [penalty_tx] + base
+  return optax.chain(*head, *body)
+
+
+def safe(
+    learning_rate: optax.ScalarOrSchedule,
+    sparsity: Union[float, Sequence[float], optax.Schedule, None],
+    *,
+    penalty: Union[float, optax.Schedule],
+    penalty_schedule: Optional[str] = "cosine",
+    total_steps: Optional[int] = None,
+    rho: float = 0.1,
+    dual_every: int = 32,
+    momentum: float = 0.9,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    scope: Optional[str] = None,
+    structure: _projection.Structure = None,
+    prunable: _prunable.Prunable = None,
+    adaptive: bool = False,
+    decoupled_penalty: bool = False,
+    seed: int = 0,
+) -> optax.GradientTransformationExtraArgs:
+  r"""SAFE: sharpness-aware ADMM pruning with SGD (Lee et al., ICML 2025).
+
+  Each step: SAM gradient :math:`g = \nabla f(x + \rho \nabla f / \|\nabla f\|)`,
+  plus the penalty :math:`\lambda_t (x - z + u)` on prunable leaves, plus
+  weight decay, through SGD with momentum; every ``dual_every`` steps
+  :math:`z = \mathrm{Proj}(x + u),\ u \mathrel{+}= x - z`. Finish with
+  :func:`safe_optax.finalize`.
+
+  Args:
+    learning_rate: SGD step size (number or optax schedule).
+    sparsity: target fraction of zeros among prunable weights (or a schedule,
+      or a set of choices for SAFE-Multi).
+    penalty: ``lambda`` (or a schedule).
+    penalty_schedule: ``"cosine"`` (vision default), ``"linear"`` or
+      ``"constant"``; ``None`` when ``penalty`` is a schedule.
+    total_steps: training steps ``T``, required by the ramps.
+    rho: SAM radius.
+    dual_every: ``K``, steps between dual updates.
+    momentum, nesterov: SGD momentum.
+    weight_decay: L2 weight decay added to the gradient (all leaves).
+    scope, structure, prunable: the sparsity set (see :func:`project_topk`).
+    adaptive: ASAM perturbation.
+    decoupled_penalty: apply the penalty as a plain step after SGD (paper)
+      instead of through momentum (official code, default).
+    seed: seeds SAFE-Multi draws.
+
+  Returns:
+    An :class:`optax.GradientTransformationExtraArgs`; ``update`` needs
+    ``params`` and ``grad_fn(params, step)``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, safe_optax
+    >>> loss = lambda p: jnp.sum((p['w'] - jnp.array([[3., 0.1], [0.2, -2.]])) ** 2)
+    >>> grad_fn = lambda p, _: jax.grad(loss)(p)
+    >>> tx = safe_optax.safe(0.1, 0.5, penalty=1.0, total_steps=200, dual_every=4)
+    >>> params = {'w': jnp.zeros((2, 2))}
+    >>> @jax.jit
+    ... def step(params, state):
+    ...   updates, state = tx.update(grad_fn(params, 0), state, params, grad_fn=grad_fn)
+    ...   return optax.apply_updates(params, updates), state
+    >>> state = tx.init(params)
+    >>> for _ in range(200):
+    ...   params, state = step(params, state)
+    >>> sparse, masks = safe_optax.finalize(params, 0.5)
+    >>> masks['w']
+    Array([[ True, False],
+           [False,  True]], dtype=bool)
+
+  References:
+    Lee, Lee, Chung, Lee, `SAFE: Finding Sparse and Flat Minima to Improve
+    Pruning`, ICML 2025.
+  """
+  return _pruning_chain(
+      learning_rate, sparsity, penalty=penalty, penalty_schedule=penalty_schedule,
+      total_steps=total_steps, rho=rho, dual_every=dual_every, momentum=momentum,
+      nesterov=nesterov, weight_decay=weight_decay, scope=scope, structure=structure,
+      prunable=prunable, scores=None, decoupled_penalty=decoupled_penalty,
+      sparse_gradient=False, adaptive=adaptive, seed=seed,
+  )
+
+
+def safe_plus(
+    learning_rate: optax.ScalarOrSchedule,
+    sparsity: Union[float, Sequence[float], optax.Schedule, None],
+    *,
+    penalty: Union[float, optax.Schedule],
+    scores: Union[str, _scores.Saliency] = "snip",
+    penalty_schedule: Optional[str] = "cosine",
+    total_steps: Optional[int] = None,
+    rho: float = 0.1,
+    dual_every: int = 32,
+    momentum: float = 0.9,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    scope: Optional[str] = None,
+    structure: _projection.Structure = None,
+    prunable: _prunable.Prunable = None,
+    adaptive: bool = False,
+    decoupled_penalty: bool = False,
+    seed: int = 0,
+) -> optax.GradientTransformationExtraArgs:
+  """SAFE+: SAFE with the generalized projection ``Proj^P`` (saliency scores).
+
+  As :func:`safe`, but the dual update keeps the entries of ``x + u`` with the
+  largest saliency: ``"snip"`` (``|g * v|``, with ``g`` the gradient entering
+  the penalty, i.e. the SAM gradient), ``"obd"`` (Hutchinson Hessian diagonal,
+  one probe per dual update), ``"magnitude"``, or a callable such as
+  :func:`safe_optax.wanda_saliency`. Finalize with the same scores.
+  """
+  return _pruning_chain(
+      learning_rate, sparsity, penalty=penalty, penalty_schedule=penalty_schedule,
+      total_steps=total_steps, rho=rho, dual_every=dual_every, momentum=momentum,
+      nesterov=nesterov, weight_decay=weight_decay, scope=scope, structure=structure,
+      prunable=prunable, scores=scores, decoupled_penalty=decoupled_penalty,
+      sparse_gradient=False, adaptive=adaptive, seed=seed,
+  )
+
+
+def admm(
+    learning_rate: optax.ScalarOrSchedule,
+    sparsity: Union[float, Sequence[float], optax.Schedule, None],
+    *,
+    penalty: Union[float, optax.Schedule],
+    penalty_schedule: Optional[str] = "constant",
+    total_steps: Optional[int] = None,
+    dual_every: int = 32,
+    momentum: float = 0.9,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    scope: Optional[str] = None,
+    structure: _projection.Structure = None,
+    prunable: _prunable.Prunable = None,
+    scores: Union[None, str, _scores.Saliency] = None,
+    decoupled_penalty: bool = False,
+    seed: int = 0,
+) -> optax.GradientTransformationExtraArgs:
+  """ADMM pruning (Zhang et al., 2018): SAFE without SAM, constant penalty by default.
+
+  ``update`` needs ``params``; no ``grad_fn`` (unless ``scores="obd"``).
+
+  References:
+    Zhang et al., `A Systematic DNN Weight Pruning Framework using Alternating
+    Direction Method of Multipliers <https://arxiv.org/abs/1804.03294>`_, ECCV 2018.
+  """
+  return _pruning_chain(
+      learning_rate, sparsity, penalty=penalty, penalty_schedule=penalty_schedule,
+      total_steps=total_steps, rho=None, dual_every=dual_every, momentum=momentum,
+      nesterov=nesterov, weight_decay=weight_decay, scope=scope, structure=structure,
+      prunable=prunable, scores=scores, decoupled_penalty=decoupled_penalty,
+      sparse_gradient=False, adaptive=False, seed=seed,
+  )
+
+
+def safe_sg(learning_rate: optax.ScalarOrSchedule, sparsity: Any, **kwargs: Any
+            ) -> optax.GradientTransformationExtraArgs:
+  """SAFE+SG: SAFE whose x-step also adds ``grad f(Proj(x))`` (paper App. D).
+
+  Takes the arguments of :func:`safe`. Costs a third gradient per step.
+  """
+  return _pruning_chain(learning_rate, sparsity, **_with_safe_defaults(kwargs, sparse_gradient=True))
+
+
+def safe_multi(learning_rate: optax.ScalarOrSchedule, sparsity_choices: Sequence[float],
+               **kwargs: Any) -> optax.GradientTransformationExtraArgs:
+  """SAFE-Multi: the target sparsity is drawn from ``sparsity_choices`` at each z-update.
+
+  Takes the other arguments of :func:`safe` (``seed`` seeds the draws).
+  Finalize at the sparsity you deploy.
+  """
+  if isinstance(sparsity_choices, (int, float)) or not len(sparsity_choices):
+    raise ValueError(f"`sparsity_choices` must be a non-empty sequence, got {sparsity_choices!r}.")
+  return _pruning_chain(learning_rate, tuple(sparsity_choices),
+                        **_with_safe_defaults(kwargs, sparse_gradient=False))
+
+
+def _with_safe_defaults(kwargs: dict[str, Any], *, sparse_gradient: bool) -> dict[str, Any]:
+  defaults = dict(
+      penalty_schedule="cosine", total_steps=None, rho=0.1, dual_every=32, momentum=0.9,
+      nesterov=False, weight_decay=0.0, scope=None, structure=None, prunable=None,
+      adaptive=False, decoupled_penalty=False, seed=0,
+  )
+  unknown = set(kwargs) - set(defaults) - {"penalty"}
+  if unknown:
+    raise TypeError(f"unexpected arguments {sorted(unknown)}; allowed: {sorted(defaults)} and penalty.")
+  if "penalty" not in kwargs:
+    raise TypeError("missing required keyword argument `penalty`.")
+  return {**defaults, **kwargs, "scores": None, "sparse_gradient": sparse_gradient}

@@ -1,0 +1,166 @@
+r"""Sharpness-aware gradients as optax transforms.
+
+:func:`sam_perturb` turns the gradient at ``x`` into SAM's gradient at the
+ascent point ``x + rho * g / ||g||``; :func:`add_projected_gradient` adds the
+gradient at the projected point ``Proj(x)`` (SAFE+SG, CrAM+). Both obtain
+gradients from the ``grad_fn(params, step)`` keyword argument of ``update``,
+the convention of ``optax.contrib.sam``, so they sit anywhere in an
+``optax.chain``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from safe_optax import _admm
+from safe_optax import _projection
+from safe_optax import _prunable
+from safe_optax import _schedules
+
+GradFn = Callable[[Any, int], Any]
+
+
+def _require_grad_fn(grad_fn: Optional[GradFn], name: str) -> GradFn:
+  if grad_fn is None:
+    raise ValueError(
+        f"{name} needs `grad_fn`: call tx.update(grads, state, params, grad_fn=grad_fn) "
+        "with grad_fn(params, step) returning the gradient of the same minibatch loss."
+    )
+  return grad_fn
+
+
+def sam_perturb(
+    rho: float,
+    *,
+    adaptive: bool = False,
+    eps: float = 1e-12,
+    axis_name: Optional[str] = None,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Replaces the gradient ``g`` by the SAM gradient ``grad f(x + e)``.
+
+  .. math::
+
+    e = \rho \frac{g}{\|g\|_2 + \epsilon}
+    \quad\text{or, adaptive (ASAM),}\quad
+    e = \rho \frac{x^2 \odot g}{\|x \odot g\|_2 + \epsilon}
+
+  where the norm runs over all leaves. The gradient at ``x + e`` comes from
+  ``grad_fn(x + e, 0)``; the caller makes ``grad_fn`` use the same minibatch
+  (and dropout key) as ``g``, and keeps the first pass's BatchNorm statistics.
+
+  Args:
+    rho: perturbation radius ``>= 0``.
+    adaptive: scale the perturbation by ``|x|`` (ASAM).
+    eps: guards a zero gradient.
+    axis_name: if set, ``pmean`` the perturbed gradient over this axis
+      (for ``shard_map`` / ``pmap`` users; not needed with ``jax.jit`` sharding).
+
+  Returns:
+    A :class:`optax.GradientTransformationExtraArgs`; ``update`` needs
+    ``params`` and ``grad_fn`` and ignores other extra arguments.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from safe_optax import sam_perturb
+    >>> loss = lambda p: jnp.sum(p ** 4)
+    >>> grad_fn = lambda p, _: jax.grad(loss)(p)
+    >>> tx = optax.chain(sam_perturb(rho=0.5), optax.sgd(0.1))
+    >>> params = jnp.array([1.0, 0.0])
+    >>> updates, _ = tx.update(grad_fn(params, 0), tx.init(params), params, grad_fn=grad_fn)
+    >>> updates  # gradient at [1.5, 0], times -0.1
+    Array([-1.35, -0.  ], dtype=float32)
+
+  References:
+    Foret et al., `Sharpness-Aware Minimization for Efficiently Improving
+    Generalization <https://arxiv.org/abs/2010.01412>`_, ICLR 2021;
+    Kwon et al., `ASAM <https://arxiv.org/abs/2102.11600>`_, ICML 2021.
+  """
+  _schedules.check_nonnegative(rho, "rho")
+  _schedules.check_nonnegative(eps, "eps")
+
+  def init_fn(params):
+    del params
+    return optax.EmptyState()
+
+  def update_fn(updates, state, params=None, *, grad_fn=None, **extra_args):
+    del extra_args
+    grad_fn = _require_grad_fn(grad_fn, "sam_perturb")
+    if params is None:
+      raise ValueError("sam_perturb needs `params` in update(updates, state, params).")
+    if adaptive:
+      scaled = jax.tree.map(lambda g, x: g * jnp.abs(x).astype(g.dtype), updates, params)
+      direction = jax.tree.map(lambda s, x: s * jnp.abs(x).astype(s.dtype), scaled, params)
+      norm = optax.tree.norm(scaled)
+    else:
+      direction, norm = updates, optax.tree.norm(updates)
+    scale = rho / (norm + eps)
+    perturbed = jax.tree.map(
+        lambda x, d: (x + scale * d).astype(jnp.result_type(x)), params, direction
+    )
+    grads = grad_fn(perturbed, 0)
+    if axis_name is not None:
+      grads = lax.pmean(grads, axis_name)
+    return grads, state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def add_projected_gradient(
+    sparsity: Union[float, Sequence[float], optax.Schedule, None],
+    *,
+    scope: Optional[str] = None,
+    structure: _projection.Structure = None,
+    prunable: _prunable.Prunable = None,
+    seed: int = 0,
+    axis_name: Optional[str] = None,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Adds the gradient at the projected point: ``g + grad f(Proj(x))``.
+
+  SAFE+SG (and CrAM+) add this "sparse gradient" so the dense iterate also
+  trains the sparse model it will be pruned to. With a sequence of
+  sparsities (the Multi variants) one is drawn at random at every step.
+
+  Args:
+    sparsity: as in :func:`admm_penalty`.
+    scope, structure, prunable: as in :func:`safe_optax.project_topk`.
+    seed: seeds the Multi draws.
+    axis_name: optional ``pmean`` axis for the extra gradient (shard_map users).
+
+  Returns:
+    A :class:`optax.GradientTransformationExtraArgs` with a step counter as
+    state; ``update`` needs ``params`` and ``grad_fn`` (called with step 1).
+
+  References:
+    Peste et al., `CrAM: A Compression-Aware Minimizer
+    <https://arxiv.org/abs/2207.14200>`_, ICLR 2023; SAFE (ICML 2025), App. D.
+  """
+  get_sparsity = _admm.sparsity_fn(sparsity, scope, structure)
+  base_key = jax.random.PRNGKey(seed)
+
+  def init_fn(params):
+    del params
+    return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
+
+  def update_fn(updates, state, params=None, *, grad_fn=None, **extra_args):
+    del extra_args
+    grad_fn = _require_grad_fn(grad_fn, "add_projected_gradient")
+    if params is None:
+      raise ValueError("add_projected_gradient needs `params` in update(updates, state, params).")
+    key = jax.random.fold_in(base_key, state.count)
+    projected, _ = _projection.project_topk(
+        params, get_sparsity(state.count, key), scope=scope, structure=structure,
+        prunable=prunable,
+    )
+    sparse_grads = grad_fn(projected, 1)
+    if axis_name is not None:
+      sparse_grads = lax.pmean(sparse_grads, axis_name)
+    updates = jax.tree.map(lambda g, s: g + s.astype(g.dtype), updates, sparse_grads)
+    return updates, optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
