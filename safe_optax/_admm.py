@@ -75,8 +75,19 @@ def sparsity_fn(sparsity: SparsityArg, scope: Optional[str], structure: _project
   return lambda count, key: sparsity
 
 
+def _is_masked(node: Any) -> bool:
+  return isinstance(node, optax.MaskedNode)
+
+
 def _prunable_leaves(tree: Any, flags: tuple[bool, ...]) -> list[Any]:
-  return [leaf for leaf, flag in zip(jax.tree.leaves(tree), flags) if flag]
+  """The prunable leaves of a params-shaped tree (MaskedNode placeholders count as leaves)."""
+  leaves = jax.tree.leaves(tree, is_leaf=_is_masked)
+  if len(leaves) != len(flags):
+    raise ValueError(
+        f"tree has {len(leaves)} leaves but the parameters have {len(flags)}; the state "
+        "does not belong to these parameters."
+    )
+  return [leaf for leaf, flag in zip(leaves, flags) if flag]
 
 
 def _masked_tree(params: Any, flags: tuple[bool, ...], values: Sequence[Any]) -> Any:
@@ -268,7 +279,7 @@ def find_admm_state(opt_state: Any) -> ADMMState:
 def constraint_distance(params: Any, opt_state: Any) -> jax.Array:
   """``||x - z||_2`` over prunable leaves: how far the iterate is from its sparse target."""
   state = find_admm_state(opt_state)
-  z_leaves = jax.tree.leaves(state.z, is_leaf=lambda n: isinstance(n, optax.MaskedNode))
+  z_leaves = jax.tree.leaves(state.z, is_leaf=_is_masked)
   sq = [jnp.sum(jnp.square(x.astype(jnp.float32) - z.astype(jnp.float32)))
         for x, z in zip(jax.tree.leaves(params), z_leaves)
         if not isinstance(z, optax.MaskedNode)]

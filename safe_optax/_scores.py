@@ -120,18 +120,20 @@ def hutchinson_diagonal(
     num_probes: number of probes averaged.
   """
   leaves, treedef = jax.tree.flatten(params)
+  probe_keys = jax.random.split(key, num_probes)
 
-  def one_probe(probe_key):
-    keys = jax.random.split(probe_key, len(leaves))
+  def add_probe(i, total):
+    keys = jax.random.split(probe_keys[i], len(leaves))
     probe = jax.tree.unflatten(treedef, [
         jax.random.rademacher(k, jnp.shape(p), dtype=jnp.result_type(p))
         for k, p in zip(keys, leaves)
     ])
     _, hvp = jax.jvp(lambda p: grad_fn(p, 0), (params,), (probe,))
-    return jax.tree.map(jnp.multiply, probe, hvp)
+    return jax.tree.map(lambda t, z, h: t + z * h, total, probe, hvp)
 
-  estimates = [one_probe(k) for k in jax.random.split(key, num_probes)]
-  return jax.tree.map(lambda *e: sum(e) / num_probes, *estimates)
+  # A loop, not a batch, so memory stays at one probe whatever num_probes is.
+  total = jax.lax.fori_loop(0, num_probes, add_probe, jax.tree.map(jnp.zeros_like, params))
+  return jax.tree.map(lambda t: t / num_probes, total)
 
 
 def _prunable_leaves(tree: Any, flags: tuple[bool, ...]) -> list[Any]:

@@ -1,0 +1,222 @@
+r"""Flax (Linen) helpers for SAM / SAFE steps with BatchNorm and dropout.
+
+:func:`safe_optax.sam_perturb` (and so :func:`safe_optax.safe`) evaluates a
+second gradient at the perturbed point through ``grad_fn(params, step)``. With
+a Flax model that gradient must be taken
+
+* on the **same minibatch** and with the **same dropout key** as the first
+  (clean) gradient, in training mode (BatchNorm normalises with the batch's
+  own statistics, as in the reference PyTorch SAM/SAFE code), and
+* **without keeping** the BatchNorm running statistics computed at the
+  perturbed point: the step keeps the statistics of the first, unperturbed
+  pass only.
+
+Two pure functions do this; the training loop stays yours:
+
+* :func:`loss_and_grad_with_state` -- the first pass: loss, logits, the new
+  model state (``batch_stats`` updated) and the gradient;
+* :func:`sam_grad_fn` -- a ``grad_fn(params, step)`` closed over the same
+  model state, batch and key, whose BatchNorm updates are dropped.
+
+Conventions: ``apply_fn`` is ``model.apply`` of a module called as
+``model(inputs, train=...)``; ``batch`` is a pair ``(inputs, targets)``,
+``inputs`` is the model's positional input (any pytree) and
+``loss_fn(logits, targets)`` returns the scalar minibatch loss (``targets``
+may be any pytree, e.g. labels and a mask). ``model_state`` holds the
+non-parameter collections, e.g. ``{'batch_stats': ...}``, or ``{}``.
+
+Examples:
+  A complete SAFE step on a tiny BatchNorm model:
+
+  >>> import jax, jax.numpy as jnp, optax, flax, flax.linen as nn
+  >>> import safe_optax
+  >>> from safe_optax import flax_utils
+  >>> class Net(nn.Module):
+  ...   @nn.compact
+  ...   def __call__(self, x, train):
+  ...     x = nn.Dense(8)(x)
+  ...     x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+  ...     return nn.Dense(2)(nn.relu(x))
+  >>> model = Net()
+  >>> x = jax.random.normal(jax.random.PRNGKey(1), (16, 4))
+  >>> batch = (x, (x[:, 0] > 0).astype(jnp.int32))
+  >>> model_state, params = flax.core.pop(model.init(jax.random.PRNGKey(0), x, train=False),
+  ...                                     'params')
+  >>> def loss_fn(logits, labels):
+  ...   return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+  >>> tx = safe_optax.safe(0.1, 0.5, penalty=1e-3, total_steps=100)
+  >>> @jax.jit
+  ... def train_step(params, model_state, opt_state, batch):
+  ...   (loss, (_, new_model_state)), grads = flax_utils.loss_and_grad_with_state(
+  ...       model.apply, params, model_state, batch, loss_fn)
+  ...   grad_fn = flax_utils.sam_grad_fn(model.apply, model_state, batch, loss_fn)
+  ...   updates, opt_state = tx.update(grads, opt_state, params, grad_fn=grad_fn)
+  ...   return optax.apply_updates(params, updates), new_model_state, opt_state, loss
+  >>> opt_state = tx.init(params)
+  >>> losses = []
+  >>> for _ in range(20):
+  ...   params, model_state, opt_state, loss = train_step(params, model_state, opt_state, batch)
+  ...   losses.append(float(loss))
+  >>> losses[-1] < losses[0]
+  True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Optional, Union
+
+import jax
+
+__all__ = ("loss_and_grad_with_state", "sam_grad_fn")
+
+ApplyFn = Callable[..., Any]
+LossFn = Callable[[Any, Any], jax.Array]
+Rng = Union[None, jax.Array, Mapping[str, jax.Array]]
+GradFn = Callable[[Any, int], Any]
+
+
+def _rngs(rng: Rng) -> Optional[dict[str, jax.Array]]:
+  """``None`` -> no rngs; a key -> ``{'dropout': key}``; a mapping -> itself."""
+  if rng is None:
+    return None
+  if isinstance(rng, Mapping):
+    return dict(rng)
+  return {"dropout": rng}
+
+
+def _split_batch(batch: Any) -> tuple[Any, Any]:
+  try:
+    inputs, targets = batch
+  except (TypeError, ValueError) as err:
+    raise TypeError(
+        "`batch` must be a pair (inputs, targets): inputs go to apply_fn, targets to "
+        f"loss_fn(logits, targets); got {type(batch).__name__}. For a dict batch pass "
+        "(batch['image'], batch['label'])."
+    ) from err
+  return inputs, targets
+
+
+def _train_loss(apply_fn, model_state, batch, loss_fn, rng, mutable):
+  """``params -> (loss, (logits, new_model_state))`` in training mode."""
+  inputs, targets = _split_batch(batch)
+  rngs = _rngs(rng)
+  mutable = list(mutable)
+
+  def loss(params):
+    variables = {**model_state, "params": params}
+    logits, mutated = apply_fn(variables, inputs, train=True, mutable=mutable, rngs=rngs)
+    # Collections that were not mutated (none, usually) are carried over as is.
+    new_model_state = {**model_state, **mutated}
+    return loss_fn(logits, targets), (logits, new_model_state)
+
+  return loss
+
+
+def loss_and_grad_with_state(
+    apply_fn: ApplyFn,
+    params: Any,
+    model_state: Mapping[str, Any],
+    batch: Any,
+    loss_fn: LossFn,
+    rng: Rng = None,
+    *,
+    mutable: Sequence[str] = ("batch_stats",),
+) -> tuple[tuple[jax.Array, tuple[Any, dict[str, Any]]], Any]:
+  """The first (clean) pass of a training step: loss, logits, new state, gradient.
+
+  Runs ``apply_fn({'params': params, **model_state}, inputs, train=True,
+  mutable=mutable, rngs=...)`` under :func:`jax.value_and_grad`.
+
+  Args:
+    apply_fn: ``model.apply`` of a Linen module taking ``(inputs, train=...)``.
+    params: the ``'params'`` collection (what the optimizer updates).
+    model_state: the other collections, e.g. ``{'batch_stats': ...}``; ``{}``
+      for a model without BatchNorm.
+    batch: ``(inputs, targets)``.
+    loss_fn: ``loss_fn(logits, targets) -> scalar``.
+    rng: ``None``, a PRNG key (used as the ``'dropout'`` stream) or a mapping
+      ``{stream_name: key}`` passed as ``rngs``.
+    mutable: collections updated in training mode.
+
+  Returns:
+    ``((loss, (logits, new_model_state)), grads)``: ``new_model_state`` is
+    ``model_state`` with the mutated collections replaced (BatchNorm running
+    statistics of this pass); ``grads`` has the structure of ``params``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> from safe_optax.flax_utils import loss_and_grad_with_state
+    >>> model = nn.BatchNorm(use_running_average=False, momentum=0.9, use_scale=False,
+    ...                      use_bias=False)
+    >>> x = jnp.array([[1.0], [3.0]])
+    >>> variables = model.init(jax.random.PRNGKey(0), x)
+    >>> apply_fn = lambda v, x, train, **kw: model.apply(v, x, **kw)
+    >>> (loss, (logits, state)), grads = loss_and_grad_with_state(
+    ...     apply_fn, {}, {'batch_stats': variables['batch_stats']}, (x, None),
+    ...     lambda logits, _: jnp.sum(logits ** 2))
+    >>> state['batch_stats']['mean']  # 0.9 * 0 + 0.1 * mean([1, 3])
+    Array([0.2], dtype=float32)
+  """
+  loss = _train_loss(apply_fn, model_state, batch, loss_fn, rng, mutable)
+  return jax.value_and_grad(loss, has_aux=True)(params)
+
+
+def sam_grad_fn(
+    apply_fn: ApplyFn,
+    model_state: Mapping[str, Any],
+    batch: Any,
+    loss_fn: LossFn,
+    rng: Rng = None,
+    *,
+    mutable: Sequence[str] = ("batch_stats",),
+) -> GradFn:
+  """A ``grad_fn(params, step) -> grads`` for :func:`safe_optax.sam_perturb`.
+
+  The returned function evaluates the gradient of the same training-mode loss
+  as :func:`loss_and_grad_with_state` -- same ``batch``, same ``rng`` (so the
+  same dropout masks), BatchNorm on the batch statistics -- at whatever
+  ``params`` it is given (the SAM ascent point ``x + e``, or ``Proj(x)`` for
+  :func:`safe_optax.add_projected_gradient`), and **drops** the BatchNorm
+  statistics of that pass: keep the ``new_model_state`` of the first pass.
+  Under ``jax.jit`` the dropped running-average updates are dead code.
+
+  ``step`` (0 from ``sam_perturb``, 1 from ``add_projected_gradient``) is
+  ignored: every call sees the same batch and key. The function is
+  differentiable (OBD saliencies take its Hessian-vector products).
+
+  Args:
+    apply_fn, model_state, batch, loss_fn, rng, mutable: as in
+      :func:`loss_and_grad_with_state`; pass the *same* values as to the
+      first pass (``model_state`` is the state before the step; its running
+      statistics are not read in training mode anyway).
+
+  Returns:
+    ``grad_fn(params, step)`` returning a gradient shaped like ``params``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from safe_optax import sam_perturb
+    >>> from safe_optax.flax_utils import sam_grad_fn
+    >>> apply_fn = lambda v, x, train, mutable, rngs: (x @ v['params']['w'], {})
+    >>> loss_fn = lambda logits, y: jnp.mean((logits - y) ** 2)
+    >>> batch = (jnp.eye(2), jnp.array([[1.0], [0.0]]))
+    >>> grad_fn = sam_grad_fn(apply_fn, {}, batch, loss_fn)
+    >>> params = {'w': jnp.zeros((2, 1))}
+    >>> grad_fn(params, 0)['w'].ravel()
+    Array([-1.,  0.], dtype=float32)
+    >>> tx = sam_perturb(rho=0.5)  # gradient at w + 0.5 * g / |g| = [-0.5, 0]
+    >>> sam_grads, _ = tx.update(grad_fn(params, 0), tx.init(params), params,
+    ...                          grad_fn=grad_fn)
+    >>> sam_grads['w'].ravel()
+    Array([-1.5,  0. ], dtype=float32)
+  """
+  loss = _train_loss(apply_fn, model_state, batch, loss_fn, rng, mutable)
+  grad = jax.grad(loss, has_aux=True)
+
+  def grad_fn(params: Any, step: int = 0) -> Any:
+    del step
+    grads, _discarded_aux = grad(params)
+    return grads
+
+  return grad_fn

@@ -1,0 +1,20 @@
+"""Vision models (Flax Linen) for the CIFAR / MNIST experiments.
+
+``ResNet`` (CIFAR v1; :func:`resnet20`, :func:`resnet32`, ``width=2`` for the
+wide variants), ``VGG19`` with BatchNorm and the 784-300-100-10 ``MLP``. All
+take ``__call__(x, train)``; pair them with :mod:`safe_optax.flax_utils` for
+SAM / SAFE steps that keep the first pass's BatchNorm statistics.
+"""
+
+from safe_optax.vision.models import MLP
+from safe_optax.vision.models import ResNet
+from safe_optax.vision.models import ResNetBlock
+from safe_optax.vision.models import VGG
+from safe_optax.vision.models import VGG19
+from safe_optax.vision.models import mlp
+from safe_optax.vision.models import resnet20
+from safe_optax.vision.models import resnet32
+from safe_optax.vision.models import vgg19
+
+__all__ = ("MLP", "ResNet", "ResNetBlock", "VGG", "VGG19", "mlp", "resnet20", "resnet32",
+           "vgg19")

@@ -1,0 +1,206 @@
+"""Flax Linen models for the CIFAR / MNIST experiments of SAFE.
+
+Shaped like the google/flax examples (``nn.compact`` modules, ``ModuleDef``
+factories, ``__call__(x, train)``), with the architectures of the pruning
+literature:
+
+* :class:`ResNet`: CIFAR ResNet v1 (He et al., 2016, Sec. 4.2): a 3x3 stem
+  conv, 3 stages of ``blocks_per_stage`` basic blocks of widths
+  ``(w, 2w, 4w)``, stride 2 at the entry of stages 2 and 3 with a 1x1 conv +
+  BN projection shortcut, global average pooling and a Dense classifier.
+  :func:`resnet20` / :func:`resnet32` have 3 / 5 blocks per stage; ``width=2``
+  doubles the channels (ResNet-20x2: 1,081,440 prunable kernel weights).
+* :class:`VGG`: VGG-19 with BatchNorm (conv stages 64x2, 128x2, 256x4,
+  512x4, 512x4, a 2x2 max-pool after each) and a 512-512-classes Dense head,
+  no dropout (20,548,288 kernel weights on CIFAR-10).
+* :class:`MLP`: LeNet-300-100 (784-300-100-10, 266,200 kernel weights).
+
+Convolutions followed by BatchNorm have no bias; Dense layers have biases.
+BatchNorm uses ``momentum=0.9, epsilon=1e-5`` (PyTorch's defaults) and the
+batch statistics in training mode, so call ``apply`` with
+``mutable=['batch_stats']`` when ``train=True`` (see
+:mod:`safe_optax.flax_utils`).
+
+Examples:
+  >>> import functools, jax, jax.numpy as jnp
+  >>> from safe_optax.vision import resnet20
+  >>> model = resnet20(num_classes=10, width=2)
+  >>> init = functools.partial(model.init, train=False)
+  >>> variables = jax.eval_shape(init, jax.random.PRNGKey(0), jnp.zeros((1, 32, 32, 3)))
+  >>> sum(x.size for p, x in jax.tree_util.tree_flatten_with_path(variables['params'])[0]
+  ...     if p[-1].key == 'kernel')
+  1081440
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+ModuleDef = Any
+
+__all__ = ("MLP", "ResNet", "ResNetBlock", "VGG", "VGG19", "mlp", "resnet20", "resnet32",
+           "vgg19")
+
+BN_MOMENTUM = 0.9
+BN_EPSILON = 1e-5
+
+# He-normal (fan_out), as torchvision / the CIFAR ResNet reference code.
+conv_init = nn.initializers.variance_scaling(2.0, "fan_out", "normal")
+
+
+def _norm(train: bool, dtype: Any, axis_name: Optional[str]) -> ModuleDef:
+  return functools.partial(
+      nn.BatchNorm, use_running_average=not train, momentum=BN_MOMENTUM,
+      epsilon=BN_EPSILON, dtype=dtype, axis_name=axis_name,
+  )
+
+
+class ResNetBlock(nn.Module):
+  """Basic block: conv3x3-BN-ReLU-conv3x3-BN, plus the shortcut, then ReLU.
+
+  The shortcut is the identity, or a 1x1 conv (with ``strides``) + BN when the
+  shape changes (option B of He et al.).
+  """
+
+  filters: int
+  conv: ModuleDef
+  norm: ModuleDef
+  strides: tuple[int, int] = (1, 1)
+
+  @nn.compact
+  def __call__(self, x):
+    residual = x
+    y = self.conv(self.filters, (3, 3), self.strides)(x)
+    y = self.norm()(y)
+    y = nn.relu(y)
+    y = self.conv(self.filters, (3, 3))(y)
+    y = self.norm()(y)
+    if residual.shape != y.shape:
+      residual = self.conv(self.filters, (1, 1), self.strides, name="conv_proj")(residual)
+      residual = self.norm(name="norm_proj")(residual)
+    return nn.relu(residual + y)
+
+
+class ResNet(nn.Module):
+  """CIFAR ResNet v1: 3 stages of widths ``(w, 2w, 4w)``, ``w = 16 * width``.
+
+  Attributes:
+    blocks_per_stage: basic blocks per stage (3 for ResNet-20, 5 for ResNet-32).
+    num_classes: outputs of the final Dense layer.
+    width: channel multiplier (1: 16/32/64, 2: 32/64/128).
+    dtype: computation dtype.
+    bn_axis_name: ``axis_name`` for cross-replica BatchNorm (``pmap`` users).
+  """
+
+  blocks_per_stage: int
+  num_classes: int = 10
+  width: int = 1
+  dtype: Any = jnp.float32
+  bn_axis_name: Optional[str] = None
+
+  @nn.compact
+  def __call__(self, x, train: bool):
+    conv = functools.partial(nn.Conv, use_bias=False, padding="SAME", dtype=self.dtype,
+                             kernel_init=conv_init)
+    norm = _norm(train, self.dtype, self.bn_axis_name)
+    widths = (16 * self.width, 32 * self.width, 64 * self.width)
+    x = conv(widths[0], (3, 3), name="conv_init")(x)
+    x = norm(name="bn_init")(x)
+    x = nn.relu(x)
+    for stage, filters in enumerate(widths):
+      for block in range(self.blocks_per_stage):
+        strides = (2, 2) if stage > 0 and block == 0 else (1, 1)
+        x = ResNetBlock(filters, conv=conv, norm=norm, strides=strides)(x)
+    x = jnp.mean(x, axis=(1, 2))
+    x = nn.Dense(self.num_classes, dtype=self.dtype)(x)
+    return jnp.asarray(x, jnp.float32)
+
+
+def resnet20(num_classes: int = 10, width: int = 1, **kwargs: Any) -> ResNet:
+  """ResNet-20 (3 blocks per stage); ``width=2`` is the ResNet-20x2 of SAFE."""
+  return ResNet(blocks_per_stage=3, num_classes=num_classes, width=width, **kwargs)
+
+
+def resnet32(num_classes: int = 10, width: int = 1, **kwargs: Any) -> ResNet:
+  """ResNet-32 (5 blocks per stage)."""
+  return ResNet(blocks_per_stage=5, num_classes=num_classes, width=width, **kwargs)
+
+
+VGG19_STAGES: tuple[tuple[int, ...], ...] = (
+    (64, 64), (128, 128), (256,) * 4, (512,) * 4, (512,) * 4)
+
+
+class VGG(nn.Module):
+  """VGG with BatchNorm for 32x32 inputs: 3x3 conv-BN-ReLU stages, 2x2 max-pool after each.
+
+  The pooling pads ('SAME'), which changes nothing on 32x32 inputs and lets
+  28x28 inputs reach a 1x1 map too. The head is Dense(512)-ReLU-Dense(512)-
+  ReLU-Dense(classes) on the flattened features, without dropout.
+
+  Attributes:
+    stages: output channels of the convs, one tuple per stage.
+    num_classes: outputs of the final Dense layer.
+    hidden: width of the two hidden Dense layers.
+    dtype: computation dtype.
+    bn_axis_name: ``axis_name`` for cross-replica BatchNorm.
+  """
+
+  stages: Sequence[Sequence[int]] = VGG19_STAGES
+  num_classes: int = 10
+  hidden: int = 512
+  dtype: Any = jnp.float32
+  bn_axis_name: Optional[str] = None
+
+  @nn.compact
+  def __call__(self, x, train: bool):
+    conv = functools.partial(nn.Conv, kernel_size=(3, 3), use_bias=False, padding="SAME",
+                             dtype=self.dtype, kernel_init=conv_init)
+    norm = _norm(train, self.dtype, self.bn_axis_name)
+    for stage in self.stages:
+      for filters in stage:
+        x = nn.relu(norm()(conv(filters)(x)))
+      x = nn.max_pool(x, (2, 2), strides=(2, 2), padding="SAME")
+    x = x.reshape((x.shape[0], -1))
+    x = nn.relu(nn.Dense(self.hidden, dtype=self.dtype)(x))
+    x = nn.relu(nn.Dense(self.hidden, dtype=self.dtype)(x))
+    x = nn.Dense(self.num_classes, dtype=self.dtype)(x)
+    return jnp.asarray(x, jnp.float32)
+
+
+VGG19 = functools.partial(VGG, stages=VGG19_STAGES)
+"""VGG-19 with BatchNorm (16 convs + 3 Dense): ``VGG19(num_classes=10)``."""
+
+
+def vgg19(num_classes: int = 10, **kwargs: Any) -> VGG:
+  """VGG-19-BN for CIFAR (20,548,288 kernel weights with 10 classes)."""
+  return VGG(stages=VGG19_STAGES, num_classes=num_classes, **kwargs)
+
+
+class MLP(nn.Module):
+  """LeNet-300-100: flatten, Dense(300)-ReLU-Dense(100)-ReLU-Dense(classes).
+
+  ``train`` is accepted for a uniform interface and unused (no BN / dropout).
+  """
+
+  features: Sequence[int] = (300, 100)
+  num_classes: int = 10
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, train: bool = False):
+    del train
+    x = x.reshape((x.shape[0], -1))
+    for width in self.features:
+      x = nn.relu(nn.Dense(width, dtype=self.dtype)(x))
+    x = nn.Dense(self.num_classes, dtype=self.dtype)(x)
+    return jnp.asarray(x, jnp.float32)
+
+
+def mlp(num_classes: int = 10, **kwargs: Any) -> MLP:
+  """The 784-300-100-10 MLP (266,200 kernel weights on MNIST)."""
+  return MLP(num_classes=num_classes, **kwargs)
