@@ -49,11 +49,6 @@ class ADMMState(NamedTuple):
   """Scaled dual variable; ``optax.MaskedNode()`` on non-prunable leaves."""
 
 
-def check_dual_every(dual_every: Any) -> None:
-  if not isinstance(dual_every, int) or isinstance(dual_every, bool) or dual_every < 1:
-    raise ValueError(f"`dual_every` must be a positive int, got {dual_every!r}.")
-
-
 def sparsity_fn(sparsity: SparsityArg, scope: Optional[str], structure: _projection.Structure):
   """Validates the projection config and returns ``(count, key) -> sparsity``.
 
@@ -201,7 +196,7 @@ def admm_penalty(
     Pruning`, ICML 2025 (Algorithm 1).
   """
   get_sparsity = sparsity_fn(sparsity, scope, structure)
-  check_dual_every(dual_every)
+  _schedules.check_positive_int(dual_every, "dual_every")
   lam_fn = _schedules.penalty_schedule(penalty, penalty_schedule, total_steps)
   saliency = _scores.get_saliency(scores)
   if learning_rate is not None and not callable(learning_rate):
@@ -246,7 +241,12 @@ def admm_penalty(
           scope=scope, structure=structure, scores=scores_now,
       )
 
-    z, u = lax.cond(count % dual_every == 0, run_dual, lambda z, u: (list(z), list(u)), z, u)
+    due = count % dual_every == 0
+    if isinstance(due, jax.core.Tracer):
+      z, u = lax.cond(due, run_dual, lambda z, u: (list(z), list(u)), z, u)
+    elif due:
+      # Called eagerly: branch in Python, since an eager lax.cond recompiles every call.
+      z, u = run_dual(z, u)
     lam = lam_fn(count)
     scale = lam if learning_rate is None else -lam * (
         learning_rate(count) if callable(learning_rate) else learning_rate)

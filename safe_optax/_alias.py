@@ -43,7 +43,7 @@ def _pruning_chain(
         sparsity, scope=scope, structure=structure, prunable=prunable, seed=seed))
   base = [
       optax.add_decayed_weights(weight_decay),
-      optax.sgd(learning_rate, momentum=momentum or None, nesterov=nesterov),
+      optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov),
   ]
   body = base + [penalty_tx] if decoupled_penalty else [penalty_tx] + base
   return optax.chain(*head, *body)

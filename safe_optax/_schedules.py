@@ -7,11 +7,13 @@ SAFE ramps the penalty from 0 to its target on a cosine curve for vision
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 PENALTY_SCHEDULES = ("constant", "linear", "cosine")
@@ -23,8 +25,23 @@ def check_nonnegative(value: Any, name: str) -> None:
     return
   if not isinstance(value, (numbers.Real, jax.Array)) or jnp.ndim(value) != 0:
     raise TypeError(f"`{name}` must be a non-negative number, got {value!r}.")
-  if not (float(value) >= 0.0 and jnp.isfinite(float(value))):
+  if not (float(value) >= 0.0 and math.isfinite(float(value))):
     raise ValueError(f"`{name}` must be a finite number >= 0, got {float(value)}.")
+
+
+def check_positive_int(value: Any, name: str) -> None:
+  """Raises ``ValueError`` unless ``value`` is an integer >= 1.
+
+  Integer scalar arrays are accepted (``optax.inject_hyperparams`` turns ints
+  into arrays) and tracers pass unchecked.
+  """
+  if isinstance(value, jax.core.Tracer) and jnp.issubdtype(value.dtype, jnp.integer):
+    return
+  is_int = (isinstance(value, numbers.Integral) and not isinstance(value, bool)) or (
+      isinstance(value, (jax.Array, np.ndarray)) and value.ndim == 0
+      and jnp.issubdtype(value.dtype, jnp.integer))
+  if not is_int or int(value) < 1:
+    raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
 
 
 def penalty_schedule(
@@ -62,10 +79,9 @@ def penalty_schedule(
     return lambda count: jnp.asarray(penalty, jnp.float32)
   if schedule not in PENALTY_SCHEDULES:
     raise ValueError(f"`penalty_schedule` must be one of {PENALTY_SCHEDULES}, got {schedule!r}.")
-  if not isinstance(total_steps, int) or isinstance(total_steps, bool) or total_steps < 1:
-    raise ValueError(
-        f"penalty_schedule={schedule!r} needs `total_steps`, a positive int, got {total_steps!r}."
-    )
+  if total_steps is None:
+    raise ValueError(f"penalty_schedule={schedule!r} needs `total_steps`, a positive int.")
+  check_positive_int(total_steps, "total_steps")
 
   def ramp(count):
     progress = jnp.minimum(jnp.asarray(count, jnp.float32) / total_steps, 1.0)
