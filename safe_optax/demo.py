@@ -12,9 +12,9 @@ scope; biases stay dense):
 
 All methods share the optimiser recipe (SGD momentum 0.9, cosine learning rate
 with a short linear warm-up, weight decay, batch 64), the initialisation and
-the data order of each seed. A whole training run is one ``jax.jit`` call
-(``lax.scan`` over epochs and over an epoch's batches; the shuffles are drawn
-on device from the seed), so there are no per-step host round-trips.
+the data order of each seed (one permutation per epoch, drawn with NumPy from
+the seed). A whole training run is one ``jax.jit`` call, a ``lax.scan`` over
+every minibatch step, so there are no per-step host round-trips.
 
 Run ``python -m safe_optax.demo`` (or ``safe-optax-demo``); ``--help`` lists
 the flags. Accuracy is reported as mean +- standard error over seeds.
@@ -59,11 +59,17 @@ class Config:
   warmup_epochs: int = 2
   momentum: float = 0.9
   weight_decay: float = 5e-4
-  penalty: float = 0.03
+  # Chosen on a validation split carved from the training split (3 seeds, 40
+  # epochs, sparsity 0.9 / 0.95 / 0.98, best mean accuracy after projection):
+  # SAFE lambda in {0.01, 0.03, 0.1, 0.3, 1} x rho in {0.02, 0.05, 0.1, 0.2},
+  # ADMM lambda in {0.003, 0.01, 0.03, 0.1, 0.3}. SAFE's cosine ramp keeps
+  # lambda_t small for most of training, so it wants a larger lambda than ADMM.
+  penalty: float = 1.0
   admm_penalty: float = 0.03
   rho: float = 0.05
   dual_every: int = 16
   layers: tuple[int, ...] = LAYERS
+  fast_compile: bool = False  # XLA backend optimisation level 0: quicker compiles, slower steps
 
 
 # ----------------------------------------------------------------------------- data
@@ -90,13 +96,18 @@ def load_data(config: Config) -> dict[str, np.ndarray]:
 # ----------------------------------------------------------------------------- model
 
 
-def init_mlp(key: jax.Array, layers: Sequence[int] = LAYERS) -> dict[str, dict[str, jax.Array]]:
-  """He-normal kernels ``(in, out)`` and zero biases, as a nested dict."""
+def init_mlp(seed: int, layers: Sequence[int] = LAYERS) -> dict[str, dict[str, jax.Array]]:
+  """He-normal kernels ``(in, out)`` and zero biases, as a nested dict.
+
+  Drawn with NumPy from ``seed`` (cheaper than compiling JAX's threefry
+  sampler into every training program).
+  """
+  rng = np.random.default_rng([seed, 1])
   params = {}
-  keys = jax.random.split(key, len(layers) - 1)
-  for i, (k, d_in, d_out) in enumerate(zip(keys, layers[:-1], layers[1:])):
+  for i, (d_in, d_out) in enumerate(zip(layers[:-1], layers[1:])):
+    kernel = rng.standard_normal((d_in, d_out)) * math.sqrt(2.0 / d_in)
     params[f"dense{i}"] = {
-        "kernel": jax.random.normal(k, (d_in, d_out), jnp.float32) * math.sqrt(2.0 / d_in),
+        "kernel": jnp.asarray(kernel, jnp.float32),
         "bias": jnp.zeros((d_out,), jnp.float32),
     }
   return params
@@ -133,7 +144,7 @@ def make_optimizer(method: str, sparsity: Optional[float], config: Config, total
                    steps_epoch: int) -> optax.GradientTransformation:
   lr = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=config.learning_rate,
-      warmup_steps=config.warmup_epochs * steps_epoch,
+      warmup_steps=min(config.warmup_epochs * steps_epoch, total_steps // 2),
       decay_steps=total_steps,  # includes the warm-up: the rate reaches 0 at the last step
       end_value=0.0,
   )
@@ -151,21 +162,37 @@ def make_optimizer(method: str, sparsity: Optional[float], config: Config, total
   raise ValueError(f"unknown training method {method!r}")
 
 
+def batch_order(seed: int, config: Config, n_train: int) -> np.ndarray:
+  """Minibatch indices of every step, ``(epochs * steps_per_epoch, batch_size)`` int32.
+
+  A fresh permutation of the training set per epoch, drawn on the host from
+  ``seed`` (NumPy's PCG64); the last ``n_train % batch_size`` examples of each
+  permutation are left out of that epoch.
+  """
+  rng = np.random.default_rng(seed)
+  steps_epoch = steps_per_epoch(config, n_train)
+  order = [rng.permutation(n_train)[: steps_epoch * config.batch_size]
+           for _ in range(config.epochs)]
+  return np.concatenate(order).reshape(-1, config.batch_size).astype(np.int32)
+
+
 def make_train_fn(method: str, sparsity: Optional[float], config: Config, n_train: int):
-  """Returns ``train(seed, x_train, y_train) -> (params, epoch_losses)``, jitted as a whole."""
+  """Returns ``train(params, order, x_train, y_train) -> (params, epoch_losses)``, jitted whole.
+
+  ``order`` is :func:`batch_order`; the training loop is one ``lax.scan`` over
+  all steps, so a run is a single device call.
+  """
   steps_epoch = steps_per_epoch(config, n_train)
   total_steps = config.epochs * steps_epoch
   tx = make_optimizer(method, sparsity, config, total_steps, steps_epoch)
   needs_grad_fn = method == "safe"
 
-  def train(seed, x_train, y_train):
-    init_key, data_key = jax.random.split(jax.random.PRNGKey(seed))
-    params = init_mlp(init_key, config.layers)
+  def train(params, order, x_train, y_train):
     opt_state = tx.init(params)
 
-    def step(carry, batch):
+    def step(carry, idx):
       params, opt_state = carry
-      xb, yb = batch
+      xb, yb = x_train[idx], y_train[idx]
       loss, grads = jax.value_and_grad(loss_fn)(params, xb, yb)
       if needs_grad_fn:
         grad_fn = lambda p, _: jax.grad(loss_fn)(p, xb, yb)  # same minibatch
@@ -174,14 +201,8 @@ def make_train_fn(method: str, sparsity: Optional[float], config: Config, n_trai
         updates, opt_state = tx.update(grads, opt_state, params)
       return (optax.apply_updates(params, updates), opt_state), loss
 
-    def epoch(carry, epoch_index):
-      perm = jax.random.permutation(jax.random.fold_in(data_key, epoch_index), n_train)
-      idx = perm[: steps_epoch * config.batch_size].reshape(steps_epoch, config.batch_size)
-      carry, losses = lax.scan(step, carry, (x_train[idx], y_train[idx]))
-      return carry, losses.mean()
-
-    (params, _), epoch_losses = lax.scan(epoch, (params, opt_state), jnp.arange(config.epochs))
-    return params, epoch_losses
+    (params, _), losses = lax.scan(step, (params, opt_state), order)
+    return params, losses.reshape(config.epochs, steps_epoch).mean(axis=1)
 
   return jax.jit(train)
 
@@ -204,13 +225,14 @@ def mean_se(values: Sequence[float]) -> tuple[float, Optional[float]]:
   return float(arr.mean()), float(arr.std(ddof=1) / math.sqrt(arr.size))
 
 
-def versions() -> dict[str, str]:
+def versions() -> dict[str, Optional[str]]:
+  """Library versions and the device, for the JSON record."""
   import sklearn  # pylint: disable=import-outside-toplevel
 
   return {
       "python": platform.python_version(),
       "jax": jax.__version__,
-      "jaxlib": getattr(jax.lib, "__version__", None) or _dist_version("jaxlib"),
+      "jaxlib": _dist_version("jaxlib"),
       "optax": optax.__version__,
       "safe_optax": safe_optax.__version__,
       "numpy": np.__version__,
@@ -275,21 +297,25 @@ def run(config: Config, progress: bool = True) -> dict[str, Any]:
   x_test, y_test = jnp.asarray(data["x_test"]), jnp.asarray(data["y_test"])
   n_train = int(x_train.shape[0])
   seeds = [config.first_seed + i for i in range(config.seeds)]
+  orders = {seed: jnp.asarray(batch_order(seed, config, n_train)) for seed in seeds}
+  inits = {seed: init_mlp(seed, config.layers) for seed in seeds}
 
   jobs = [("dense", None)] + [(m, s) for s in config.sparsities for m in ("admm", "safe")]
   bar = _progress(len(jobs) * len(seeds), progress)
   runs: list[dict[str, Any]] = []
   compile_s: dict[str, float] = {}
+  compiler_options = {"xla_backend_optimization_level": 0} if config.fast_compile else None
   for method, sparsity in jobs:
     name = method if sparsity is None else f"{method}@{sparsity:g}"
     t0 = time.perf_counter()
     train = make_train_fn(method, sparsity, config, n_train).lower(
-        jnp.int32(0), x_train, y_train).compile()
+        inits[seeds[0]], orders[seeds[0]], x_train, y_train).compile(compiler_options)
     compile_s[name] = time.perf_counter() - t0
     for seed in seeds:
       bar.set_postfix_str(f"{name} seed {seed}")
       t0 = time.perf_counter()
-      params, epoch_losses = jax.block_until_ready(train(jnp.int32(seed), x_train, y_train))
+      params, epoch_losses = jax.block_until_ready(
+          train(inits[seed], orders[seed], x_train, y_train))
       train_s = time.perf_counter() - t0
       trained_acc = float(accuracy(params, x_test, y_test))
       base = {"seed": seed, "train_seconds": train_s,
@@ -388,6 +414,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[Config, argparse.N
                       help="peak learning rate (default: %(default)s)")
   parser.add_argument("--weight-decay", type=float, default=defaults.weight_decay,
                       help="weight decay (default: %(default)s)")
+  parser.add_argument("--fast-compile", action="store_true",
+                      help="compile with XLA optimisation level 0 (for short smoke runs)")
   parser.add_argument("--json", metavar="PATH", default=None,
                       help="write versions, config and per-seed results to PATH")
   parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -402,7 +430,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[Config, argparse.N
       first_seed=args.first_seed, split_seed=args.split_seed, penalty=args.penalty,
       admm_penalty=defaults.admm_penalty if args.admm_penalty is None else args.admm_penalty,
       rho=args.rho, dual_every=args.dual_every, learning_rate=args.lr,
-      weight_decay=args.weight_decay,
+      weight_decay=args.weight_decay, fast_compile=args.fast_compile,
   )
   return config, args
 
