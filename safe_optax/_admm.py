@@ -59,7 +59,7 @@ def sparsity_fn(sparsity: SparsityArg, scope: Optional[str], structure: _project
     probe = None if isinstance(structure, _projection.NM) else 0.5
     _projection.check_config(probe, scope, structure)
     return lambda count, key: sparsity(count)
-  if isinstance(sparsity, Sequence) and not isinstance(sparsity, str):
+  if isinstance(sparsity, Sequence) and not isinstance(sparsity, (str, bytes)):
     if not sparsity:
       raise ValueError("`sparsity` as a set of choices (SAFE-Multi) must not be empty.")
     for choice in sparsity:

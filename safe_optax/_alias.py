@@ -14,7 +14,7 @@ plain step ``x -= eta_t * lambda_t * (x - z + u)``. Call ``update`` with
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import optax
 
@@ -201,37 +201,71 @@ def admm(
   )
 
 
-def safe_sg(learning_rate: optax.ScalarOrSchedule, sparsity: Any, **kwargs: Any
-            ) -> optax.GradientTransformationExtraArgs:
+def safe_sg(
+    learning_rate: optax.ScalarOrSchedule,
+    sparsity: Union[float, Sequence[float], optax.Schedule, None],
+    *,
+    penalty: Union[float, optax.Schedule],
+    penalty_schedule: Optional[str] = "cosine",
+    total_steps: Optional[int] = None,
+    rho: float = 0.1,
+    dual_every: int = 32,
+    momentum: float = 0.9,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    scope: Optional[str] = None,
+    structure: _projection.Structure = None,
+    prunable: _prunable.Prunable = None,
+    adaptive: bool = False,
+    decoupled_penalty: bool = False,
+    seed: int = 0,
+) -> optax.GradientTransformationExtraArgs:
   """SAFE+SG: SAFE whose x-step also adds ``grad f(Proj(x))`` (paper App. D).
 
-  Takes the arguments of :func:`safe`. Costs a third gradient per step.
+  Arguments as in :func:`safe`; a sequence ``sparsity`` gives SAFE+SG,Multi.
+  Costs a third gradient per step; ``grad_fn`` is called with step 1 for it.
   """
-  return _pruning_chain(learning_rate, sparsity, **_with_safe_defaults(kwargs, sparse_gradient=True))
+  return _pruning_chain(
+      learning_rate, sparsity, penalty=penalty, penalty_schedule=penalty_schedule,
+      total_steps=total_steps, rho=rho, dual_every=dual_every, momentum=momentum,
+      nesterov=nesterov, weight_decay=weight_decay, scope=scope, structure=structure,
+      prunable=prunable, scores=None, decoupled_penalty=decoupled_penalty,
+      sparse_gradient=True, adaptive=adaptive, seed=seed,
+  )
 
 
-def safe_multi(learning_rate: optax.ScalarOrSchedule, sparsity_choices: Sequence[float],
-               **kwargs: Any) -> optax.GradientTransformationExtraArgs:
+def safe_multi(
+    learning_rate: optax.ScalarOrSchedule,
+    sparsity_choices: Sequence[float],
+    *,
+    penalty: Union[float, optax.Schedule],
+    penalty_schedule: Optional[str] = "cosine",
+    total_steps: Optional[int] = None,
+    rho: float = 0.1,
+    dual_every: int = 32,
+    momentum: float = 0.9,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    scope: Optional[str] = None,
+    structure: _projection.Structure = None,
+    prunable: _prunable.Prunable = None,
+    adaptive: bool = False,
+    decoupled_penalty: bool = False,
+    seed: int = 0,
+) -> optax.GradientTransformationExtraArgs:
   """SAFE-Multi: the target sparsity is drawn from ``sparsity_choices`` at each z-update.
 
-  Takes the other arguments of :func:`safe` (``seed`` seeds the draws).
-  Finalize at the sparsity you deploy.
+  Arguments as in :func:`safe` (``seed`` seeds the draws). Finalize at the
+  sparsity you deploy.
   """
-  if isinstance(sparsity_choices, (int, float)) or not len(sparsity_choices):
-    raise ValueError(f"`sparsity_choices` must be a non-empty sequence, got {sparsity_choices!r}.")
-  return _pruning_chain(learning_rate, tuple(sparsity_choices),
-                        **_with_safe_defaults(kwargs, sparse_gradient=False))
-
-
-def _with_safe_defaults(kwargs: dict[str, Any], *, sparse_gradient: bool) -> dict[str, Any]:
-  defaults = dict(
-      penalty_schedule="cosine", total_steps=None, rho=0.1, dual_every=32, momentum=0.9,
-      nesterov=False, weight_decay=0.0, scope=None, structure=None, prunable=None,
-      adaptive=False, decoupled_penalty=False, seed=0,
+  if isinstance(sparsity_choices, (str, bytes)) or not isinstance(sparsity_choices, Sequence) \
+      or not sparsity_choices:
+    raise ValueError(
+        f"`sparsity_choices` must be a non-empty sequence of sparsities, got {sparsity_choices!r}.")
+  return _pruning_chain(
+      learning_rate, tuple(sparsity_choices), penalty=penalty, penalty_schedule=penalty_schedule,
+      total_steps=total_steps, rho=rho, dual_every=dual_every, momentum=momentum,
+      nesterov=nesterov, weight_decay=weight_decay, scope=scope, structure=structure,
+      prunable=prunable, scores=None, decoupled_penalty=decoupled_penalty,
+      sparse_gradient=False, adaptive=adaptive, seed=seed,
   )
-  unknown = set(kwargs) - set(defaults) - {"penalty"}
-  if unknown:
-    raise TypeError(f"unexpected arguments {sorted(unknown)}; allowed: {sorted(defaults)} and penalty.")
-  if "penalty" not in kwargs:
-    raise TypeError("missing required keyword argument `penalty`.")
-  return {**defaults, **kwargs, "scores": None, "sparse_gradient": sparse_gradient}

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from safe_optax import _prunable
 from safe_optax import _select
@@ -58,7 +59,9 @@ def validate_sparsity(sparsity: Any, name: str = "sparsity") -> None:
   """Raises ``ValueError`` for a concrete sparsity outside ``[0, 1)``; tracers pass."""
   if isinstance(sparsity, jax.core.Tracer):
     return
-  if isinstance(sparsity, (numbers.Real, jax.Array)) and jnp.ndim(sparsity) == 0:
+  if isinstance(sparsity, bool):
+    raise TypeError(f"`{name}` must be a real number in [0, 1), got {sparsity!r}.")
+  if isinstance(sparsity, (numbers.Real, jax.Array, np.ndarray)) and jnp.ndim(sparsity) == 0:
     value = float(sparsity)
     if not 0.0 <= value < 1.0:
       raise ValueError(f"`{name}` must be in [0, 1), got {value}.")
@@ -108,18 +111,22 @@ def check_config(sparsity: Any, scope: Optional[str], structure: Structure) -> s
   return scope
 
 
-def _to_groups(x: jax.Array, structure: Structure, name: str) -> jax.Array:
+def _check_structure(shape: tuple[int, ...], structure: Structure, name: str) -> None:
+  """Raises ``ValueError`` when a leaf cannot carry ``structure``."""
+  axis = structure.axis
+  if not -len(shape) <= axis < len(shape):
+    raise ValueError(f"leaf '{name}' of shape {shape} has no axis {axis} for {structure}.")
+  if isinstance(structure, NM) and shape[axis] % structure.m:
+    raise ValueError(
+        f"leaf '{name}' has {shape[axis]} entries along axis {axis}, not divisible by "
+        f"m={structure.m} for {structure}; exclude it through `prunable`."
+    )
+
+
+def _to_groups(x: jax.Array, structure: Structure) -> jax.Array:
   """Reshapes a leaf into ``(groups, group_size)`` rows for structured selection."""
   axis = structure.axis
-  if not -x.ndim <= axis < x.ndim:
-    raise ValueError(f"leaf '{name}' of shape {x.shape} has no axis {axis} for {structure}.")
   if isinstance(structure, NM):
-    size = x.shape[axis]
-    if size % structure.m:
-      raise ValueError(
-          f"leaf '{name}' has {size} entries along axis {axis}, not divisible by "
-          f"m={structure.m} for {structure}; exclude it through `prunable`."
-      )
     return jnp.moveaxis(x, axis, -1).reshape(-1, structure.m)
   return jnp.moveaxis(x, axis, 0).reshape(x.shape[axis], -1)
 
@@ -133,33 +140,42 @@ def _from_groups(mask: jax.Array, shape: tuple[int, ...], structure: Structure) 
   return jnp.moveaxis(mask.reshape(moved), 0, axis)
 
 
-@functools.partial(jax.jit, static_argnames=("flags", "paths", "scope", "structure", "static_sparsity"))
-def _project_leaves(leaves, score_leaves, sparsity, *, flags, paths, scope, structure, static_sparsity):
-  if static_sparsity is not None:
-    sparsity = static_sparsity
-  pruned = [i for i, flag in enumerate(flags) if flag]
-  keys = {i: _select.order_keys(jnp.abs(leaves[i]) if score_leaves[i] is None else score_leaves[i])
-          for i in pruned}
-  if scope == "global":
-    k = _select.num_keep(sum(leaves[i].size for i in pruned), sparsity)
-    masks = dict(zip(pruned, _select.topk_masks([keys[i] for i in pruned], k)))
-    groups = [pruned]
-  elif scope == "per_leaf":
-    masks = {i: _select.topk_masks([keys[i]], _select.num_keep(keys[i].size, sparsity))[0]
-             for i in pruned}
-    groups = [[i] for i in pruned]
-  else:
-    masks = {}
-    for i in pruned:
-      rows = _to_groups(keys[i], structure, paths[i])
-      k = structure.n if scope == "nm" else _select.num_keep(rows.shape[1], sparsity)
-      masks[i] = _from_groups(_select.group_topk_mask(rows, k), keys[i].shape, structure)
-    groups = [[i] for i in pruned]
+def _keep_counts(shapes, sparsity, scope, structure):
+  """Entries to keep per selection group, computed outside the kernel.
 
-  projected, out_masks = list(leaves), [None] * len(leaves)
-  for i, leaf in enumerate(leaves):
-    if not flags[i]:
-      out_masks[i] = jnp.ones(jnp.shape(leaf), bool)
+  Python sparsities give exact decimal counts here, so the jitted kernel takes
+  counts as data and never recompiles when the sparsity changes.
+  """
+  if scope == "nm":
+    return [jnp.int32(structure.n)] * len(shapes)
+  sizes = [int(np.prod(shape)) for shape in shapes]
+  if scope == "global":
+    sizes = [sum(sizes)]
+  elif scope == "per_output":
+    sizes = [size // shape[structure.axis] for size, shape in zip(sizes, shapes)]
+  return [jnp.asarray(_select.num_keep(size, sparsity), jnp.int32) for size in sizes]
+
+
+@functools.partial(jax.jit, static_argnames=("scope", "structure"))
+def _project_leaves(leaves, score_leaves, counts, *, scope, structure):
+  """Projects the prunable leaves; ``counts`` holds the keep count of each group."""
+  keys = [_select.order_keys(jnp.abs(leaf) if score is None else score)
+          for leaf, score in zip(leaves, score_leaves)]
+  if scope == "global":
+    masks = _select.topk_masks(keys, counts[0])
+    groups = [list(range(len(leaves)))]
+  elif scope == "per_leaf":
+    masks = [_select.topk_masks([key], k)[0] for key, k in zip(keys, counts)]
+    groups = [[i] for i in range(len(leaves))]
+  else:
+    masks = [
+        _from_groups(_select.group_topk_mask(_to_groups(key, structure), k), key.shape,
+                     structure)
+        for key, k in zip(keys, counts)
+    ]
+    groups = [[i] for i in range(len(leaves))]
+
+  projected = []
   for group in groups:
     # A NaN anywhere in a scope's values or scores poisons the whole scope, so the
     # failure shows in the loss (and optax.apply_if_finite) instead of being hidden.
@@ -167,11 +183,9 @@ def _project_leaves(leaves, score_leaves, sparsity, *, flags, paths, scope, stru
     if any(score_leaves[i] is not None for i in group):
       poisoned = poisoned | jnp.stack([jnp.isnan(leaves[i]).any() for i in group]).any()
     for i in group:
-      leaf = leaves[i]
-      kept = jnp.where(masks[i], leaf, jnp.zeros((), leaf.dtype))
-      projected[i] = jnp.where(poisoned, jnp.full((), jnp.nan, leaf.dtype), kept)
-      out_masks[i] = masks[i]
-  return projected, out_masks
+      kept = jnp.where(masks[i], leaves[i], jnp.zeros((), leaves[i].dtype))
+      projected.append(jnp.where(poisoned, jnp.full((), jnp.nan, leaves[i].dtype), kept))
+  return projected, masks
 
 
 def project_topk(
@@ -246,11 +260,20 @@ def project_topk(
             f"`scores` for prunable leaf '{resolved.paths[i]}' must have shape "
             f"{jnp.shape(leaf)}, got {None if score is None else jnp.shape(score)}."
         )
-  static = sparsity if isinstance(sparsity, numbers.Real) else None
-  dynamic = None if static is not None or sparsity is None else jnp.asarray(sparsity, jnp.float32)
-  projected, masks = _project_leaves(
-      resolved.leaves, score_leaves, dynamic, flags=resolved.flags, paths=resolved.paths,
-      scope=scope, structure=structure, static_sparsity=None if static is None else float(static),
+  pruned = [i for i, flag in enumerate(resolved.flags) if flag]
+  for i in pruned:
+    if structure is not None:
+      _check_structure(jnp.shape(resolved.leaves[i]), structure, resolved.paths[i])
+  counts = _keep_counts([jnp.shape(resolved.leaves[i]) for i in pruned], sparsity, scope,
+                        structure)
+  sparse_leaves, sparse_masks = _project_leaves(
+      [resolved.leaves[i] for i in pruned], [score_leaves[i] for i in pruned], counts,
+      scope=scope, structure=structure,
   )
+  # Non-prunable leaves never enter the kernel: returned as they are, dtype included.
+  projected = list(resolved.leaves)
+  masks = [jnp.ones(jnp.shape(leaf), bool) for leaf in resolved.leaves]
+  for i, leaf, mask in zip(pruned, sparse_leaves, sparse_masks):
+    projected[i], masks[i] = leaf, mask
   return (jax.tree.unflatten(resolved.treedef, projected),
           jax.tree.unflatten(resolved.treedef, masks))

@@ -17,17 +17,44 @@ from __future__ import annotations
 import fractions
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 _RADIX_BITS = 16
 _NUM_BINS = 1 << _RADIX_BITS
 _NAN_KEY = 0xFFFFFFFF
-# Relative nudge applied to a traced (float32) sparsity times count, so that a
-# decimal sparsity such as 0.9 (stored as 0.89999998) prunes floor(0.9 * n).
-_F32_SNAP = 1.0 + 2.0**-21
+
+
+def is_python_number(value: Any) -> bool:
+  """True for Python ``int`` / ``float`` (not ``bool``, not numpy or jax scalars)."""
+  return isinstance(value, (int, float)) and not isinstance(value, (bool, np.generic))
+
+
+def _floor_scaled_product(a: jax.Array, n: int, shift: jax.Array) -> jax.Array:
+  """Exact ``floor(a * n / 2**shift)`` for uint32 ``a < 2**25``, ``0 < n < 2**31``.
+
+  The product needs up to 56 bits, so it is formed from 16-bit limbs as a
+  (high, low) pair of uint32 words (JAX runs without 64-bit types by default).
+  """
+  u32 = jnp.uint32
+  a1, a0 = a >> 16, a & u32(0xFFFF)
+  n1, n0 = u32(n >> 16), u32(n & 0xFFFF)
+  mid = a1 * n0 + a0 * n1                       # < 2**32
+  low_part = a0 * n0                             # < 2**32
+  mid_low = mid << 16
+  low = low_part + mid_low
+  carry = (low < low_part).astype(jnp.uint32)
+  high = a1 * n1 + (mid >> 16) + carry
+  shift = shift.astype(jnp.uint32)
+  # Shifts of 32 or more are out of range for uint32: select the word instead.
+  from_high = jnp.where(shift - u32(32) < u32(32), high >> (shift - u32(32)), u32(0))
+  small = jnp.minimum(shift, u32(31))
+  from_both = (low >> small) | jnp.where(small == 0, u32(0), high << (u32(32) - small))
+  return jnp.where(shift >= u32(32), from_high, from_both)
 
 
 def num_keep(size: int, sparsity) -> int | jax.Array:
@@ -35,9 +62,11 @@ def num_keep(size: int, sparsity) -> int | jax.Array:
 
   A Python ``sparsity`` is read as the decimal it prints as, so ``0.29`` of 100
   prunes exactly 29 (plain float arithmetic gives ``0.29 * 100 = 28.99...``).
-  A traced ``sparsity`` is evaluated in float32 with a relative nudge of
-  ``2**-21``, which is exact for decimal sparsities while ``size < 2**21``
-  and otherwise within ``size * 2**-21`` entries of the decimal answer.
+  A float32 / traced ``sparsity`` ``s`` stands for every real that rounds to
+  it: ``floor((s + ulp(s) / 2) * size)`` entries are pruned, computed exactly
+  in integer arithmetic. That is the decimal answer unless ``sparsity * size``
+  lies within ``size * ulp(s) / 2`` below an integer. At least one entry is
+  always kept.
 
   Args:
     size: number of candidate entries (a Python int).
@@ -47,29 +76,42 @@ def num_keep(size: int, sparsity) -> int | jax.Array:
     A Python int for a Python ``sparsity``, else an int32 scalar array.
 
   Examples:
+    >>> import jax.numpy as jnp
     >>> from safe_optax import num_keep
     >>> num_keep(100, 0.29), num_keep(10, 0.95), num_keep(7, 0.0)
     (71, 1, 7)
+    >>> int(num_keep(100, jnp.float32(0.29))), int(num_keep(3001, jnp.float32(0.999)))
+    (71, 4)
   """
-  if isinstance(sparsity, (int, float)) and not isinstance(sparsity, bool):
+  if is_python_number(sparsity):
     pruned = math.floor(fractions.Fraction(repr(float(sparsity))) * size)
-    return size - pruned
-  s = jnp.asarray(sparsity, jnp.float32)
-  pruned = jnp.floor(s * jnp.float32(size) * _F32_SNAP).astype(jnp.int32)
-  pruned = jnp.clip(pruned, 0, size)
-  return jnp.int32(size) - pruned
+    return size - min(max(pruned, 0), max(size - 1, 0))
+  if size == 0:
+    return jnp.int32(0)
+  bits = lax.bitcast_convert_type(jnp.asarray(sparsity, jnp.float32), jnp.uint32)
+  biased_exp = (bits >> 23) & jnp.uint32(0xFF)
+  mantissa = bits & jnp.uint32(0x7FFFFF)
+  normal = biased_exp != 0
+  mantissa = jnp.where(normal, mantissa | jnp.uint32(0x800000), mantissa)
+  # s = mantissa * 2**(e - 150), so s + ulp/2 = (2 * mantissa + 1) * 2**(e - 151).
+  shift = jnp.uint32(151) - jnp.where(normal, biased_exp, jnp.uint32(1))
+  pruned = _floor_scaled_product(jnp.uint32(2) * mantissa + jnp.uint32(1), size, shift)
+  negative = (bits >> 31) == 1
+  pruned = jnp.where(negative, jnp.uint32(0), jnp.minimum(pruned, jnp.uint32(size - 1)))
+  return jnp.int32(size) - pruned.astype(jnp.int32)
 
 
 def order_keys(scores: jax.Array) -> jax.Array:
   """Maps float scores to ``uint32`` keys whose unsigned order is the float order.
 
   Negative floats have all bits flipped, non-negative ones get the sign bit
-  set, and every NaN becomes ``0xFFFFFFFF`` (above ``+inf``). ``-0.0`` sorts
-  just below ``+0.0``. Low-precision floats are widened to float32 exactly.
+  set, ``-0.0`` is read as ``+0.0`` (equal scores tie), and every NaN becomes
+  ``0xFFFFFFFF`` (above ``+inf``). Low-precision floats widen to float32 exactly.
   """
   x = scores.astype(jnp.float32)
   bits = lax.bitcast_convert_type(x, jnp.uint32)
   sign = jnp.uint32(0x80000000)
+  bits = jnp.where(bits == sign, jnp.uint32(0), bits)
   keys = jnp.where((bits & sign) != 0, ~bits, bits | sign)
   return jnp.where(jnp.isnan(x), jnp.uint32(_NAN_KEY), keys)
 
@@ -157,9 +199,19 @@ def topk_masks(keys: Sequence[jax.Array], k, *, chunk_size: int = 1 << 22) -> li
     masks, offset = [], jnp.int32(0)
     for chunk in chunks:
       ties = chunk == threshold
-      rank = jnp.cumsum(ties, dtype=jnp.int32) - 1 + offset
-      masks.append((chunk > threshold) | (ties & (rank < ties_to_keep)))
-      offset = offset + jnp.sum(ties, dtype=jnp.int32)
+      count = jnp.sum(ties, dtype=jnp.int32)
+
+      def cut(chunk=chunk, ties=ties, offset=offset):
+        rank = jnp.cumsum(ties, dtype=jnp.int32) - 1 + offset
+        return (chunk > threshold) | (ties & (rank < ties_to_keep))
+
+      def whole(chunk=chunk, ties=ties, offset=offset, count=count):
+        return (chunk > threshold) | (ties & (offset + count <= ties_to_keep))
+
+      # Only the chunk where the kept ties run out needs ranks (a cumsum pass).
+      straddles = (offset < ties_to_keep) & (offset + count > ties_to_keep)
+      masks.append(lax.cond(straddles, cut, whole))
+      offset = offset + count
     return masks
 
   # Ties at the threshold are rare for real weights; skip the cumsum pass then.

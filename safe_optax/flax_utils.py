@@ -86,14 +86,13 @@ def _rngs(rng: Rng) -> Optional[dict[str, jax.Array]]:
 
 
 def _split_batch(batch: Any) -> tuple[Any, Any]:
-  try:
-    inputs, targets = batch
-  except (TypeError, ValueError) as err:
+  if not isinstance(batch, (tuple, list)) or len(batch) != 2:
     raise TypeError(
         "`batch` must be a pair (inputs, targets): inputs go to apply_fn, targets to "
         f"loss_fn(logits, targets); got {type(batch).__name__}. For a dict batch pass "
         "(batch['image'], batch['label'])."
-    ) from err
+    )
+  inputs, targets = batch
   return inputs, targets
 
 
