@@ -30,6 +30,7 @@ def _pruning_chain(
     momentum, nesterov, weight_decay, scope, structure, prunable, scores, decoupled_penalty,
     sparse_gradient, adaptive, seed,
 ) -> optax.GradientTransformationExtraArgs:
+  """The shared chain behind every alias (each alias passes its own arguments on)."""
   penalty_tx = _admm.admm_penalty(
       sparsity, penalty, dual_every=dual_every, penalty_schedule=penalty_schedule,
       total_steps=total_steps, scope=scope, structure=structure, scores=scores,
@@ -120,13 +121,7 @@ def safe(
     Lee, Lee, Chung, Lee, `SAFE: Finding Sparse and Flat Minima to Improve
     Pruning`, ICML 2025.
   """
-  return _pruning_chain(
-      learning_rate, sparsity, penalty=penalty, penalty_schedule=penalty_schedule,
-      total_steps=total_steps, rho=rho, dual_every=dual_every, momentum=momentum,
-      nesterov=nesterov, weight_decay=weight_decay, scope=scope, structure=structure,
-      prunable=prunable, scores=None, decoupled_penalty=decoupled_penalty,
-      sparse_gradient=False, adaptive=adaptive, seed=seed,
-  )
+  return _pruning_chain(**locals(), scores=None, sparse_gradient=False)
 
 
 def safe_plus(
@@ -157,13 +152,7 @@ def safe_plus(
   one probe per dual update), ``"magnitude"``, or a callable such as
   :func:`safe_optax.wanda_saliency`. Finalize with the same scores.
   """
-  return _pruning_chain(
-      learning_rate, sparsity, penalty=penalty, penalty_schedule=penalty_schedule,
-      total_steps=total_steps, rho=rho, dual_every=dual_every, momentum=momentum,
-      nesterov=nesterov, weight_decay=weight_decay, scope=scope, structure=structure,
-      prunable=prunable, scores=scores, decoupled_penalty=decoupled_penalty,
-      sparse_gradient=False, adaptive=adaptive, seed=seed,
-  )
+  return _pruning_chain(**locals(), sparse_gradient=False)
 
 
 def admm(
@@ -192,13 +181,7 @@ def admm(
     Zhang et al., `A Systematic DNN Weight Pruning Framework using Alternating
     Direction Method of Multipliers <https://arxiv.org/abs/1804.03294>`_, ECCV 2018.
   """
-  return _pruning_chain(
-      learning_rate, sparsity, penalty=penalty, penalty_schedule=penalty_schedule,
-      total_steps=total_steps, rho=None, dual_every=dual_every, momentum=momentum,
-      nesterov=nesterov, weight_decay=weight_decay, scope=scope, structure=structure,
-      prunable=prunable, scores=scores, decoupled_penalty=decoupled_penalty,
-      sparse_gradient=False, adaptive=False, seed=seed,
-  )
+  return _pruning_chain(**locals(), rho=None, sparse_gradient=False, adaptive=False)
 
 
 def safe_sg(
@@ -225,13 +208,7 @@ def safe_sg(
   Arguments as in :func:`safe`; a sequence ``sparsity`` gives SAFE+SG,Multi.
   Costs a third gradient per step; ``grad_fn`` is called with step 1 for it.
   """
-  return _pruning_chain(
-      learning_rate, sparsity, penalty=penalty, penalty_schedule=penalty_schedule,
-      total_steps=total_steps, rho=rho, dual_every=dual_every, momentum=momentum,
-      nesterov=nesterov, weight_decay=weight_decay, scope=scope, structure=structure,
-      prunable=prunable, scores=None, decoupled_penalty=decoupled_penalty,
-      sparse_gradient=True, adaptive=adaptive, seed=seed,
-  )
+  return _pruning_chain(**locals(), scores=None, sparse_gradient=True)
 
 
 def safe_multi(
@@ -262,10 +239,6 @@ def safe_multi(
       or not sparsity_choices:
     raise ValueError(
         f"`sparsity_choices` must be a non-empty sequence of sparsities, got {sparsity_choices!r}.")
-  return _pruning_chain(
-      learning_rate, tuple(sparsity_choices), penalty=penalty, penalty_schedule=penalty_schedule,
-      total_steps=total_steps, rho=rho, dual_every=dual_every, momentum=momentum,
-      nesterov=nesterov, weight_decay=weight_decay, scope=scope, structure=structure,
-      prunable=prunable, scores=None, decoupled_penalty=decoupled_penalty,
-      sparse_gradient=False, adaptive=adaptive, seed=seed,
-  )
+  sparsity = tuple(sparsity_choices)
+  del sparsity_choices
+  return _pruning_chain(**locals(), scores=None, sparse_gradient=False)
