@@ -1,0 +1,315 @@
+"""Per-step cost of SAFE against SAM and SGD: whole jitted training steps on CPU.
+
+Each method's step is forward + backward + optimizer update, jitted as one
+function with params, BatchNorm state and optimizer state donated, built with
+the :mod:`safe_optax.flax_utils` helpers (the perturbed pass of SAM / SAFE
+keeps the first pass's BatchNorm statistics):
+
+* sgd:  ``chain(add_decayed_weights(1e-4), sgd(0.1, momentum=0.9))``;
+* sam:  ``chain(sam_perturb(0.1), add_decayed_weights(1e-4), sgd(0.1, 0.9))``;
+* safe: ``safe(0.1, 0.9, penalty=1e-3, total_steps=10000, dual_every=32,
+  weight_decay=1e-4)`` (SAM + ADMM penalty, a top-k dual update every 32 steps).
+
+Diagnostics (``--methods``): ``admm`` (SAFE without SAM, ``safe_optax.admm``
+with the same settings: the ADMM overhead over ``sgd``) and ``safe_nodual``
+(SAFE with ``dual_every`` larger than the run: the penalty and the untaken
+``lax.cond`` only, no projection after step 0).
+
+Models: the 784-300-100-10 MLP on a batch of 128 random 28x28x1 inputs and
+ResNet-20x2 (1.08M kernel weights) on 128 random 32x32x3 inputs.
+
+Timing: ``time.perf_counter`` around each step call and ``block_until_ready``.
+After compilation and warm-up the methods run round-robin in blocks of
+``--block`` steps (32, one dual period, so every SAFE block holds exactly one
+dual update), the order rotated each round. Reported per method: the median
+step (SAFE's median is a step without dual update), the mean (which amortises
+SAFE's dual update), and for SAFE the median of the dual-update steps alone.
+Ratios are given from the pooled medians / means and, as a noise-robust
+check, the median over rounds of the per-round ratio of block means. On a
+shared machine the process CPU time per step (``time.process_time``, summed
+over XLA's threads) is recorded too: it is far less sensitive to other
+processes' load than wall time.
+
+Bars: SAFE step <= 1.05 x SAM step, SAM step <= 2.1 x SGD step.
+Results go to ``benchmarks/results/step_overhead.json`` (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import flax
+import jax
+import jax.numpy as jnp
+import jaxlib
+import numpy as np
+import optax
+
+import safe_optax
+from safe_optax import flax_utils
+from safe_optax.vision import MLP, resnet20
+
+BATCH = 128
+DUAL_EVERY = 32
+MODELS = {
+    "mlp": (lambda: MLP(), (28, 28, 1)),
+    "resnet20x2": (lambda: resnet20(num_classes=10, width=2), (32, 32, 3)),
+}
+DEFAULT_STEPS = {"mlp": 128, "resnet20x2": 64}
+DEFAULT_WARMUP = {"mlp": 8, "resnet20x2": 2}
+BARS = {"safe/sam": 1.05, "sam/sgd": 2.1}
+
+
+def make_tx(method: str) -> tuple[optax.GradientTransformation, bool]:
+  """The optimizer and whether its ``update`` needs ``grad_fn``."""
+  if method == "sgd":
+    return optax.chain(optax.add_decayed_weights(1e-4), optax.sgd(0.1, momentum=0.9)), False
+  if method == "sam":
+    return optax.chain(safe_optax.sam_perturb(0.1), optax.add_decayed_weights(1e-4),
+                       optax.sgd(0.1, momentum=0.9)), True
+  if method == "safe":
+    return safe_optax.safe(0.1, 0.9, penalty=1e-3, total_steps=10000, dual_every=DUAL_EVERY,
+                           weight_decay=1e-4), True
+  if method == "safe_nodual":
+    return safe_optax.safe(0.1, 0.9, penalty=1e-3, total_steps=10000, dual_every=2**30,
+                           weight_decay=1e-4), True
+  if method == "admm":
+    return safe_optax.admm(0.1, 0.9, penalty=1e-3, penalty_schedule="cosine",
+                           total_steps=10000, dual_every=DUAL_EVERY, weight_decay=1e-4), False
+  raise ValueError(f"unknown method {method!r}")
+
+
+METHODS = ("sgd", "sam", "safe", "admm", "safe_nodual")
+
+
+def loss_fn(logits: jax.Array, labels: jax.Array) -> jax.Array:
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def make_step(apply_fn: Callable[..., Any], tx: optax.GradientTransformation,
+              needs_grad_fn: bool) -> Callable[..., Any]:
+  def step(params, model_state, opt_state, batch):
+    (loss, (_, new_model_state)), grads = flax_utils.loss_and_grad_with_state(
+        apply_fn, params, model_state, batch, loss_fn)
+    if needs_grad_fn:
+      grad_fn = flax_utils.sam_grad_fn(apply_fn, model_state, batch, loss_fn)
+      updates, opt_state = tx.update(grads, opt_state, params, grad_fn=grad_fn)
+    else:
+      updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), new_model_state, opt_state, loss
+
+  return jax.jit(step, donate_argnums=(0, 1, 2))
+
+
+def summary(times: list[float]) -> dict[str, float]:
+  ms = sorted(1e3 * t for t in times)
+  return {"n": len(ms), "median_ms": statistics.median(ms), "mean_ms": statistics.fmean(ms),
+          "p10_ms": ms[len(ms) // 10], "p90_ms": ms[(9 * len(ms)) // 10],
+          "min_ms": ms[0], "max_ms": ms[-1]}
+
+
+def bench_model(name: str, methods: list[str], steps: int, block: int, warmup: int,
+                seed: int = 0) -> dict[str, Any]:
+  make_model, shape = MODELS[name]
+  model = make_model()
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.normal(size=(BATCH, *shape)), jnp.float32)
+  y = jnp.asarray(rng.integers(0, 10, size=BATCH), jnp.int32)
+  batch = (x, y)
+  variables = jax.jit(functools.partial(model.init, train=False))(jax.random.PRNGKey(seed), x)
+  model_state, params = flax.core.pop(variables, "params")
+  n_kernels = sum(l.size for p, l in jax.tree_util.tree_flatten_with_path(params)[0]
+                  if p[-1].key == "kernel")
+  print(f"\n== {name}: batch {BATCH}x{'x'.join(map(str, shape))}, "
+        f"{n_kernels:,} kernel weights, {steps} timed steps per method "
+        f"(blocks of {block}), {warmup} warm-up", flush=True)
+
+  runs: dict[str, dict[str, Any]] = {}
+  for method in methods:
+    tx, needs_grad_fn = make_tx(method)
+    step = make_step(model.apply, tx, needs_grad_fn)
+    state = [jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, model_state)]
+    state.append(tx.init(state[0]))
+    t0 = time.perf_counter()
+    *state, loss = step(*state, batch)
+    jax.block_until_ready(loss)
+    first_call = time.perf_counter() - t0
+    for _ in range(warmup):
+      *state, loss = step(*state, batch)
+    jax.block_until_ready((state, loss))
+    runs[method] = {"step": step, "state": state, "count": 1 + warmup, "times": [],
+                    "cpu_times": [],
+                    "dual": [], "round": [], "first_call_s": first_call,
+                    "first_loss": float(loss)}
+    print(f"  {method:12s} compile+first step {first_call:6.1f} s", flush=True)
+
+  rounds = -(-steps // block)
+  loadavg = []
+  for r in range(rounds):
+    n = min(block, steps - r * block)
+    order = methods[r % len(methods):] + methods[:r % len(methods)]
+    for method in order:
+      run = runs[method]
+      step, state = run["step"], run["state"]
+      for _ in range(n):
+        c0, t0 = time.process_time(), time.perf_counter()
+        *state, loss = step(*state, batch)
+        jax.block_until_ready((state, loss))
+        run["times"].append(time.perf_counter() - t0)
+        run["cpu_times"].append(time.process_time() - c0)
+        run["dual"].append(run["count"] % DUAL_EVERY == 0)
+        run["round"].append(r)
+        run["count"] += 1
+      run["state"] = state
+      run["last_loss"] = float(loss)
+    loadavg.append(os.getloadavg()[0])
+    print(f"  round {r + 1}/{rounds} done (load {loadavg[-1]:.1f}) " + " ".join(
+        f"{m}={1e3 * statistics.median(runs[m]['times'][-n:]):.1f}ms" for m in methods),
+        flush=True)
+
+  result: dict[str, Any] = {"kernel_weights": n_kernels, "steps": steps, "block": block,
+                            "warmup": warmup, "loadavg_per_round": loadavg, "methods": {}}
+  for method, run in runs.items():
+    entry = {"first_call_s": run["first_call_s"], **summary(run["times"]),
+             "first_loss": run["first_loss"], "last_loss": run["last_loss"],
+             "cpu": summary(run["cpu_times"]),
+             "times_s": run["times"], "cpu_times_s": run["cpu_times"],
+             "dual_update": run["dual"], "round": run["round"]}
+    if any(run["dual"]) and method in ("safe", "admm"):
+      dual = [t for t, d in zip(run["times"], run["dual"]) if d]
+      plain = [t for t, d in zip(run["times"], run["dual"]) if not d]
+      entry["dual_steps_median_ms"] = 1e3 * statistics.median(dual)
+      entry["plain_steps_median_ms"] = 1e3 * statistics.median(plain)
+      entry["plain_steps_mean_ms"] = 1e3 * statistics.fmean(plain)
+      entry["n_dual"] = len(dual)
+    result["methods"][method] = entry
+  result["ratios"] = ratios(result["methods"], rounds)
+  return result
+
+
+def ratios(entries: dict[str, dict[str, Any]], rounds: int) -> dict[str, dict[str, float]]:
+  out = {}
+  for num, den in (("safe", "sam"), ("sam", "sgd"), ("admm", "sgd"), ("safe_nodual", "sam")):
+    if num not in entries or den not in entries:
+      continue
+    a, b = entries[num], entries[den]
+    per_round = []
+    for r in range(rounds):
+      ta = [t for t, rr in zip(a["times_s"], a["round"]) if rr == r]
+      tb = [t for t, rr in zip(b["times_s"], b["round"]) if rr == r]
+      per_round.append(statistics.fmean(ta) / statistics.fmean(tb))
+    out[f"{num}/{den}"] = {"median": a["median_ms"] / b["median_ms"],
+                           "mean": a["mean_ms"] / b["mean_ms"],
+                           "cpu_median": a["cpu"]["median_ms"] / b["cpu"]["median_ms"],
+                           "cpu_mean": a["cpu"]["mean_ms"] / b["cpu"]["mean_ms"],
+                           "per_round_mean_ratio_median": statistics.median(per_round),
+                           "per_round_mean_ratios": per_round}
+  return out
+
+
+def print_table(name: str, result: dict[str, Any]) -> None:
+  print(f"\n{name}: step time (ms; wall, and process CPU time summed over threads)")
+  print(f"  {'method':12s} {'median':>9s} {'mean':>9s} {'p10':>9s} {'p90':>9s} {'n':>5s}"
+        f" {'dual median':>11s} {'cpu median':>10s} {'cpu mean':>9s}")
+  for method, e in result["methods"].items():
+    dual = f"{e['dual_steps_median_ms']:11.2f}" if "dual_steps_median_ms" in e else " " * 11
+    print(f"  {method:12s} {e['median_ms']:9.2f} {e['mean_ms']:9.2f} {e['p10_ms']:9.2f} "
+          f"{e['p90_ms']:9.2f} {e['n']:5d} {dual} {e['cpu']['median_ms']:10.2f} "
+          f"{e['cpu']['mean_ms']:9.2f}")
+  for key, r in result["ratios"].items():
+    bar = BARS.get(key)
+    verdict = ""
+    if bar is not None:
+      verdict = (f"  bar <= {bar}: median {'met' if r['median'] <= bar else 'NOT met'}, "
+                 f"mean {'met' if r['mean'] <= bar else 'NOT met'}")
+    print(f"  {key:16s} median {r['median']:.3f}  mean {r['mean']:.3f}  "
+          f"per-round {r['per_round_mean_ratio_median']:.3f}  cpu median {r['cpu_median']:.3f}"
+          f"  cpu mean {r['cpu_mean']:.3f}{verdict}")
+
+
+def cpu_info() -> dict[str, Any]:
+  model_name = platform.processor()
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          model_name = line.split(":", 1)[1].strip()
+          break
+  except OSError:
+    pass
+  return {"model": model_name, "cpu_count": os.cpu_count(), "machine": platform.machine(),
+          "loadavg_start": os.getloadavg()}
+
+
+def parse_steps(text: str | None, models: list[str]) -> dict[str, int]:
+  if text is None:
+    return {m: DEFAULT_STEPS[m] for m in models}
+  if "=" not in text:
+    return {m: int(text) for m in models}
+  steps = {m: DEFAULT_STEPS[m] for m in models}
+  for item in text.split(","):
+    key, value = item.split("=")
+    steps[key] = int(value)
+  return steps
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--models", default="mlp,resnet20x2")
+  parser.add_argument("--methods", default="sgd,sam,safe",
+                      help=f"comma list from {','.join(METHODS)}")
+  parser.add_argument("--steps", default=None,
+                      help="timed steps per method: N for all models, or mlp=128,resnet20x2=64")
+  parser.add_argument("--block", type=int, default=DUAL_EVERY, help="steps per round-robin block")
+  parser.add_argument("--warmup", type=int, default=None, help="warm-up steps after compile")
+  parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
+                                                    "step_overhead.json"))
+  args = parser.parse_args()
+  models = args.models.split(",")
+  methods = args.methods.split(",")
+  if unknown := set(models) - set(MODELS):
+    parser.error(f"unknown models {sorted(unknown)}; choose from {list(MODELS)}")
+  if unknown := set(methods) - set(METHODS):
+    parser.error(f"unknown methods {sorted(unknown)}; choose from {list(METHODS)}")
+  steps = parse_steps(args.steps, models)
+
+  report: dict[str, Any] = {
+      "command": shlex.join([sys.executable] + sys.argv),
+      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+      "versions": {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
+                   "flax": flax.__version__, "optax": optax.__version__,
+                   "numpy": np.__version__, "python": platform.python_version(),
+                   "safe_optax": safe_optax.__version__},
+      "cpu": cpu_info(), "backend": jax.default_backend(), "batch": BATCH,
+      "bars": BARS, "models": {}}
+  start = time.perf_counter()
+  for name in models:
+    warmup = DEFAULT_WARMUP[name] if args.warmup is None else args.warmup
+    result = bench_model(name, methods, steps[name], args.block, warmup)
+    report["models"][name] = result
+    print_table(name, result)
+  report["cpu"]["loadavg_end"] = os.getloadavg()
+  report["total_wall_s"] = time.perf_counter() - start
+  report["bars_met"] = {
+      f"{name}:{key}:{stat}": r[stat] <= BARS[key]
+      for name, res in report["models"].items() for key, r in res["ratios"].items()
+      if key in BARS for stat in ("median", "mean")}
+  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+  with open(args.out, "w") as f:
+    json.dump(report, f, indent=1)
+  print(f"\nwrote {args.out} ({report['total_wall_s']:.0f} s; load average "
+        f"{report['cpu']['loadavg_start'][0]:.1f} -> {report['cpu']['loadavg_end'][0]:.1f})")
+
+
+if __name__ == "__main__":
+  main()
