@@ -35,6 +35,34 @@ def _require_grad_fn(grad_fn: Optional[GradFn], name: str) -> GradFn:
   return grad_fn
 
 
+def ascent_point(
+    params: Any,
+    grads: Any,
+    rho: Any,
+    *,
+    adaptive: bool = False,
+    normalize: bool = True,
+    eps: float = 1e-12,
+) -> Any:
+  r"""The ascent point ``x + e`` of SAM (shared by :func:`sam_perturb` and CrAM).
+
+  ``e = rho * g / (||g||_2 + eps)`` with the norm over all leaves; ASAM's
+  ``rho * x^2 g / (||x g||_2 + eps)`` with ``adaptive``; the unnormalised
+  ``rho * g`` with ``normalize=False`` (CrAM's paper and code). The result
+  keeps the dtypes of ``params``.
+  """
+  if adaptive:
+    scaled = jax.tree.map(lambda g, x: g * jnp.abs(x).astype(g.dtype), grads, params)
+    direction = jax.tree.map(lambda s, x: s * jnp.abs(x).astype(s.dtype), scaled, params)
+    norm = optax.tree.norm(scaled)
+  else:
+    direction, norm = grads, optax.tree.norm(grads)
+  scale = rho / (norm + eps) if normalize else rho
+  return jax.tree.map(
+      lambda x, d: (x + scale * d).astype(jnp.result_type(x)), params, direction
+  )
+
+
 def sam_perturb(
     rho: float,
     *,
@@ -93,17 +121,7 @@ def sam_perturb(
     grad_fn = _require_grad_fn(grad_fn, "sam_perturb")
     if params is None:
       raise ValueError("sam_perturb needs `params` in update(updates, state, params).")
-    if adaptive:
-      scaled = jax.tree.map(lambda g, x: g * jnp.abs(x).astype(g.dtype), updates, params)
-      direction = jax.tree.map(lambda s, x: s * jnp.abs(x).astype(s.dtype), scaled, params)
-      norm = optax.tree.norm(scaled)
-    else:
-      direction, norm = updates, optax.tree.norm(updates)
-    scale = rho / (norm + eps)
-    perturbed = jax.tree.map(
-        lambda x, d: (x + scale * d).astype(jnp.result_type(x)), params, direction
-    )
-    grads = grad_fn(perturbed, 0)
+    grads = grad_fn(ascent_point(params, updates, rho, adaptive=adaptive, eps=eps), 0)
     if axis_name is not None:
       grads = lax.pmean(grads, axis_name)
     return grads, state
