@@ -144,13 +144,53 @@ def safe_plus(
     decoupled_penalty: bool = False,
     seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
-  """SAFE+: SAFE with the generalized projection ``Proj^P`` (saliency scores).
+  r"""SAFE+: SAFE with the generalized projection ``Proj^P`` (saliency scores).
 
-  As :func:`safe`, but the dual update keeps the entries of ``x + u`` with the
-  largest saliency: ``"snip"`` (``|g * v|``, with ``g`` the gradient entering
-  the penalty, i.e. the SAM gradient), ``"obd"`` (Hutchinson Hessian diagonal,
-  one probe per dual update), ``"magnitude"``, or a callable such as
-  :func:`safe_optax.wanda_saliency`. Finalize with the same scores.
+  As :func:`safe`, but the dual update projects with a diagonal metric ``P``,
+
+  .. math::
+
+    z = \arg\min_{\|z\|_0 \le d} (z - v)^\top P (z - v), \quad v = x + u,
+
+  i.e. it keeps the entries of ``v`` with the largest saliency
+  :math:`\sqrt{P_{ii}}\,|v_i|`. Finalize with the same scores.
+
+  Args:
+    learning_rate, sparsity, penalty: as in :func:`safe`.
+    scores: ``"snip"`` (``|g * v|``, ``g`` the gradient entering the penalty,
+      i.e. the SAM gradient), ``"obd"`` (Hutchinson Hessian diagonal, one
+      probe per dual update; costs a Hessian-vector product then),
+      ``"magnitude"`` (plain SAFE), or a callable ``SaliencyInputs -> scores``
+      such as :func:`safe_optax.wanda_saliency`.
+    penalty_schedule, total_steps, rho, dual_every, momentum, nesterov,
+      weight_decay, scope, structure, prunable, adaptive, decoupled_penalty,
+      seed: as in :func:`safe`.
+
+  Returns:
+    An :class:`optax.GradientTransformationExtraArgs`; ``update`` needs
+    ``params`` and ``grad_fn(params, step)``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, safe_optax
+    >>> loss = lambda p: jnp.sum((p['w'] - jnp.array([[3., 0.1], [0.2, -2.]])) ** 2)
+    >>> grad_fn = lambda p, _: jax.grad(loss)(p)
+    >>> tx = safe_optax.safe_plus(0.1, 0.5, penalty=1.0, scores='snip', total_steps=100,
+    ...                           dual_every=4)
+    >>> params = {'w': jnp.zeros((2, 2))}
+    >>> @jax.jit
+    ... def step(params, state):
+    ...   updates, state = tx.update(grad_fn(params, 0), state, params, grad_fn=grad_fn)
+    ...   return optax.apply_updates(params, updates), state
+    >>> state = tx.init(params)
+    >>> for _ in range(100):
+    ...   params, state = step(params, state)
+    >>> safe_optax.find_admm_state(state).z['w'] != 0  # the SNIP-projected target
+    Array([[ True, False],
+           [False,  True]], dtype=bool)
+
+  References:
+    Lee, Lee, Chung, Lee, `SAFE: Finding Sparse and Flat Minima to Improve
+    Pruning`, ICML 2025 (§3.4, SAFE+).
   """
   return _pruning_chain(**locals(), sparse_gradient=False)
 
@@ -173,9 +213,41 @@ def admm(
     decoupled_penalty: bool = False,
     seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
-  """ADMM pruning (Zhang et al., 2018): SAFE without SAM, constant penalty by default.
+  r"""ADMM pruning (Zhang et al., 2018): SAFE without SAM, constant penalty by default.
 
-  ``update`` needs ``params``; no ``grad_fn`` (unless ``scores="obd"``).
+  Each step adds :math:`\lambda_t (x - z + u)` to the gradient of the
+  prunable leaves, then weight decay and SGD with momentum; every
+  ``dual_every`` steps :math:`z = \mathrm{Proj}(x + u),\ u \mathrel{+}= x - z`.
+  Finish with :func:`safe_optax.finalize`.
+
+  Args:
+    learning_rate, sparsity, penalty: as in :func:`safe`.
+    penalty_schedule: ``"constant"`` (default), ``"linear"`` or
+      ``"cosine"``; ``None`` when ``penalty`` is a schedule.
+    total_steps, dual_every, momentum, nesterov, weight_decay, scope,
+      structure, prunable, decoupled_penalty, seed: as in :func:`safe`.
+    scores: optional SAFE+-style saliency for the projection, as in
+      :func:`safe_plus` (``None``: magnitude).
+
+  Returns:
+    An :class:`optax.GradientTransformationExtraArgs`; ``update`` needs
+    ``params``, and ``grad_fn`` only with ``scores="obd"``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, safe_optax
+    >>> loss = lambda p: jnp.sum((p['w'] - jnp.array([[3., 0.1], [0.2, -2.]])) ** 2)
+    >>> tx = safe_optax.admm(0.1, 0.5, penalty=0.5, dual_every=4)
+    >>> params = {'w': jnp.zeros((2, 2))}
+    >>> @jax.jit
+    ... def step(params, state):
+    ...   updates, state = tx.update(jax.grad(loss)(params), state, params)
+    ...   return optax.apply_updates(params, updates), state
+    >>> state = tx.init(params)
+    >>> for _ in range(100):
+    ...   params, state = step(params, state)
+    >>> jnp.round(params['w'], 1)  # the penalty pulled the small entries to 0
+    Array([[ 3.,  0.],
+           [ 0., -2.]], dtype=float32)
 
   References:
     Zhang et al., `A Systematic DNN Weight Pruning Framework using Alternating
@@ -203,10 +275,44 @@ def safe_sg(
     decoupled_penalty: bool = False,
     seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
-  """SAFE+SG: SAFE whose x-step also adds ``grad f(Proj(x))`` (paper App. D).
+  r"""SAFE+SG: SAFE whose x-step also adds ``grad f(Proj(x))`` (paper App. D).
 
-  Arguments as in :func:`safe`; a sequence ``sparsity`` gives SAFE+SG,Multi.
+  The x-step gradient is
+  :math:`\nabla f(x + \rho g/\|g\|) + \nabla f(\mathrm{Proj}(x)) + \lambda_t (x - z + u)`,
+  so the dense iterate also trains the sparse model it will be pruned to.
   Costs a third gradient per step; ``grad_fn`` is called with step 1 for it.
+
+  Args:
+    learning_rate, sparsity, penalty, penalty_schedule, total_steps, rho,
+      dual_every, momentum, nesterov, weight_decay, scope, structure,
+      prunable, adaptive, decoupled_penalty, seed: as in :func:`safe`; a
+      sequence ``sparsity`` gives SAFE+SG,Multi.
+
+  Returns:
+    An :class:`optax.GradientTransformationExtraArgs`; ``update`` needs
+    ``params`` and ``grad_fn(params, step)``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, safe_optax
+    >>> loss = lambda p: jnp.sum((p['w'] - jnp.array([[3., 0.1], [0.2, -2.]])) ** 2)
+    >>> grad_fn = lambda p, _: jax.grad(loss)(p)
+    >>> tx = safe_optax.safe_sg(0.1, 0.5, penalty=1.0, total_steps=100, dual_every=4)
+    >>> params = {'w': jnp.zeros((2, 2))}
+    >>> @jax.jit
+    ... def step(params, state):
+    ...   updates, state = tx.update(grad_fn(params, 0), state, params, grad_fn=grad_fn)
+    ...   return optax.apply_updates(params, updates), state
+    >>> state = tx.init(params)
+    >>> for _ in range(100):
+    ...   params, state = step(params, state)
+    >>> safe_optax.finalize(params, 0.5)[1]['w']
+    Array([[ True, False],
+           [False,  True]], dtype=bool)
+
+  References:
+    Lee, Lee, Chung, Lee, `SAFE: Finding Sparse and Flat Minima to Improve
+    Pruning`, ICML 2025 (App. D); Peste et al., `CrAM: A Compression-Aware
+    Minimizer <https://arxiv.org/abs/2207.14200>`_, ICLR 2023.
   """
   return _pruning_chain(**locals(), scores=None, sparse_gradient=True)
 
@@ -232,8 +338,46 @@ def safe_multi(
 ) -> optax.GradientTransformationExtraArgs:
   """SAFE-Multi: the target sparsity is drawn from ``sparsity_choices`` at each z-update.
 
-  Arguments as in :func:`safe` (``seed`` seeds the draws). Finalize at the
-  sparsity you deploy.
+  Training against a random target from a set makes one run usable at each
+  of those sparsities; finalize at the sparsity you deploy.
+
+  Args:
+    learning_rate: as in :func:`safe`.
+    sparsity_choices: non-empty sequence of target sparsities in ``[0, 1)``;
+      one is drawn uniformly at random at every dual update.
+    penalty, penalty_schedule, total_steps, rho, dual_every, momentum,
+      nesterov, weight_decay, scope, structure, prunable, adaptive,
+      decoupled_penalty: as in :func:`safe`.
+    seed: seeds the draws.
+
+  Returns:
+    An :class:`optax.GradientTransformationExtraArgs`; ``update`` needs
+    ``params`` and ``grad_fn(params, step)``.
+
+  Raises:
+    ValueError: ``sparsity_choices`` is empty or not a sequence.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, safe_optax
+    >>> loss = lambda p: jnp.sum((p['w'] - jnp.array([[3., 0.1], [0.2, -2.]])) ** 2)
+    >>> grad_fn = lambda p, _: jax.grad(loss)(p)
+    >>> tx = safe_optax.safe_multi(0.1, (0.25, 0.5), penalty=1.0, total_steps=100,
+    ...                            dual_every=4)
+    >>> params = {'w': jnp.zeros((2, 2))}
+    >>> @jax.jit
+    ... def step(params, state):
+    ...   updates, state = tx.update(grad_fn(params, 0), state, params, grad_fn=grad_fn)
+    ...   return optax.apply_updates(params, updates), state
+    >>> state = tx.init(params)
+    >>> for _ in range(100):
+    ...   params, state = step(params, state)
+    >>> safe_optax.finalize(params, 0.5)[1]['w']
+    Array([[ True, False],
+           [False,  True]], dtype=bool)
+
+  References:
+    Lee, Lee, Chung, Lee, `SAFE: Finding Sparse and Flat Minima to Improve
+    Pruning`, ICML 2025 (§4.4, App. D).
   """
   if isinstance(sparsity_choices, (str, bytes)) or not isinstance(sparsity_choices, Sequence) \
       or not sparsity_choices:
