@@ -2,7 +2,8 @@
 
 Layers, bottom up: exact top-k projection kernels (``project_topk``), optax
 transforms (``sam_perturb``, ``admm_penalty``, ``add_projected_gradient``),
-aliases (``safe``, ``safe_plus``, ``admm``, ``safe_sg``, ``safe_multi``) and
+aliases (``safe``, ``safe_plus``, ``admm``, ``safe_sg``, ``safe_multi``), the
+baseline pruners (``magnitude_pruning``, ``polynomial_sparsity``, ``cram``) and
 the final projection (``finalize``, ``sparsity_report``).
 """
 
@@ -23,6 +24,10 @@ from safe_optax._finalize import sparsity_report
 from safe_optax._projection import NM
 from safe_optax._projection import PerOutput
 from safe_optax._projection import project_topk
+from safe_optax._pruners import MagnitudePruningState
+from safe_optax._pruners import cram
+from safe_optax._pruners import magnitude_pruning
+from safe_optax._pruners import polynomial_sparsity
 from safe_optax._prunable import default_prunable
 from safe_optax._prunable import prunable_mask
 from safe_optax._sam import add_projected_gradient
@@ -43,6 +48,7 @@ __version__ = "0.1.0.dev0"
 __all__ = (
     "ADMMState",
     "LeafSparsity",
+    "MagnitudePruningState",
     "NM",
     "PerOutput",
     "SaliencyInputs",
@@ -51,16 +57,19 @@ __all__ = (
     "admm",
     "admm_penalty",
     "constraint_distance",
+    "cram",
     "default_prunable",
     "dual_update",
     "finalize",
     "find_admm_state",
     "hutchinson_diagonal",
+    "magnitude_pruning",
     "magnitude_scores",
     "num_keep",
     "obd_saliency",
     "obd_scores",
     "penalty_schedule",
+    "polynomial_sparsity",
     "project_topk",
     "prunable_mask",
     "safe",
