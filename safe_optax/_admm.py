@@ -104,7 +104,14 @@ def dual_update(
     structure: _projection.Structure = None,
     scores: Optional[Any] = None,
 ) -> tuple[list[jax.Array], list[jax.Array]]:
-  """One ADMM z/u step on the prunable leaves: ``z = Proj(x + u); u = u + x - z``.
+  r"""One ADMM z/u step on the prunable leaves: ``z = Proj(x + u); u = u + x - z``.
+
+  .. math::
+
+    z \leftarrow \mathrm{Proj}(x + u), \qquad u \leftarrow u + x - z
+
+  (``u`` unchanged when ``first``). :func:`admm_penalty` calls it every
+  ``dual_every`` steps; it is public for custom training loops.
 
   Args:
     params: the full parameter tree ``x``.
@@ -117,6 +124,24 @@ def dual_update(
 
   Returns:
     The new ``(z, u)`` lists.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from safe_optax import dual_update
+    >>> params = {'b': jnp.ones(2), 'w': jnp.array([[4., -3.], [0.2, 0.1]])}
+    >>> z, u = dual_update(params, [jnp.zeros((2, 2))], [jnp.array([[0., 0.], [1., 0.]])],
+    ...                    0.5, flags=(False, True), first=jnp.array(False))
+    >>> z[0]  # the 2 largest of |x + u| = [[4, 3], [1.2, 0.1]]
+    Array([[ 4., -3.],
+           [ 0.,  0.]], dtype=float32)
+    >>> u[0]  # u + x - z
+    Array([[0. , 0. ],
+           [1.2, 0.1]], dtype=float32)
+
+  References:
+    Boyd et al., `Distributed Optimization and Statistical Learning via the
+    Alternating Direction Method of Multipliers
+    <https://doi.org/10.1561/2200000016>`_, 2011 (scaled form, §3.1.1).
   """
   del z
   x = _prunable_leaves(params, flags)
@@ -268,7 +293,29 @@ def admm_penalty(
 
 
 def find_admm_state(opt_state: Any) -> ADMMState:
-  """Returns the (single) :class:`ADMMState` inside a nested optax state."""
+  """Returns the (single) :class:`ADMMState` inside a nested optax state.
+
+  Args:
+    opt_state: the state of an optimizer that contains one
+      :func:`admm_penalty` (e.g. of :func:`safe_optax.safe`).
+
+  Returns:
+    That transform's :class:`ADMMState` (``count``, ``z``, ``u``).
+
+  Raises:
+    ValueError: the state holds no ``ADMMState``, or more than one.
+
+  Examples:
+    >>> import jax.numpy as jnp, safe_optax
+    >>> tx = safe_optax.admm(0.1, 0.5, penalty=1e-3)
+    >>> params = {'w': jnp.array([[4., -3.], [0.2, 0.1]]), 'b': jnp.ones(2)}
+    >>> zero = {'w': jnp.zeros((2, 2)), 'b': jnp.zeros(2)}
+    >>> _, state = tx.update(zero, tx.init(params), params)  # step 0 sets z = Proj(x0)
+    >>> admm_state = safe_optax.find_admm_state(state)
+    >>> int(admm_state.count), admm_state.z  # biases carry no z
+    (1, {'b': MaskedNode(), 'w': Array([[ 4., -3.],
+           [ 0.,  0.]], dtype=float32)})
+  """
   found = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, ADMMState))
            if isinstance(s, ADMMState)]
   if len(found) != 1:
@@ -277,7 +324,31 @@ def find_admm_state(opt_state: Any) -> ADMMState:
 
 
 def constraint_distance(params: Any, opt_state: Any) -> jax.Array:
-  """``||x - z||_2`` over prunable leaves: how far the iterate is from its sparse target."""
+  r"""``||x - z||_2`` over prunable leaves: how far the iterate is from its sparse target.
+
+  .. math::
+
+    \Big(\textstyle\sum_{\ell\ \mathrm{prunable}} \|x_\ell - z_\ell\|_2^2\Big)^{1/2}
+
+  computed in float32. Worth logging during training: it shrinks as the
+  penalty grows, and after :func:`safe_optax.finalize` the loss change is
+  small when it is small.
+
+  Args:
+    params: the current parameters ``x``.
+    opt_state: the optimizer state holding the :class:`ADMMState` of ``params``.
+
+  Returns:
+    A float32 scalar.
+
+  Examples:
+    >>> import jax.numpy as jnp, safe_optax
+    >>> params = {'w': jnp.array([[4., -3.], [0.2, 0.1]])}
+    >>> tx = safe_optax.admm(0.1, 0.5, penalty=1e-3)
+    >>> _, state = tx.update({'w': jnp.zeros((2, 2))}, tx.init(params), params)
+    >>> safe_optax.constraint_distance(params, state)  # z = Proj(x): sqrt(0.2**2 + 0.1**2)
+    Array(0.2236068, dtype=float32)
+  """
   state = find_admm_state(opt_state)
   z_leaves = jax.tree.leaves(state.z, is_leaf=_is_masked)
   sq = [jnp.sum(jnp.square(x.astype(jnp.float32) - z.astype(jnp.float32)))
