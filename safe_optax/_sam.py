@@ -154,6 +154,17 @@ def add_projected_gradient(
     A :class:`optax.GradientTransformationExtraArgs` with a step counter as
     state; ``update`` needs ``params`` and ``grad_fn`` (called with step 1).
 
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from safe_optax import add_projected_gradient
+    >>> grad_fn = lambda p, _: jax.grad(lambda p: jnp.sum(p ** 2))(p)
+    >>> tx = add_projected_gradient(0.5)
+    >>> params = jnp.array([[3., -1.], [0.5, -4.]])
+    >>> updates, _ = tx.update(grad_fn(params, 0), tx.init(params), params, grad_fn=grad_fn)
+    >>> updates  # 2x + 2 Proj(x), Proj(x) = [[3, 0], [0, -4]]
+    Array([[ 12.,  -2.],
+           [  1., -16.]], dtype=float32)
+
   References:
     Peste et al., `CrAM: A Compression-Aware Minimizer
     <https://arxiv.org/abs/2207.14200>`_, ICLR 2023; SAFE (ICML 2025), App. D.

@@ -49,24 +49,73 @@ Saliency = Callable[[SaliencyInputs], Any]
 
 
 def magnitude_scores(values: Any) -> Any:
-  """``|v|``: the Euclidean projection's score (``P = I``)."""
+  """``|v|``: the Euclidean projection's score (``P = I``), plain SAFE.
+
+  Args:
+    values: pytree of arrays ``v``.
+
+  Returns:
+    A pytree like ``values`` with ``|v|``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from safe_optax import magnitude_scores
+    >>> magnitude_scores({'w': jnp.array([1., -2.])})
+    {'w': Array([1., 2.], dtype=float32)}
+  """
   return jax.tree.map(jnp.abs, values)
 
 
 def snip_scores(values: Any, grads: Any) -> Any:
   """``|g * v|``: SNIP's connection sensitivity (``P = g^2``).
 
+  Args:
+    values: pytree of arrays ``v`` (the weights being projected).
+    grads: pytree of gradients ``g`` with the structure of ``values``.
+
+  Returns:
+    A pytree like ``values`` with ``|g * v|`` (in ``values``' dtypes).
+
   Examples:
     >>> import jax.numpy as jnp
     >>> from safe_optax import snip_scores
     >>> snip_scores(jnp.array([1., -2.]), jnp.array([3., 0.5]))
     Array([3., 1.], dtype=float32)
+
+  References:
+    Lee, Ajanthan, Torr, `SNIP: Single-shot Network Pruning based on
+    Connection Sensitivity <https://arxiv.org/abs/1810.02340>`_, ICLR 2019.
   """
   return jax.tree.map(lambda v, g: jnp.abs(v * g.astype(v.dtype)), values, grads)
 
 
 def obd_scores(values: Any, hessian_diag: Any) -> Any:
-  """``sqrt(|h|) * |v|``: Optimal Brain Damage with a Hessian-diagonal estimate."""
+  r"""``sqrt(|h|) * |v|``: Optimal Brain Damage with a Hessian-diagonal estimate.
+
+  The score of :math:`P = \mathrm{diag}(H)`: :math:`\sqrt{|h_i|}\,|v_i|`,
+  which ranks entries as OBD's saliency :math:`\tfrac12 h_i v_i^2` does.
+  The absolute value keeps ``P`` positive semi-definite where a
+  non-convex loss has a negative curvature estimate.
+
+  Args:
+    values: pytree of arrays ``v``.
+    hessian_diag: pytree of Hessian-diagonal estimates ``h`` (e.g. from
+      :func:`hutchinson_diagonal`) with the structure of ``values``.
+
+  Returns:
+    A pytree like ``values`` with ``sqrt(|h|) * |v|``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from safe_optax import obd_scores
+    >>> obd_scores(jnp.array([1., -2.]), jnp.array([4., 1.]))
+    Array([2., 2.], dtype=float32)
+
+  References:
+    LeCun, Denker, Solla, `Optimal Brain Damage
+    <https://proceedings.neurips.cc/paper/1989/hash/6c9882bbac1c7093bd25041881277658-Abstract.html>`_,
+    NeurIPS 1989.
+  """
   return jax.tree.map(
       lambda v, h: jnp.sqrt(jnp.abs(h.astype(v.dtype))) * jnp.abs(v), values, hessian_diag
   )
@@ -82,12 +131,23 @@ def wanda_scores(values: Any, input_norms: Any, *, axis: int = -2) -> Any:
       leaves keep plain magnitude.
     axis: the input-feature axis of each weight.
 
+  Returns:
+    A pytree like ``values`` with ``|W_ij| * ||A_j||`` (``|W|`` where the
+    norm is ``None``).
+
+  Raises:
+    ValueError: a norm vector does not match its weight's ``axis``.
+
   Examples:
     >>> import jax.numpy as jnp
     >>> from safe_optax import wanda_scores
     >>> wanda_scores(jnp.array([[1., -1.], [2., 1.]]), jnp.array([3., 1.]))
     Array([[3., 3.],
            [2., 1.]], dtype=float32)
+
+  References:
+    Sun, Liu, Bair, Kolter, `A Simple and Effective Pruning Approach for Large
+    Language Models <https://arxiv.org/abs/2306.11695>`_, ICLR 2024.
   """
   def score(v, norms):
     if norms is None:
@@ -118,6 +178,24 @@ def hutchinson_diagonal(
     params: where the Hessian is taken.
     key: PRNG key for the probes.
     num_probes: number of probes averaged.
+
+  Returns:
+    A pytree like ``params``: the estimate of ``diag(H)``, unbiased; exact
+    when the Hessian is diagonal.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from safe_optax import hutchinson_diagonal
+    >>> loss = lambda p: jnp.sum(jnp.array([1., 2., 3.]) * p ** 2)  # H = diag(2, 4, 6)
+    >>> hutchinson_diagonal(lambda p, _: jax.grad(loss)(p), jnp.zeros(3), jax.random.PRNGKey(0))
+    Array([2., 4., 6.], dtype=float32)
+
+  References:
+    Hutchinson, `A Stochastic Estimator of the Trace of the Influence Matrix
+    for Laplacian Smoothing Splines
+    <https://doi.org/10.1080/03610918908812806>`_, 1989; Bekas, Kokiopoulou,
+    Saad, `An estimator for the diagonal of a matrix
+    <https://doi.org/10.1016/j.apnum.2007.01.003>`_, 2007.
   """
   leaves, treedef = jax.tree.flatten(params)
   probe_keys = jax.random.split(key, num_probes)
@@ -149,6 +227,27 @@ def obd_saliency(num_probes: int = 1) -> Saliency:
 
   Needs ``grad_fn`` in ``update`` (as ``sam_perturb`` does). Costs
   ``num_probes`` Hessian-vector products per dual update, not per step.
+
+  Args:
+    num_probes: Rademacher probes per estimate of the Hessian diagonal.
+
+  Returns:
+    A saliency callable ``SaliencyInputs -> scores`` for the ``scores``
+    argument of :func:`safe_optax.safe_plus` / :func:`safe_optax.admm_penalty`.
+
+  Raises:
+    ValueError: ``num_probes`` is not a positive int.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, safe_optax
+    >>> loss = lambda p: jnp.sum(jnp.array([[100., 1.], [1., 1.]]) * p['w'] ** 2)
+    >>> grad_fn = lambda p, _: jax.grad(loss)(p)
+    >>> tx = safe_optax.admm(0.1, 0.5, penalty=1.0, scores=safe_optax.obd_saliency())
+    >>> params = {'w': jnp.array([[1., -1.], [2., 1.]])}
+    >>> _, state = tx.update(grad_fn(params, 0), tx.init(params), params, grad_fn=grad_fn)
+    >>> safe_optax.find_admm_state(state).z  # sqrt(h) |w| = [[14.1, 1.4], [2.8, 1.4]]
+    {'w': Array([[1., 0.],
+           [2., 0.]], dtype=float32)}
   """
   if not isinstance(num_probes, int) or num_probes < 1:
     raise ValueError(f"`num_probes` must be a positive int, got {num_probes!r}.")
@@ -172,6 +271,27 @@ def wanda_saliency(input_norms: Any, *, axis: int = -2) -> Saliency:
     input_norms: pytree shaped like the params with a 1-D ``||A_j||`` array
       for each prunable leaf (``None`` elsewhere).
     axis: the input-feature axis of each weight.
+
+  Returns:
+    A saliency callable ``SaliencyInputs -> scores`` for the ``scores``
+    argument of :func:`safe_optax.safe_plus` / :func:`safe_optax.admm_penalty`
+    (one threshold per scope; combine with ``structure=PerOutput()`` for
+    Wanda's per-row comparison).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, safe_optax
+    >>> norms = {'b': None, 'w': jnp.array([3., 1.])}  # ||A_j|| of the 2 input features
+    >>> tx = safe_optax.admm(0.1, 0.5, penalty=1.0, scores=safe_optax.wanda_saliency(norms))
+    >>> params = {'b': jnp.zeros(2), 'w': jnp.array([[1., -1.], [2., 1.]])}
+    >>> zero = jax.tree.map(jnp.zeros_like, params)
+    >>> _, state = tx.update(zero, tx.init(params), params)
+    >>> safe_optax.find_admm_state(state).z['w']  # scores [[3, 3], [2, 1]]
+    Array([[ 1., -1.],
+           [ 0.,  0.]], dtype=float32)
+
+  References:
+    Sun, Liu, Bair, Kolter, `A Simple and Effective Pruning Approach for Large
+    Language Models <https://arxiv.org/abs/2306.11695>`_, ICLR 2024.
   """
   def saliency(inputs: SaliencyInputs) -> Any:
     norms = jax.tree.structure(inputs.params).flatten_up_to(input_norms)
