@@ -162,10 +162,11 @@ def _project_leaves(leaves, score_leaves, counts, *, scope, structure):
   keys = [_select.order_keys(jnp.abs(leaf) if score is None else score)
           for leaf, score in zip(leaves, score_leaves)]
   if scope == "global":
-    masks = _select.topk_masks(keys, counts[0])
-    groups = [list(range(len(leaves)))]
+    masks, nan = _select.topk_masks(keys, counts[0])
+    groups, nans = [list(range(len(leaves)))], [nan]
   elif scope == "per_leaf":
-    masks = [_select.topk_masks([key], k)[0] for key, k in zip(keys, counts)]
+    masks, nans = map(list, zip(*(_select.topk_masks([key], k) for key, k in zip(keys, counts))))
+    masks = [mask[0] for mask in masks]
     groups = [[i] for i in range(len(leaves))]
   else:
     masks = [
@@ -174,12 +175,12 @@ def _project_leaves(leaves, score_leaves, counts, *, scope, structure):
         for key, k in zip(keys, counts)
     ]
     groups = [[i] for i in range(len(leaves))]
+    nans = [_select.has_nan([key]) for key in keys]
 
   projected = []
-  for group in groups:
+  for group, poisoned in zip(groups, nans):
     # A NaN anywhere in a scope's values or scores poisons the whole scope, so the
     # failure shows in the loss (and optax.apply_if_finite) instead of being hidden.
-    poisoned = _select.has_nan([keys[i] for i in group])
     if any(score_leaves[i] is not None for i in group):
       poisoned = poisoned | jnp.stack([jnp.isnan(leaves[i]).any() for i in group]).any()
     for i in group:

@@ -8,8 +8,9 @@ is kept.
 
 Scores are compared through :func:`order_keys`, an order-preserving map from
 floats to ``uint32``. Every NaN maps to the largest key, so NaN ranks above
-``+inf`` and is always kept; callers use :func:`has_nan` to poison the result
-instead of keeping or dropping a NaN silently.
+``+inf`` and is always kept; callers poison the result instead of keeping or
+dropping a NaN silently (:func:`topk_masks` reports NaN for free, the group
+kernels use :func:`has_nan`).
 """
 
 from __future__ import annotations
@@ -125,8 +126,10 @@ def has_nan(keys: Sequence[jax.Array]) -> jax.Array:
 def _histogram(digits: jax.Array, valid: jax.Array | None = None) -> jax.Array:
   """Counts of each 16-bit digit value; entries with ``valid == False`` are not counted."""
   digits = digits.reshape(-1).astype(jnp.int32)
-  if valid is not None:
-    digits = jnp.where(valid.reshape(-1), digits, _NUM_BINS)
+  if valid is None:
+    # Every digit is in range: no spill bin, no bounds work in the scatter.
+    return jnp.bincount(digits, length=_NUM_BINS)
+  digits = jnp.where(valid.reshape(-1), digits, _NUM_BINS)
   return jnp.bincount(digits, length=_NUM_BINS + 1)[:_NUM_BINS]
 
 
@@ -156,7 +159,9 @@ def _chunks(sizes: Sequence[int], cap: int) -> list[list[int]]:
   return groups
 
 
-def topk_masks(keys: Sequence[jax.Array], k, *, chunk_size: int = 1 << 22) -> list[jax.Array]:
+def topk_masks(
+    keys: Sequence[jax.Array], k, *, chunk_size: int = 1 << 22
+) -> tuple[list[jax.Array], jax.Array]:
   """Keep-masks for the ``k`` largest keys across all ``keys`` leaves together.
 
   Two 16-bit radix passes find the exact k-th largest key ``t`` without
@@ -172,7 +177,10 @@ def topk_masks(keys: Sequence[jax.Array], k, *, chunk_size: int = 1 << 22) -> li
     chunk_size: most entries gathered into one chunk of small leaves.
 
   Returns:
-    One boolean array per input leaf with exactly ``k`` ``True`` entries in all.
+    ``(masks, nan)``: one boolean array per input leaf with exactly ``k``
+    ``True`` entries in all, and whether any key is a NaN key (read off the
+    top bin of the first histogram, which only NaN keys reach, so NaN
+    detection costs no pass of its own).
   """
   k = jnp.asarray(k, jnp.int32)
   groups = _chunks([key.size for key in keys], chunk_size)
@@ -183,6 +191,7 @@ def topk_masks(keys: Sequence[jax.Array], k, *, chunk_size: int = 1 << 22) -> li
   ]
   high = [chunk >> _RADIX_BITS for chunk in chunks]
   hist_high = sum(_histogram(h) for h in high)
+  nan = hist_high[_NAN_KEY >> _RADIX_BITS] > 0
   bin_high, above_high = _pick_bin(hist_high, k)
   hist_low = sum(
       _histogram(chunk & jnp.uint32(_NUM_BINS - 1), h == bin_high.astype(jnp.uint32))
@@ -224,7 +233,7 @@ def topk_masks(keys: Sequence[jax.Array], k, *, chunk_size: int = 1 << 22) -> li
     for i in g:
       masks[i] = chunk_mask[start:start + keys[i].size].reshape(keys[i].shape)
       start += keys[i].size
-  return masks
+  return masks, nan
 
 
 def group_topk_mask(keys: jax.Array, k) -> jax.Array:

@@ -913,7 +913,30 @@ def test_topk_masks_ties_across_chunks(data):
 
 @jax.jit
 def _topk_chunked(leaves, k):
-  return _select.topk_masks([_select.order_keys(x) for x in leaves], k, chunk_size=7)
+  return _select.topk_masks([_select.order_keys(x) for x in leaves], k, chunk_size=7)[0]
+
+
+@given(data=st.data())
+def test_topk_masks_reports_nan_from_the_histogram(data):
+  """The NaN flag comes from the first histogram's top bin: only NaN keys land there.
+
+  +inf, the largest finite floats and -NaN payloads are the keys next to that
+  bin, so they are drawn often.
+  """
+  special = [np.nan, -np.nan, np.inf, -np.inf, np.finfo(np.float32).max,
+             -np.finfo(np.float32).max, 0.0, -0.0, 1.0]
+  sizes = (3, 4, 1)
+  leaves = [np.array(data.draw(st.lists(st.sampled_from(special), min_size=s, max_size=s)),
+                     np.float32) for s in sizes]
+  k = data.draw(st.integers(1, sum(sizes)))
+  masks, nan = _topk_nan(tuple(jnp.asarray(x) for x in leaves), jnp.int32(k))
+  assert bool(nan) == any(np.isnan(x).any() for x in leaves)
+  assert sum(int(np.sum(m)) for m in masks) == k
+
+
+@jax.jit
+def _topk_nan(leaves, k):
+  return _select.topk_masks([_select.order_keys(x) for x in leaves], k)
 
 
 # VGG-like conv stack plus a classifier: 1,147,072 prunable entries.
