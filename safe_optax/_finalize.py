@@ -14,16 +14,22 @@ from safe_optax import _prunable
 
 @dataclasses.dataclass(frozen=True)
 class LeafSparsity:
-  """Sparsity of one leaf."""
+  """Sparsity of one leaf (a row of :class:`SparsityReport`)."""
 
   path: str
+  """Readable key path, e.g. ``'dense0/kernel'``."""
   shape: tuple[int, ...]
+  """The leaf's shape."""
   size: int
+  """Number of entries."""
   nonzero: int
+  """Number of nonzero entries."""
   prunable: bool
+  """Whether the leaf is pruned (counts toward :attr:`SparsityReport.sparsity`)."""
 
   @property
   def sparsity(self) -> float:
+    """Fraction of zero entries, ``1 - nonzero / size`` (0 for an empty leaf)."""
     return 1.0 - self.nonzero / self.size if self.size else 0.0
 
 
@@ -32,25 +38,31 @@ class SparsityReport:
   """Per-leaf and total sparsity of a parameter tree.
 
   ``sparsity`` is over prunable leaves (what the target refers to);
-  ``overall_sparsity`` over every leaf.
+  ``overall_sparsity`` over every leaf. ``str(report)`` is a table with one
+  row per leaf.
   """
 
   leaves: tuple[LeafSparsity, ...]
+  """One :class:`LeafSparsity` per leaf, in flatten order."""
 
   @property
   def prunable_size(self) -> int:
+    """Number of entries in prunable leaves."""
     return sum(leaf.size for leaf in self.leaves if leaf.prunable)
 
   @property
   def prunable_nonzero(self) -> int:
+    """Number of nonzero entries in prunable leaves."""
     return sum(leaf.nonzero for leaf in self.leaves if leaf.prunable)
 
   @property
   def sparsity(self) -> float:
+    """Fraction of zeros among prunable entries (what the target sparsity counts)."""
     return 1.0 - self.prunable_nonzero / self.prunable_size
 
   @property
   def overall_sparsity(self) -> float:
+    """Fraction of zeros among all entries, dense leaves included."""
     size = sum(leaf.size for leaf in self.leaves)
     return 1.0 - sum(leaf.nonzero for leaf in self.leaves) / size if size else 0.0
 
@@ -79,12 +91,25 @@ class SparsityReport:
 def sparsity_report(tree: Any, prunable: _prunable.Prunable = None) -> SparsityReport:
   """Counts nonzeros per leaf (on the host).
 
+  Args:
+    tree: pytree of arrays (parameters after :func:`finalize`, or any time).
+    prunable: which leaves count as prunable, as in :func:`project_topk`
+      (pass the rule used for training).
+
+  Returns:
+    A :class:`SparsityReport`.
+
   Examples:
     >>> import jax.numpy as jnp
     >>> from safe_optax import sparsity_report
     >>> report = sparsity_report({'w': jnp.array([[1., 0.], [0., 0.]]), 'b': jnp.ones(2)})
-    >>> report.sparsity
-    0.75
+    >>> report.sparsity, report.overall_sparsity
+    (0.75, 0.5)
+    >>> print(report)
+    leaf        shape     nonzero  sparsity
+    b            (2,)           2    0.0000  (dense)
+    w          (2, 2)           1    0.7500
+    prunable total              1    0.7500
   """
   resolved = _prunable.resolve(tree, prunable)
   leaves = []
@@ -104,14 +129,45 @@ def finalize(
     scores: Any = None,
     prunable: _prunable.Prunable = None,
 ) -> tuple[Any, Any]:
-  """The final hard projection ``x_final = Proj(x_T)`` of SAFE / SAFE+.
+  r"""The final hard projection ``x_final = Proj(x_T)`` of SAFE / SAFE+.
 
-  Same arguments and result as :func:`project_topk` (pass SAFE+'s score tree
-  as ``scores``). Outside ``jit`` it raises ``RuntimeError`` when NaN reached
-  the prunable weights or scores, instead of returning a NaN model.
+  .. math::
+
+    x_\mathrm{final} = \arg\min_{\|z\|_0 \le d} (z - x_T)^\top P (z - x_T)
+
+  with ``P = I`` by default (magnitude) or SAFE+'s saliency through
+  ``scores``. Same arguments and result as :func:`project_topk`; pass the
+  sparsity, scope, structure and ``prunable`` used in training. Outside
+  ``jit`` it raises ``RuntimeError`` when NaN reached the prunable weights
+  or scores, instead of returning a NaN model.
+
+  Args:
+    params: the trained parameters ``x_T`` (not modified).
+    sparsity: fraction of prunable entries to zero, in ``[0, 1)``
+      (``None`` with ``structure=NM(...)``).
+    scope: ``"global"`` (default) or ``"per_leaf"``.
+    structure: ``None``, :class:`NM` or :class:`PerOutput`.
+    scores: optional score tree (SAFE+, e.g. :func:`snip_scores`).
+    prunable: which leaves are pruned, as in :func:`project_topk`.
 
   Returns:
     ``(sparse_params, keep_masks)``. Re-estimate BatchNorm statistics next.
+
+  Raises:
+    RuntimeError: NaN in the prunable weights or scores (outside ``jit``).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from safe_optax import finalize
+    >>> params = {'w': jnp.array([[3., -1.], [0.5, -4.]]), 'b': jnp.array([1., 1.])}
+    >>> sparse, masks = finalize(params, 0.5)
+    >>> sparse['w'], masks['b']
+    (Array([[ 3.,  0.],
+           [ 0., -4.]], dtype=float32), Array([ True,  True], dtype=bool))
+
+  References:
+    Lee, Lee, Chung, Lee, `SAFE: Finding Sparse and Flat Minima to Improve
+    Pruning`, ICML 2025 (Algorithm 1, final projection).
   """
   sparse, masks = _projection.project_topk(
       params, sparsity, scope=scope, structure=structure, scores=scores, prunable=prunable

@@ -31,6 +31,14 @@ def default_prunable(path: KeyPath, leaf: Any) -> bool:
 
   Biases, normalisation scales and offsets, and scalars are left dense.
 
+  Args:
+    path: the leaf's ``jax.tree_util`` key path (unused by this rule; custom
+      rules may use it, e.g. to keep embeddings dense).
+    leaf: the leaf.
+
+  Returns:
+    Whether the leaf is pruned.
+
   Examples:
     >>> import jax.numpy as jnp
     >>> from safe_optax import default_prunable
@@ -119,11 +127,27 @@ def resolve(tree: Any, prunable: Prunable = None) -> ResolvedLeaves:
 def prunable_mask(tree: Any, prunable: Prunable = None) -> Any:
   """The bool pytree (same structure as ``tree``) of leaves that are pruned.
 
+  Args:
+    tree: any pytree of arrays.
+    prunable: ``None`` for :func:`default_prunable`; a callable
+      ``(key_path, leaf) -> bool``; or a pytree of bools shaped like ``tree``
+      (or a prefix of it).
+
+  Returns:
+    A pytree of Python bools with the structure of ``tree``.
+
+  Raises:
+    TypeError: a selected leaf is not a floating-point array.
+    ValueError: no leaf is selected, or ``prunable`` does not match ``tree``.
+
   Examples:
     >>> import jax.numpy as jnp
     >>> from safe_optax import prunable_mask
     >>> prunable_mask({'w': jnp.ones((2, 3)), 'b': jnp.ones(3)})
     {'b': False, 'w': True}
+    >>> prunable_mask({'embed': jnp.ones((9, 3)), 'w': jnp.ones((3, 3))},
+    ...               lambda path, leaf: path[0].key != 'embed')
+    {'embed': False, 'w': True}
   """
   resolved = resolve(tree, prunable)
   return jax.tree.unflatten(resolved.treedef, list(resolved.flags))

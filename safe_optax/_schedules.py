@@ -61,11 +61,23 @@ def penalty_schedule(
     schedule: ``"constant"``, ``"linear"`` or ``"cosine"``.
     total_steps: ``T``, required for the ramps.
 
+  Returns:
+    A schedule ``step -> lambda_t`` (float32), constant after ``T``.
+
+  Raises:
+    ValueError: unknown ``schedule``, a negative ``penalty``, a ramp without
+      a positive ``total_steps``, or a ramp requested for a schedule.
+
   Examples:
     >>> from safe_optax import penalty_schedule
     >>> lam = penalty_schedule(1e-3, "cosine", total_steps=100)
     >>> float(lam(0)), float(lam(50)), float(lam(100))
     (0.0, 0.0005, 0.001)
+
+  References:
+    Lee, Lee, Chung, Lee, `SAFE: Finding Sparse and Flat Minima to Improve
+    Pruning`, ICML 2025 (§3.5; App. B, hyperparameters; App. F, effect of the
+    penalty schedule).
   """
   if callable(penalty):
     if schedule not in (None, "constant"):
