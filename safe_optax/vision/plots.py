@@ -1,0 +1,68 @@
+"""Matplotlib curves of a vision run: accuracy and distance to the sparsity constraint."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+
+def plot_history(history: Sequence[dict[str, Any]], directory: os.PathLike,
+                 title: str = "") -> list[str]:
+  """Writes ``accuracy.png`` and ``distance.png`` from per-epoch metric records.
+
+  Args:
+    history: the ``metrics.jsonl`` records (``epoch``, ``train_accuracy``,
+      ``test_accuracy``, ``test_accuracy_projected``, ``distance_to_projection``,
+      ``distance_to_z``; missing keys are skipped).
+    directory: where the PNG files go.
+    title: figure title (e.g. the method and sparsity).
+
+  Returns:
+    The paths written.
+  """
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+
+  def series(key):
+    points = [(r["epoch"], r[key]) for r in history if r.get(key) is not None]
+    return [p[0] for p in points], [p[1] for p in points]
+
+  paths = []
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for key, label in (("train_accuracy", "train (running)"), ("test_accuracy", "test, dense x"),
+                     ("test_accuracy_projected", "test, Proj(x) (no BNT)")):
+    xs, ys = series(key)
+    if xs:
+      ax.plot(xs, [100 * y for y in ys], marker="o", label=label)
+  ax.set_xlabel("epoch")
+  ax.set_ylabel("accuracy (%)")
+  ax.set_title(title)
+  ax.grid(alpha=0.3)
+  ax.legend()
+  paths.append(os.path.join(directory, "accuracy.png"))
+  fig.tight_layout()
+  fig.savefig(paths[-1], dpi=100)
+  plt.close(fig)
+
+  fig, ax = plt.subplots(figsize=(6, 4))
+  positive = True
+  for key, label in (("distance_to_projection", "||x - Proj(x)||"),
+                     ("distance_to_z", "||x - z|| (ADMM)")):
+    xs, ys = series(key)
+    if xs:
+      ax.plot(xs, ys, marker="o", label=label)
+      positive = positive and min(ys) > 0
+  ax.set_xlabel("epoch")
+  ax.set_ylabel("distance")
+  # A persistent mask (GMP) reaches distance 0, which a log axis cannot show.
+  ax.set_yscale("log" if positive else "linear")
+  ax.set_title(title)
+  ax.grid(alpha=0.3)
+  ax.legend()
+  paths.append(os.path.join(directory, "distance.png"))
+  fig.tight_layout()
+  fig.savefig(paths[-1], dpi=100)
+  plt.close(fig)
+  return paths
