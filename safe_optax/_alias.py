@@ -162,9 +162,10 @@ def safe_plus(
       probe per dual update; costs a Hessian-vector product then),
       ``"magnitude"`` (plain SAFE), or a callable ``SaliencyInputs -> scores``
       such as :func:`safe_optax.wanda_saliency`.
-    penalty_schedule, total_steps, rho, dual_every, momentum, nesterov,
-      weight_decay, scope, structure, prunable, adaptive, decoupled_penalty,
-      seed: as in :func:`safe`.
+    penalty_schedule, total_steps, rho, dual_every: as in :func:`safe`.
+    momentum, nesterov, weight_decay: as in :func:`safe`.
+    scope, structure, prunable: as in :func:`safe`.
+    adaptive, decoupled_penalty, seed: as in :func:`safe`.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs`; ``update`` needs
@@ -224,8 +225,10 @@ def admm(
     learning_rate, sparsity, penalty: as in :func:`safe`.
     penalty_schedule: ``"constant"`` (default), ``"linear"`` or
       ``"cosine"``; ``None`` when ``penalty`` is a schedule.
-    total_steps, dual_every, momentum, nesterov, weight_decay, scope,
-      structure, prunable, decoupled_penalty, seed: as in :func:`safe`.
+    total_steps, dual_every: as in :func:`safe`.
+    momentum, nesterov, weight_decay: as in :func:`safe`.
+    scope, structure, prunable: as in :func:`safe`.
+    decoupled_penalty, seed: as in :func:`safe`.
     scores: optional SAFE+-style saliency for the projection, as in
       :func:`safe_plus` (``None``: magnitude).
 
@@ -283,10 +286,12 @@ def safe_sg(
   Costs a third gradient per step; ``grad_fn`` is called with step 1 for it.
 
   Args:
-    learning_rate, sparsity, penalty, penalty_schedule, total_steps, rho,
-      dual_every, momentum, nesterov, weight_decay, scope, structure,
-      prunable, adaptive, decoupled_penalty, seed: as in :func:`safe`; a
-      sequence ``sparsity`` gives SAFE+SG,Multi.
+    learning_rate, penalty: as in :func:`safe`.
+    sparsity: as in :func:`safe`; a sequence gives SAFE+SG,Multi.
+    penalty_schedule, total_steps, rho, dual_every: as in :func:`safe`.
+    momentum, nesterov, weight_decay: as in :func:`safe`.
+    scope, structure, prunable: as in :func:`safe`.
+    adaptive, decoupled_penalty, seed: as in :func:`safe`.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs`; ``update`` needs
@@ -345,9 +350,9 @@ def safe_multi(
     learning_rate: as in :func:`safe`.
     sparsity_choices: non-empty sequence of target sparsities in ``[0, 1)``;
       one is drawn uniformly at random at every dual update.
-    penalty, penalty_schedule, total_steps, rho, dual_every, momentum,
-      nesterov, weight_decay, scope, structure, prunable, adaptive,
-      decoupled_penalty: as in :func:`safe`.
+    penalty, penalty_schedule, total_steps, rho, dual_every: as in :func:`safe`.
+    momentum, nesterov, weight_decay: as in :func:`safe`.
+    scope, structure, prunable, adaptive, decoupled_penalty: as in :func:`safe`.
     seed: seeds the draws.
 
   Returns:
