@@ -1,0 +1,131 @@
+"""Packaging: one version everywhere, and a wheel + sdist that install and import.
+
+``python -m build`` builds the sdist, then the wheel from the unpacked sdist
+(so a file missing from the sdist breaks the wheel too). The wheel goes into
+a fresh virtual environment that borrows the system site-packages only for
+jax / optax / numpy (no download); the import must come from the wheel.
+"""
+
+import importlib.metadata
+import pathlib
+import re
+import subprocess
+import sys
+import tarfile
+import textwrap
+import zipfile
+
+import pytest
+from packaging.version import Version
+
+import safe_optax
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_version_has_a_single_source():
+  tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+  with open(ROOT / "pyproject.toml", "rb") as f:
+    pyproject = tomllib.load(f)
+  project = pyproject["project"]
+  assert "version" not in project and "version" in project["dynamic"]
+  assert pyproject["tool"]["setuptools"]["dynamic"]["version"] == {
+      "attr": "safe_optax.__version__"}
+  Version(safe_optax.__version__)  # raises for a non-PEP 440 version
+  assert importlib.metadata.version("safe-optax") == safe_optax.__version__
+
+
+def test_changelog_has_a_section_for_this_version():
+  changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+  headings = re.findall(r"^## \[([^\]]+)\]", changelog, flags=re.M)
+  assert headings, "CHANGELOG.md has no '## [version]' sections"
+  version = Version(safe_optax.__version__)
+  if version.is_prerelease or version.is_devrelease:
+    assert headings[0] == "Unreleased"
+    assert safe_optax.__version__ in changelog
+  else:
+    assert safe_optax.__version__ in headings
+  # Keep a Changelog: every released section is dated, newest first.
+  released = re.findall(r"^## \[([^\]]+)\] - (\d{4}-\d{2}-\d{2})$", changelog, flags=re.M)
+  assert [Version(v) for v, _ in released] == sorted(
+      (Version(v) for v, _ in released), reverse=True)
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory):
+  pytest.importorskip("build")
+  out = tmp_path_factory.mktemp("dist")
+  # --no-isolation: the build backend (setuptools, wheel; in the dev extra) is
+  # already installed, so nothing is downloaded and the test stays fast.
+  proc = subprocess.run(
+      [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(ROOT)],
+      capture_output=True, text=True, timeout=300, check=False,
+  )
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  return out
+
+
+def test_build_produces_wheel_and_sdist(dist):
+  version = safe_optax.__version__
+  (wheel,) = dist.glob("*.whl")
+  (sdist,) = dist.glob("*.tar.gz")
+  assert wheel.name.startswith(f"safe_optax-{version}-") and wheel.name.endswith("-none-any.whl")
+  assert sdist.name == f"safe_optax-{version}.tar.gz"
+  with zipfile.ZipFile(wheel) as zf:
+    names = set(zf.namelist())
+    metadata = zf.read(f"safe_optax-{version}.dist-info/METADATA").decode()
+  for module in ("__init__.py", "_projection.py", "_alias.py", "py.typed", "flax_utils.py",
+                 "vision/models.py"):
+    assert f"safe_optax/{module}" in names, module
+  assert not any(n.startswith(("tests/", "benchmarks/", "docs/", "notebooks/")) for n in names)
+  assert f"Version: {version}" in metadata
+  assert "Provides-Extra: docs" in metadata
+  with tarfile.open(sdist) as tf:
+    members = {m.name.split("/", 1)[1] for m in tf.getmembers() if "/" in m.name}
+  assert {"pyproject.toml", "README.md", "safe_optax/__init__.py"} <= members
+
+
+def test_wheel_installs_and_imports_in_a_fresh_venv(dist, tmp_path):
+  (wheel,) = dist.glob("*.whl")
+  venv = tmp_path / "venv"
+  subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip",
+                  str(venv)], check=True, timeout=120)
+  python = venv / "bin" / "python"
+  # The outer pip installs into the venv (--python); --no-deps/--no-index: the
+  # dependencies come from the borrowed system site-packages, nothing is fetched.
+  proc = subprocess.run(
+      [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
+       "--no-index", "--force-reinstall", "--no-warn-conflicts", str(wheel)],
+      capture_output=True, text=True, timeout=300, check=False,
+  )
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  smoke = textwrap.dedent("""
+      import importlib.metadata, json, pathlib, sys
+      import jax.numpy as jnp
+      import safe_optax
+      sparse, masks = safe_optax.project_topk({'w': jnp.array([[3., -1.], [0.5, -4.]])}, 0.5)
+      tx = safe_optax.safe(0.1, 0.5, penalty=1e-3, total_steps=10)
+      print(json.dumps({
+          "file": safe_optax.__file__, "prefix": sys.prefix,
+          "version": safe_optax.__version__,
+          "dist_version": importlib.metadata.version("safe-optax"),
+          "kept": int(masks['w'].sum()), "w": sparse['w'].tolist(),
+          "n_all": len(safe_optax.__all__),
+          "typed": (pathlib.Path(safe_optax.__file__).parent / "py.typed").is_file(),
+      }))
+  """)
+  # Run outside the checkout so the working tree is not importable from the cwd.
+  proc = subprocess.run([str(python), "-c", smoke], capture_output=True, text=True,
+                        cwd=tmp_path, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  import json  # pylint: disable=import-outside-toplevel
+
+  info = json.loads(proc.stdout.strip().splitlines()[-1])
+  site = pathlib.Path(info["file"]).resolve()
+  assert pathlib.Path(info["prefix"]).resolve() == venv.resolve()
+  assert venv.resolve() in site.parents, f"imported from {site}, not the wheel"
+  assert ROOT not in site.parents
+  assert info["version"] == info["dist_version"] == safe_optax.__version__
+  assert info["kept"] == 2 and info["w"] == [[3.0, 0.0], [0.0, -4.0]]
+  assert info["n_all"] == len(safe_optax.__all__) and info["typed"]
+  assert (venv / "bin" / "safe-optax-demo").is_file()  # the console script entry point
