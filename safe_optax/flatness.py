@@ -13,8 +13,9 @@ measurable for any model:
 * :func:`filter_normalized_direction`, :func:`loss_line` and
   :func:`loss_surface`: 1D and 2D loss landscapes along random
   filter-normalised directions (Li et al., 2018);
-* :func:`save_weight_histograms`: weight distributions (dense vs sparse) as a
-  PNG (matplotlib, imported only when called).
+* :func:`plot_weight_histograms` / :func:`save_weight_histograms`: weight
+  distributions (dense vs sparse), a PNG with matplotlib (imported only when
+  called).
 
 Conventions: ``loss_fn(params, batch) -> scalar`` is the mean loss of one
 batch; ``batches`` is a non-empty sequence of batches with identical shapes
@@ -73,6 +74,7 @@ __all__ = (
     "loss_surface",
     "max_hessian_eigenvalue",
     "mean_loss",
+    "plot_weight_histograms",
     "save_weight_histograms",
     "support_mask",
 )
@@ -498,32 +500,29 @@ def loss_surface(loss_fn: LossFn, params: Any, batches: Sequence[Any],
   return values.reshape(len(ys), len(xs))
 
 
-def save_weight_histograms(
+def plot_weight_histograms(
+    ax: Any,
     named_params: Mapping[str, Any],
-    path: os.PathLike,
     *,
     prunable: _prunable.Prunable = None,
     bins: int = 100,
     value_range: Optional[tuple[float, float]] = None,
     title: str = "Prunable weights",
 ) -> None:
-  """Saves overlaid histograms of the prunable weights of several models (PNG).
+  """Draws overlaid histograms of the prunable weights of several models on ``ax``.
 
   One histogram per model (e.g. ``{'dense': ..., 'SAFE': ..., 'ADMM': ...}``),
   log-scaled counts so the exact zeros of a sparse model and the tails stay
-  visible. matplotlib is imported here, not with the module.
+  visible; the legend gives each model's fraction of zeros.
 
   Args:
+    ax: a matplotlib ``Axes``.
     named_params: ``{label: params}``.
-    path: output file (``.png``).
     prunable: which leaves are weights (default: ndim >= 2).
     bins: number of bins.
     value_range: histogram range; default: the range of all weights.
     title: axes title.
   """
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
 
   if not named_params:
@@ -536,7 +535,6 @@ def save_weight_histograms(
   if value_range is None:
     value_range = (min(float(v.min()) for v in values.values()),
                    max(float(v.max()) for v in values.values()))
-  fig, ax = plt.subplots(figsize=(5, 3.5))
   for label, v in values.items():
     ax.hist(v, bins=bins, range=value_range, histtype="step", log=True,
             label=f"{label} ({np.mean(v == 0):.0%} zeros)")
@@ -544,6 +542,26 @@ def save_weight_histograms(
   ax.set_ylabel("count (log)")
   ax.set_title(title)
   ax.legend(fontsize="small")
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+
+
+def save_weight_histograms(named_params: Mapping[str, Any], path: os.PathLike,
+                           **kwargs: Any) -> None:
+  """Saves :func:`plot_weight_histograms` as an image (PNG); matplotlib is imported here.
+
+  Args:
+    named_params: ``{label: params}``.
+    path: output file (``.png``).
+    **kwargs: ``prunable``, ``bins``, ``value_range``, ``title`` of
+      :func:`plot_weight_histograms`.
+  """
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+
+  fig, ax = plt.subplots(figsize=(5, 3.5))
+  try:
+    plot_weight_histograms(ax, named_params, **kwargs)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+  finally:
+    plt.close(fig)
