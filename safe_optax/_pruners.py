@@ -80,7 +80,8 @@ def polynomial_sparsity(
 
   Returns:
     An ``optax.Schedule`` returning a float32 scalar; jit-friendly (traced
-    steps work) and exactly ``float32(final_sparsity)`` from ``end_step`` on.
+    steps work), exactly ``float32(initial_sparsity)`` up to ``begin_step``
+    and ``float32(final_sparsity)`` from ``end_step`` on.
 
   Examples:
     >>> from safe_optax import polynomial_sparsity
@@ -116,10 +117,15 @@ def polynomial_sparsity(
     on_grid = begin + ((t - begin) // every) * every
     tau = jnp.where(t >= end, end, on_grid)
     remaining = 1.0 - (tau - begin).astype(jnp.float32) / jnp.float32(end - begin)
-    value = final + (initial - final) * remaining ** jnp.float32(power)
-    # At and after end_step the ramp term is 0; select the constant so the
-    # value is bit-exact float32(final_sparsity) (exact keep counts).
-    return jnp.where(t >= end, jnp.float32(final), value).astype(jnp.float32)
+    # An integer power is a product (lax.integer_pow): the same bits eager and jitted.
+    ramp = remaining ** int(power) if float(power).is_integer() else remaining ** float(power)
+    value = final + (initial - final) * ramp
+    # Constants at both ends, so the values there are bit-exact float32(initial /
+    # final_sparsity) (exact keep counts), and a clip so float rounding near the
+    # ends cannot break monotonicity by an ulp.
+    value = jnp.clip(value.astype(jnp.float32), jnp.float32(initial), jnp.float32(final))
+    value = jnp.where(tau <= begin, jnp.float32(initial), value)
+    return jnp.where(t >= end, jnp.float32(final), value)
 
   return schedule
 
@@ -192,7 +198,9 @@ def magnitude_pruning(
   Args:
     sparsity: fraction of prunable weights to zero, in ``[0, 1)``, or a
       schedule ``step -> sparsity`` (evaluated at mask updates only). May be
-      traced (``optax.inject_hyperparams``). ``None`` only for ``NM``.
+      traced: with ``optax.inject_hyperparams`` and low-precision params pass
+      ``hyperparam_dtype=jnp.float32`` (bf16 would round 0.9 to 0.8984).
+      ``None`` only for ``NM``.
     update_every: :math:`\Delta \ge 1`, steps between mask updates.
     scope, structure, prunable: as in :func:`safe_optax.project_topk`
       (``scope`` is ignored with a ``structure``).
