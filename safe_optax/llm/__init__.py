@@ -1,0 +1,7 @@
+"""LLM post-training pruning: block-wise SAFE / SAFE+, magnitude, Wanda, SparseGPT.
+
+Flax-examples layout: ``model.py`` (LLaMA decoder), ``checkpoints.py``
+(safetensors / GGUF loaders, safetensors export), ``data.py`` (calibration
+and perplexity windows), ``prune.py`` (the sequential block engine), ``cli.py``
+(the ``safe-optax-llm`` command). Needs the ``llm`` extra.
+"""

@@ -1,0 +1,345 @@
+"""Load LLaMA-family checkpoints (safetensors folders, GGUF files) and export to safetensors.
+
+* A Hugging Face folder: ``config.json`` plus ``*.safetensors`` with LLaMA /
+  SmolLM / Mistral names (``model.layers.{i}.self_attn.q_proj.weight``, ...),
+  and ``tokenizer.json``. Linear weights are stored ``(out, in)`` there and
+  transposed to Flax ``(in, out)`` kernels here. RoPE layout ``"half"``.
+* A GGUF file (llama.cpp), dequantised to float32 by PyPI ``gguf``. GGUF
+  permutes the Q/K rows of each head for the interleaved-pair RoPE, so the
+  model is built with ``rope_layout="interleaved"`` and the weights are used
+  as stored. The tokenizer is rebuilt from the file's BPE metadata.
+* :func:`save_safetensors` writes a Hugging Face folder (``"half"`` layout,
+  Q/K rows un-permuted if needed) that :func:`load_safetensors` reads back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from typing import Any, Optional
+
+import jax
+import numpy as np
+
+from safe_optax.llm import model as model_lib
+
+# Hugging Face name (inside model.layers.{i}.) -> (Flax module path in a block).
+_HF_LINEARS = {
+    "self_attn.q_proj": ("self_attn", "q_proj"),
+    "self_attn.k_proj": ("self_attn", "k_proj"),
+    "self_attn.v_proj": ("self_attn", "v_proj"),
+    "self_attn.o_proj": ("self_attn", "o_proj"),
+    "mlp.gate_proj": ("mlp", "gate_proj"),
+    "mlp.up_proj": ("mlp", "up_proj"),
+    "mlp.down_proj": ("mlp", "down_proj"),
+}
+_HF_NORMS = {"input_layernorm": "input_layernorm",
+             "post_attention_layernorm": "post_attention_layernorm"}
+_GGUF_LINEARS = {
+    "attn_q": ("self_attn", "q_proj"), "attn_k": ("self_attn", "k_proj"),
+    "attn_v": ("self_attn", "v_proj"), "attn_output": ("self_attn", "o_proj"),
+    "ffn_gate": ("mlp", "gate_proj"), "ffn_up": ("mlp", "up_proj"),
+    "ffn_down": ("mlp", "down_proj"),
+}
+_GGUF_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+
+
+def _missing(path: pathlib.Path, what: str) -> FileNotFoundError:
+  return FileNotFoundError(f"{what} not found at '{path}'.")
+
+
+def _config_from_hf(raw: dict[str, Any], path: pathlib.Path) -> model_lib.LlamaConfig:
+  required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads")
+  absent = [key for key in required if key not in raw]
+  if absent:
+    raise ValueError(f"'{path}' lacks {absent}; is this a LLaMA-family config.json?")
+  return model_lib.LlamaConfig(
+      vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
+      intermediate_size=raw["intermediate_size"], num_layers=raw["num_hidden_layers"],
+      num_heads=raw["num_attention_heads"],
+      num_kv_heads=raw.get("num_key_value_heads", raw["num_attention_heads"]),
+      head_dim=raw.get("head_dim"), rope_base=float(raw.get("rope_theta", 10000.0)),
+      rope_layout="half", rms_eps=float(raw.get("rms_norm_eps", 1e-5)),
+      tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+  )
+
+
+def _empty_params(config: model_lib.LlamaConfig) -> dict[str, Any]:
+  return {f"layers_{i}": {"self_attn": {}, "mlp": {}} for i in range(config.num_layers)}
+
+
+def _check_shapes(params: dict[str, Any], config: model_lib.LlamaConfig, source: str) -> None:
+  """Compares every loaded array against the shapes the config implies."""
+  expected = jax.eval_shape(lambda: model_lib.init_params(config))
+  flat_expected = _flatten(expected)
+  flat = _flatten(params)
+  missing = sorted(set(flat_expected) - set(flat))
+  extra = sorted(set(flat) - set(flat_expected))
+  if missing or extra:
+    raise ValueError(
+        f"{source}: tensors do not match the config: missing {missing[:6]}, "
+        f"unexpected {extra[:6]}.")
+  for key, spec in flat_expected.items():
+    if tuple(flat[key].shape) != tuple(spec.shape):
+      raise ValueError(
+          f"{source}: '{'/'.join(key)}' has shape {tuple(flat[key].shape)} but the config "
+          f"implies {tuple(spec.shape)}.")
+
+
+def _flatten(tree: dict[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+  flat = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      flat.update(_flatten(value, prefix + (key,)))
+    else:
+      flat[prefix + (key,)] = value
+  return flat
+
+
+def load_safetensors(path: os.PathLike) -> tuple[model_lib.LlamaConfig, dict[str, Any]]:
+  """Reads a Hugging Face LLaMA-family folder into ``(config, params)`` (float32).
+
+  Args:
+    path: folder with ``config.json`` and one or more ``*.safetensors`` files.
+
+  Returns:
+    The :class:`~safe_optax.llm.model.LlamaConfig` and Flax parameters.
+  """
+  from safetensors.numpy import load_file  # pylint: disable=import-outside-toplevel
+
+  path = pathlib.Path(path)
+  if not path.is_dir():
+    raise _missing(path, "checkpoint folder (config.json + *.safetensors)")
+  if not (path / "config.json").is_file():
+    raise _missing(path / "config.json", "config.json")
+  config = _config_from_hf(json.loads((path / "config.json").read_text()), path / "config.json")
+  files = sorted(path.glob("*.safetensors"))
+  if not files:
+    raise _missing(path / "*.safetensors", "safetensors weights")
+  tensors: dict[str, np.ndarray] = {}
+  for file in files:
+    tensors.update(load_file(str(file)))
+  params = _empty_params(config)
+  unknown = []
+  for name, value in tensors.items():
+    value = np.asarray(value, np.float32)
+    parts = name.split(".")
+    if name == "model.embed_tokens.weight":
+      params["embed_tokens"] = {"embedding": value}
+    elif name == "model.norm.weight":
+      params["norm"] = {"scale": value}
+    elif name == "lm_head.weight":
+      if not config.tie_embeddings:
+        params["lm_head"] = {"kernel": value.T}
+    elif name.startswith("model.layers.") and len(parts) >= 5 and parts[2].isdigit():
+      block = params.setdefault(f"layers_{parts[2]}", {"self_attn": {}, "mlp": {}})
+      inner = ".".join(parts[3:-1])
+      if inner in _HF_LINEARS and parts[-1] == "weight":
+        group, linear = _HF_LINEARS[inner]
+        block[group][linear] = {"kernel": value.T}
+      elif inner in _HF_NORMS and parts[-1] == "weight":
+        block[_HF_NORMS[inner]] = {"scale": value}
+      elif "rotary_emb" not in inner:
+        unknown.append(name)
+    else:
+      unknown.append(name)
+  if unknown:
+    raise ValueError(f"'{path}': unexpected tensors for a LLaMA-family model: {unknown[:6]}.")
+  _check_shapes(params, config, str(path))
+  return config, params
+
+
+def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
+  field = reader.fields.get(key)
+  if field is None:
+    return default
+  return field.contents()
+
+
+def load_gguf(path: os.PathLike) -> tuple[model_lib.LlamaConfig, dict[str, Any]]:
+  """Reads a llama.cpp GGUF file (architecture ``llama``), dequantised to float32.
+
+  The Q/K weights keep GGUF's row order, so the config says
+  ``rope_layout="interleaved"``.
+  """
+  import gguf  # pylint: disable=import-outside-toplevel
+
+  path = pathlib.Path(path)
+  if not path.is_file():
+    raise _missing(path, "GGUF file")
+  reader = gguf.GGUFReader(str(path))
+  arch = _gguf_field(reader, "general.architecture")
+  if arch != "llama":
+    raise ValueError(f"'{path}': general.architecture is {arch!r}; only 'llama' is supported.")
+  names = {t.name for t in reader.tensors}
+  hidden = int(_gguf_field(reader, "llama.embedding_length"))
+  heads = int(_gguf_field(reader, "llama.attention.head_count"))
+  rope_dim = _gguf_field(reader, "llama.rope.dimension_count")
+  tokens = _gguf_field(reader, "tokenizer.ggml.tokens")
+  vocab = _gguf_field(reader, "llama.vocab_size", len(tokens) if tokens else None)
+  config = model_lib.LlamaConfig(
+      vocab_size=int(vocab), hidden_size=hidden,
+      intermediate_size=int(_gguf_field(reader, "llama.feed_forward_length")),
+      num_layers=int(_gguf_field(reader, "llama.block_count")), num_heads=heads,
+      num_kv_heads=int(_gguf_field(reader, "llama.attention.head_count_kv", heads)),
+      head_dim=None if rope_dim is None or int(rope_dim) == hidden // heads else int(rope_dim),
+      rope_base=float(_gguf_field(reader, "llama.rope.freq_base", 10000.0)),
+      rope_layout="interleaved",
+      rms_eps=float(_gguf_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+      tie_embeddings="output.weight" not in names,
+  )
+  params = _empty_params(config)
+  unknown = []
+  for tensor in reader.tensors:
+    # gguf gives numpy (out, in) order; dequantize handles F32/F16 as well.
+    value = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), np.float32)
+    parts = tensor.name.split(".")
+    if tensor.name == "token_embd.weight":
+      params["embed_tokens"] = {"embedding": value}
+    elif tensor.name == "output_norm.weight":
+      params["norm"] = {"scale": value}
+    elif tensor.name == "output.weight":
+      params["lm_head"] = {"kernel": value.T}
+    elif parts[0] == "blk" and len(parts) == 4 and parts[3] == "weight":
+      block = params[f"layers_{parts[1]}"]
+      if parts[2] in _GGUF_LINEARS:
+        group, linear = _GGUF_LINEARS[parts[2]]
+        block[group][linear] = {"kernel": value.T}
+      elif parts[2] in _GGUF_NORMS:
+        block[_GGUF_NORMS[parts[2]]] = {"scale": value}
+      else:
+        unknown.append(tensor.name)
+    elif tensor.name != "rope_freqs.weight":
+      unknown.append(tensor.name)
+  if unknown:
+    raise ValueError(f"'{path}': unexpected tensors for a llama GGUF: {unknown[:6]}.")
+  _check_shapes(params, config, str(path))
+  return config, params
+
+
+def load_model(path: os.PathLike) -> tuple[model_lib.LlamaConfig, dict[str, Any]]:
+  """Loads a safetensors folder or a ``.gguf`` file (by what ``path`` is)."""
+  path = pathlib.Path(path)
+  if path.is_dir():
+    return load_safetensors(path)
+  if path.is_file() and path.suffix == ".gguf":
+    return load_gguf(path)
+  if path.exists():
+    raise ValueError(
+        f"--model '{path}' must be a folder (config.json + *.safetensors) or a .gguf file.")
+  raise _missing(path, "model (a safetensors folder or a .gguf file)")
+
+
+def tokenizer_from_gguf(path: os.PathLike) -> Any:
+  """Rebuilds the byte-level BPE tokenizer stored in a GGUF file's metadata."""
+  import gguf  # pylint: disable=import-outside-toplevel
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # pylint: disable=import-outside-toplevel
+
+  reader = gguf.GGUFReader(str(path))
+  kind = _gguf_field(reader, "tokenizer.ggml.model")
+  if kind != "gpt2":
+    raise ValueError(f"'{path}': tokenizer.ggml.model is {kind!r}; only byte-level BPE "
+                     "('gpt2') is supported.")
+  tokens = list(_gguf_field(reader, "tokenizer.ggml.tokens"))
+  merges = [tuple(m.split(" ", 1)) for m in _gguf_field(reader, "tokenizer.ggml.merges", [])]
+  vocab = {token: i for i, token in enumerate(tokens)}
+  tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+  byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+  if _gguf_field(reader, "tokenizer.ggml.pre") == "smollm":
+    # SmolLM's tokenizer.json splits digits one by one before the GPT-2 regex.
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), byte_level])
+  else:
+    tokenizer.pre_tokenizer = byte_level
+  tokenizer.decoder = decoders.ByteLevel()
+  special = [t for t, kind in zip(tokens, _gguf_field(reader, "tokenizer.ggml.token_type", []))
+             if kind == 3]
+  tokenizer.add_special_tokens(special)
+  return tokenizer
+
+
+def load_tokenizer(path: os.PathLike) -> Any:
+  """The ``tokenizers.Tokenizer`` of a checkpoint: ``tokenizer.json`` or GGUF metadata."""
+  from tokenizers import Tokenizer  # pylint: disable=import-outside-toplevel
+
+  path = pathlib.Path(path)
+  if path.is_dir():
+    if not (path / "tokenizer.json").is_file():
+      raise _missing(path / "tokenizer.json", "tokenizer.json")
+    return Tokenizer.from_file(str(path / "tokenizer.json"))
+  if path.is_file() and path.suffix == ".gguf":
+    return tokenizer_from_gguf(path)
+  raise _missing(path, "tokenizer (a folder with tokenizer.json or a .gguf file)")
+
+
+def interleaved_to_half(kernel: np.ndarray, head_dim: int) -> np.ndarray:
+  """Reorders a Q/K ``(in, heads * head_dim)`` kernel from interleaved to half RoPE order.
+
+  Within each head, output ``2i`` moves to ``i`` and ``2i + 1`` to
+  ``i + head_dim / 2`` (the inverse of llama.cpp's conversion permutation).
+  """
+  rows = kernel.shape[0]
+  heads = kernel.shape[1] // head_dim
+  return (kernel.reshape(rows, heads, head_dim // 2, 2).swapaxes(2, 3)
+          .reshape(rows, heads * head_dim))
+
+
+def half_to_interleaved(kernel: np.ndarray, head_dim: int) -> np.ndarray:
+  """Inverse of :func:`interleaved_to_half` (what llama.cpp's converter does)."""
+  rows = kernel.shape[0]
+  heads = kernel.shape[1] // head_dim
+  return (kernel.reshape(rows, heads, 2, head_dim // 2).swapaxes(2, 3)
+          .reshape(rows, heads * head_dim))
+
+
+def save_safetensors(
+    path: os.PathLike,
+    config: model_lib.LlamaConfig,
+    params: dict[str, Any],
+    tokenizer: Optional[Any] = None,
+) -> pathlib.Path:
+  """Writes a Hugging Face LLaMA folder: ``config.json``, ``model.safetensors``, tokenizer.
+
+  Interleaved-layout Q/K kernels are reordered to the Hugging Face layout
+  (a row permutation, so sparsity and N:M groups along the input dimension
+  are unchanged).
+
+  Returns:
+    The folder.
+  """
+  from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
+
+  path = pathlib.Path(path)
+  path.mkdir(parents=True, exist_ok=True)
+  tensors = {
+      "model.embed_tokens.weight": np.asarray(params["embed_tokens"]["embedding"], np.float32),
+      "model.norm.weight": np.asarray(params["norm"]["scale"], np.float32),
+  }
+  if not config.tie_embeddings:
+    tensors["lm_head.weight"] = np.asarray(params["lm_head"]["kernel"], np.float32).T
+  hf_names = {v: k for k, v in _HF_LINEARS.items()}
+  for i in range(config.num_layers):
+    block = params[f"layers_{i}"]
+    for (group, linear), hf in hf_names.items():
+      kernel = np.asarray(block[group][linear]["kernel"], np.float32)
+      if config.rope_layout == "interleaved" and linear in ("q_proj", "k_proj"):
+        kernel = interleaved_to_half(kernel, config.dim_per_head)
+      tensors[f"model.layers.{i}.{hf}.weight"] = np.ascontiguousarray(kernel.T)
+    for hf, name in _HF_NORMS.items():
+      tensors[f"model.layers.{i}.{hf}.weight"] = np.asarray(block[name]["scale"], np.float32)
+  save_file(tensors, str(path / "model.safetensors"))
+  hf_config = {
+      "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+      "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+      "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_layers,
+      "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
+      "head_dim": config.dim_per_head, "rope_theta": config.rope_base,
+      "rms_norm_eps": config.rms_eps, "tie_word_embeddings": config.tie_embeddings,
+      "hidden_act": "silu", "torch_dtype": "float32",
+  }
+  (path / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+  if tokenizer is not None:
+    tokenizer.save(str(path / "tokenizer.json"))
+  return path

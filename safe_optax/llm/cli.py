@@ -1,0 +1,188 @@
+"""The ``safe-optax-llm`` command: prune a LLaMA-family checkpoint, or measure perplexity.
+
+::
+
+  safe-optax-llm prune --model PATH --method safe-plus --sparsity 0.5 [--nm 2:4] \\
+      --calib FILE --nsamples 128 --seqlen 2048 --out DIR [--eval FILE ...]
+  safe-optax-llm ppl --model PATH --text FILE --seqlen 2048 [--max-tokens N]
+
+``--model`` is a Hugging Face folder (``config.json``, ``*.safetensors``,
+``tokenizer.json``) or a ``.gguf`` file. ``prune`` writes ``DIR`` as a
+safetensors folder plus ``report.json`` (arguments, per-block seconds and
+reconstruction errors, sparsity report, perplexities, package versions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import pathlib
+import platform
+import sys
+import time
+from typing import Any, Optional, Sequence
+
+import jax
+import numpy as np
+
+import safe_optax
+from safe_optax._prunable import path_str
+from safe_optax.llm import checkpoints
+from safe_optax.llm import data
+from safe_optax.llm import model as model_lib
+from safe_optax.llm import prune as prune_lib
+
+
+def versions() -> dict[str, str]:
+  """Versions of the packages a result depends on."""
+  out = {"python": platform.python_version(), "safe_optax": safe_optax.__version__,
+         "jax": jax.__version__, "backend": jax.default_backend()}
+  for name in ("optax", "flax", "numpy", "safetensors", "gguf", "tokenizers"):
+    try:
+      out[name] = __import__(name).__version__
+    except (ImportError, AttributeError):
+      out[name] = "missing"
+  return out
+
+
+def parse_nm(text: Optional[str]) -> Optional[tuple[int, int]]:
+  """``"2:4"`` -> ``(2, 4)``; raises ``argparse.ArgumentTypeError`` on bad input."""
+  if text is None:
+    return None
+  try:
+    n, m = (int(part) for part in text.split(":"))
+  except ValueError as err:
+    raise argparse.ArgumentTypeError(f"--nm must look like N:M (e.g. 2:4), got {text!r}") from err
+  if not 1 <= n < m:
+    raise argparse.ArgumentTypeError(f"--nm needs 1 <= N < M, got {text!r}")
+  return n, m
+
+
+@functools.lru_cache(maxsize=4)
+def _apply_fn(config: model_lib.LlamaConfig):
+  """One jitted forward per architecture, shared by every evaluation of a session."""
+  return jax.jit(model_lib.Llama(config).apply)
+
+
+def evaluate(config: model_lib.LlamaConfig, params: Any, tokenizer: Any, text_path: str,
+             seqlen: int, max_tokens: Optional[int]) -> dict[str, Any]:
+  """Perplexity of the model on the first ``max_tokens`` tokens of a text."""
+  apply = _apply_fn(config)
+  logits_fn = lambda t: apply({"params": params}, t)
+  # Tokenising only a prefix keeps a long text cheap; 8 characters per token is ample.
+  max_chars = None if max_tokens is None else 8 * max_tokens + 1000
+  tokens = data.tokenize(tokenizer, data.read_text(text_path), max_chars=max_chars)
+  windows = data.eval_windows(tokens, seqlen, max_tokens)
+  start = time.perf_counter()
+  ppl, nll = data.perplexity(logits_fn, windows)
+  return {"text": str(text_path), "seqlen": seqlen, "tokens": int(windows.size),
+          "windows": int(windows.shape[0]), "perplexity": ppl, "mean_nll": nll,
+          "seconds": time.perf_counter() - start}
+
+
+def _prune(args: argparse.Namespace) -> dict[str, Any]:
+  config, params = checkpoints.load_model(args.model)
+  if args.dtype:
+    config = dataclasses.replace(config, dtype=args.dtype)
+  tokenizer = checkpoints.load_tokenizer(args.model)
+  cfg = prune_lib.PruneConfig(
+      method=args.method, sparsity=args.sparsity, nm=args.nm, epochs=args.epochs,
+      batch_size=args.batch_size, learning_rate=args.lr, warmup_epochs=args.warmup_epochs,
+      rho=args.rho, penalty=args.penalty, dual_every=args.dual_every, seed=args.seed)
+  calib_tokens = data.tokenize(tokenizer, data.read_text(args.calib))
+  calibration = data.calibration_windows(calib_tokens, args.nsamples, args.seqlen, args.seed)
+  if calibration.max() >= config.vocab_size:
+    raise ValueError(f"the tokenizer yields ids up to {calibration.max()} but the model's "
+                     f"vocab_size is {config.vocab_size}: mismatched tokenizer and config.")
+  start = time.perf_counter()
+  pruned, prune_report = prune_lib.prune_model(config, params, calibration, cfg,
+                                               progress=not args.quiet)
+  total = time.perf_counter() - start
+  # Only the blocks' matrices are pruned; the embedding (and untied head) stay dense.
+  sparsity = safe_optax.sparsity_report(
+      pruned, prunable=lambda path, leaf: "layers_" in path_str(path) and leaf.ndim == 2)
+  out = checkpoints.save_safetensors(args.out, config, pruned, tokenizer)
+  report = {
+      "command": args.command_line,
+      "args": {k: v for k, v in vars(args).items() if k not in ("func", "command_line")},
+      "prune_config": dataclasses.asdict(cfg),
+      "calibration": {"text": str(args.calib), "nsamples": args.nsamples,
+                      "seqlen": args.seqlen, "seed": args.seed},
+      "seconds_total": total, **prune_report,
+      "sparsity": {"prunable": sparsity.sparsity, "overall": sparsity.overall_sparsity},
+      "eval": [evaluate(config, pruned, tokenizer, text, args.eval_seqlen, args.eval_tokens)
+               for text in args.eval or []],
+      "versions": versions(),
+  }
+  (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+  return report
+
+
+def _ppl(args: argparse.Namespace) -> dict[str, Any]:
+  config, params = checkpoints.load_model(args.model)
+  if args.dtype:
+    config = dataclasses.replace(config, dtype=args.dtype)
+  tokenizer = checkpoints.load_tokenizer(args.model)
+  result = evaluate(config, params, tokenizer, args.text, args.seqlen, args.max_tokens)
+  result.update(model=str(args.model), dtype=config.dtype, versions=versions())
+  if args.json:
+    pathlib.Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+  return result
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="safe-optax-llm", description=__doc__.split("\n")[0])
+  sub = parser.add_subparsers(dest="command", required=True)
+  p = sub.add_parser("prune", help="prune a checkpoint block by block")
+  p.add_argument("--model", required=True, help="safetensors folder or .gguf file")
+  p.add_argument("--method", required=True, choices=prune_lib.METHODS)
+  p.add_argument("--sparsity", type=float, default=0.5)
+  p.add_argument("--nm", type=parse_nm, default=None, help="N:M along the input dim, e.g. 2:4")
+  p.add_argument("--calib", required=True, help="calibration text file or folder")
+  p.add_argument("--nsamples", type=int, default=128)
+  p.add_argument("--seqlen", type=int, default=2048)
+  p.add_argument("--out", required=True, help="output folder (safetensors + report.json)")
+  p.add_argument("--epochs", type=int, default=30)
+  p.add_argument("--batch-size", type=int, default=8)
+  p.add_argument("--lr", type=float, default=2e-4)
+  p.add_argument("--warmup-epochs", type=int, default=2)
+  p.add_argument("--rho", type=float, default=2e-4)
+  p.add_argument("--penalty", type=float, default=1e-3)
+  p.add_argument("--dual-every", type=int, default=32)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--dtype", choices=tuple(model_lib.DTYPES), default=None)
+  p.add_argument("--eval", action="append", help="text to report perplexity on (repeatable)")
+  p.add_argument("--eval-seqlen", type=int, default=512)
+  p.add_argument("--eval-tokens", type=int, default=None)
+  p.add_argument("--quiet", action="store_true", help="no progress bar")
+  p.set_defaults(func=_prune)
+  q = sub.add_parser("ppl", help="perplexity of a checkpoint on a text")
+  q.add_argument("--model", required=True)
+  q.add_argument("--text", required=True)
+  q.add_argument("--seqlen", type=int, default=2048)
+  q.add_argument("--max-tokens", type=int, default=None)
+  q.add_argument("--dtype", choices=tuple(model_lib.DTYPES), default=None)
+  q.add_argument("--json", default=None, help="also write the result here")
+  q.set_defaults(func=_ppl)
+  return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  """Entry point of ``safe-optax-llm``; prints the JSON result."""
+  argv = list(sys.argv[1:] if argv is None else argv)
+  args = build_parser().parse_args(argv)
+  args.command_line = " ".join(["safe-optax-llm"] + argv)
+  try:
+    result = args.func(args)
+  except (FileNotFoundError, ValueError) as err:
+    print(f"safe-optax-llm: error: {err}", file=sys.stderr)
+    return 2
+  summary = {k: v for k, v in result.items() if k not in ("blocks", "versions", "args")}
+  print(json.dumps(summary, indent=2, default=str))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

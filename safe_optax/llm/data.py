@@ -1,0 +1,98 @@
+"""Text for calibration and evaluation: token windows and perplexity.
+
+* :func:`calibration_windows`: ``nsamples`` random windows of ``seqlen``
+  tokens (the paper draws 128 x 2048 from C4), reproducible from ``seed``.
+* :func:`eval_windows` and :func:`perplexity`: non-overlapping windows from
+  the start of a text, perplexity ``exp(mean NLL)`` over each window's
+  next-token predictions (the usual WikiText-2 protocol).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+
+def read_text(path: os.PathLike) -> str:
+  """A text file, or every ``*.txt`` of a folder (sorted, blank line between), LF line ends."""
+  path = pathlib.Path(path)
+  if path.is_dir():
+    files = sorted(path.glob("*.txt"))
+    if not files:
+      raise FileNotFoundError(f"no *.txt files in '{path}'.")
+    text = "\n\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
+  elif path.is_file():
+    text = path.read_text(encoding="utf-8", errors="replace")
+  else:
+    raise FileNotFoundError(f"text file or folder not found at '{path}'.")
+  return text.replace("\r\n", "\n")
+
+
+def tokenize(tokenizer: Any, text: str, max_chars: Optional[int] = None) -> np.ndarray:
+  """Token ids of ``text`` (optionally only its first ``max_chars`` characters)."""
+  if max_chars is not None:
+    text = text[:max_chars]
+  return np.asarray(tokenizer.encode(text).ids, np.int32)
+
+
+def calibration_windows(tokens: np.ndarray, nsamples: int, seqlen: int, seed: int) -> np.ndarray:
+  """``(nsamples, seqlen)`` windows starting at seeded uniform random offsets.
+
+  Examples:
+    >>> import numpy as np
+    >>> from safe_optax.llm.data import calibration_windows
+    >>> w = calibration_windows(np.arange(100), nsamples=3, seqlen=8, seed=0)
+    >>> w.shape, bool((np.diff(w, axis=1) == 1).all())
+    ((3, 8), True)
+  """
+  for name, value in (("nsamples", nsamples), ("seqlen", seqlen)):
+    if not isinstance(value, (int, np.integer)) or value < 1:
+      raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
+  if len(tokens) <= seqlen:
+    raise ValueError(
+        f"the calibration text has {len(tokens)} tokens, too few for seqlen={seqlen}.")
+  starts = np.random.default_rng(seed).integers(0, len(tokens) - seqlen, size=nsamples)
+  return np.stack([tokens[s:s + seqlen] for s in starts]).astype(np.int32)
+
+
+def eval_windows(tokens: np.ndarray, seqlen: int, max_tokens: Optional[int] = None) -> np.ndarray:
+  """Non-overlapping ``(n, seqlen)`` windows from the start (a ragged tail is dropped)."""
+  if max_tokens is not None:
+    tokens = tokens[:max_tokens]
+  count = len(tokens) // seqlen
+  if count == 0:
+    raise ValueError(f"the evaluation text has {len(tokens)} tokens, fewer than seqlen={seqlen}.")
+  return np.asarray(tokens[: count * seqlen], np.int32).reshape(count, seqlen)
+
+
+def perplexity(
+    logits_fn: Callable[[jax.Array], jax.Array], windows: np.ndarray
+) -> tuple[float, float]:
+  r"""Perplexity :math:`\exp(\frac{1}{N}\sum -\log p(t_{i+1} | t_{\le i}))` over windows.
+
+  Args:
+    logits_fn: jitted ``tokens (1, L) -> logits (1, L, vocab)``.
+    windows: ``(n, L)`` token windows, each evaluated on its own.
+
+  Returns:
+    ``(perplexity, mean_nll)``.
+  """
+  total, count = 0.0, 0
+  for window in windows:
+    tokens = jnp.asarray(window[None])
+    nll = _window_nll(logits_fn(tokens), tokens)
+    total += float(nll)
+    count += window.shape[0] - 1
+  mean = total / count
+  return float(np.exp(mean)), mean
+
+
+@jax.jit
+def _window_nll(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+  return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:]).sum()
