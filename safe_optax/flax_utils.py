@@ -18,6 +18,10 @@ Two pure functions do this; the training loop stays yours:
 * :func:`sam_grad_fn` -- a ``grad_fn(params, step)`` closed over the same
   model state, batch and key, whose BatchNorm updates are dropped.
 
+After the final projection, :func:`recalibrate_batch_stats` re-estimates the
+BatchNorm statistics of the sparse model (BNT) as exact averages over a set
+of training inputs.
+
 Conventions: ``apply_fn`` is ``model.apply`` of a module called as
 ``model(inputs, train=...)``; ``batch`` is a pair ``(inputs, targets)``,
 ``inputs`` is the model's positional input (any pytree) and
@@ -63,12 +67,16 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Optional, Union
 
+import flax
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
+import numpy as np
 
-__all__ = ("loss_and_grad_with_state", "sam_grad_fn")
+__all__ = ("loss_and_grad_with_state", "recalibrate_batch_stats", "sam_grad_fn")
 
 ApplyFn = Callable[..., Any]
 LossFn = Callable[[Any, Any], jax.Array]
@@ -219,3 +227,160 @@ def sam_grad_fn(
     return grads
 
   return grad_fn
+
+
+def _batch_moments(apply_fn: ApplyFn, variables: Any, inputs: Any,
+                   rngs: Optional[dict[str, jax.Array]]) -> dict[tuple[str, ...], Any]:
+  """Per-channel mean and biased variance of every BatchNorm input in one training pass.
+
+  Every ``nn.BatchNorm`` call that normalises with batch statistics is
+  intercepted (its input read, the call itself left alone), so the layers
+  after it see exactly what training mode gives them. Returns
+  ``{module path: (count, mean, var)}`` where ``count`` (a Python int) is the
+  number of reduced entries per channel; a module called twice gets a list.
+  """
+  found: dict[tuple[str, ...], list[Any]] = {}
+
+  def interceptor(next_fun, args, kwargs, context):
+    module = context.module
+    if isinstance(module, nn.BatchNorm) and context.method_name == "__call__":
+      use_running_average = nn.merge_param(
+          "use_running_average", module.use_running_average, kwargs.get("use_running_average",
+                                                                        args[1] if len(args) > 1
+                                                                        else None))
+      if not use_running_average:
+        if kwargs.get("mask") is not None:
+          raise ValueError(
+              f"recalibrate_batch_stats: BatchNorm '{'/'.join(module.path)}' is called with a "
+              "`mask`; masked statistics are not supported.")
+        x = jnp.asarray(args[0])
+        axes = (module.axis,) if isinstance(module.axis, int) else tuple(module.axis)
+        feature_axes = tuple(a % x.ndim for a in axes)
+        reduction_axes = tuple(i for i in range(x.ndim) if i not in feature_axes)
+        x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+        mean = x32.mean(reduction_axes)
+        # Centred within the batch (not E[x^2] - mean^2): no cancellation when |mean| >> std.
+        var = jnp.square(x32 - jnp.expand_dims(mean, reduction_axes)).mean(reduction_axes)
+        count = int(np.prod([x.shape[i] for i in reduction_axes]))
+        found.setdefault(tuple(module.path), []).append((count, mean, var))
+    return next_fun(*args, **kwargs)
+
+  with nn.intercept_methods(interceptor):
+    apply_fn(variables, inputs, train=True, mutable=["batch_stats"], rngs=rngs)
+  return {path: calls for path, calls in found.items()}
+
+
+def recalibrate_batch_stats(
+    apply_fn: ApplyFn,
+    params: Any,
+    model_state: Mapping[str, Any],
+    batches: Iterable[Any],
+    *,
+    rng: Rng = None,
+) -> dict[str, Any]:
+  r"""BatchNorm re-estimation (BNT): exact statistics over all examples of ``batches``.
+
+  Runs the model in training mode on every batch (each BatchNorm normalises
+  with its batch's statistics, as in training, so later layers see training
+  activations), records each BatchNorm layer's per-batch mean and biased
+  variance per channel in one jitted pass per batch shape, and combines them
+  exactly over all examples (in float64, with the parallel-variance formula):
+
+  .. math::
+
+    \mu = rac{1}{N}\sum_b n_b \mu_b, \qquad
+    \sigma^2 = rac{1}{N}\sum_b n_b \left(\sigma_b^2 + (\mu_b - \mu)^2ight)
+
+  with ``n_b`` the entries per channel in batch ``b`` (batch size times
+  spatial positions) and ``N = sum_b n_b``. This is the mean and the
+  **biased** (population, divide-by-``N``) variance of each layer's input
+  over all the examples: Flax's ``BatchNorm`` normalises training batches
+  with the biased batch variance and stores that in ``batch_stats['var']``,
+  so evaluation then uses the same estimator as training. (PyTorch stores
+  the unbiased one; at ``N`` = 10k examples the two differ by a factor
+  ``N/(N-1)``.) Unlike an exponential moving average, every example counts
+  the same and the old statistics are not used at all.
+
+  Args:
+    apply_fn: ``model.apply`` of a Linen module called as ``(inputs, train=...)``.
+    params: the ``'params'`` collection (e.g. the sparse parameters after
+      :func:`safe_optax.finalize`).
+    model_state: the other collections, with ``'batch_stats'``.
+    batches: an iterable of model inputs (the positional input of
+      ``apply_fn``, e.g. image arrays: pass ``(x for x, _ in loader)`` for
+      ``(inputs, labels)`` pairs), e.g. 10k training examples in batches;
+      the last batch may be smaller. Every example counts once.
+    rng: ``None``; a PRNG key (the ``'dropout'`` stream) or a mapping of
+      keys, folded with the batch index, for models with dropout.
+
+  Returns:
+    ``model_state`` with every BatchNorm layer's ``mean`` and ``var`` in
+    ``'batch_stats'`` replaced (same dtypes); other entries unchanged.
+
+  Raises:
+    ValueError: ``batches`` is empty, or ``model_state`` has no statistics
+      for a BatchNorm layer that ran.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, numpy as np, flax, flax.linen as nn
+    >>> from safe_optax.flax_utils import recalibrate_batch_stats
+    >>> class Net(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, x, train):
+    ...     return nn.BatchNorm(use_running_average=not train)(nn.Dense(3)(x))
+    >>> x = jnp.asarray(np.random.default_rng(0).normal(size=(10, 4)), jnp.float32)
+    >>> model_state, params = flax.core.pop(Net().init(jax.random.PRNGKey(0), x, train=False),
+    ...                                     'params')
+    >>> new_state = recalibrate_batch_stats(Net().apply, params, model_state, [x[:8], x[8:]])
+    >>> h = x @ params['Dense_0']['kernel'] + params['Dense_0']['bias']
+    >>> stats = new_state['batch_stats']['BatchNorm_0']
+    >>> bool(jnp.allclose(stats['mean'], h.mean(0), atol=1e-6)), bool(
+    ...     jnp.allclose(stats['var'], h.var(0), atol=1e-6))
+    (True, True)
+
+  References:
+    Hubara et al., `Accelerated Sparse Neural Training
+    <https://arxiv.org/abs/2102.08124>`_, 2021; Peste et al., CrAM, ICLR 2023
+    (BatchNorm tuning after one-shot pruning).
+  """
+  if "batch_stats" not in model_state:
+    raise ValueError("`model_state` has no 'batch_stats' collection to recalibrate.")
+  rngs_base = _rngs(rng)
+
+  @jax.jit
+  def moments(params, model_state, inputs, rngs):
+    return _batch_moments(apply_fn, {**model_state, "params": params}, inputs, rngs)
+
+  # Running float64 totals per layer: N, mean, M2 = N * var (Chan et al.).
+  totals: dict[tuple[str, ...], list[Any]] = {}
+  for index, inputs in enumerate(batches):
+    rngs = None if rngs_base is None else {
+        name: jax.random.fold_in(key, index) for name, key in rngs_base.items()}
+    for path, calls in jax.device_get(moments(params, model_state, inputs, rngs)).items():
+      for count, mean, var in calls:
+        mean, var = np.asarray(mean, np.float64), np.asarray(var, np.float64)
+        if path not in totals:
+          totals[path] = [count, mean, var * count]
+          continue
+        n_a, mean_a, m2_a = totals[path]
+        n = n_a + count
+        delta = mean - mean_a
+        totals[path] = [n, mean_a + delta * (count / n),
+                        m2_a + var * count + np.square(delta) * (n_a * count / n)]
+  if not totals:
+    raise ValueError("`batches` is empty, or the model has no BatchNorm layer in training mode.")
+
+  stats = flax.core.unfreeze(model_state["batch_stats"])
+  for path, (n, mean, m2) in totals.items():
+    node = stats
+    try:
+      for name in path:
+        node = node[name]
+      old_mean, old_var = node["mean"], node["var"]
+    except (KeyError, TypeError) as err:
+      raise ValueError(
+          f"`model_state['batch_stats']` has no mean/var for BatchNorm '{'/'.join(path)}'."
+      ) from err
+    node["mean"] = jnp.asarray(mean, jnp.result_type(old_mean))
+    node["var"] = jnp.asarray(m2 / n, jnp.result_type(old_var))
+  return {**model_state, "batch_stats": stats}
