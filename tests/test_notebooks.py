@@ -1,0 +1,130 @@
+"""Every notebook in notebooks/ runs top to bottom (small budget) and its key outputs hold.
+
+Notebooks are executed with nbclient in a fresh kernel, with
+``SAFE_OPTAX_NOTEBOOK_BUDGET=ci`` and the working directory ``notebooks/`` (as
+Colab or Jupyter would). A cell tagged ``summary`` prints one JSON line; the
+notebook-specific checks below read it. Committed notebooks carry no outputs.
+"""
+
+import json
+import os
+import pathlib
+
+import pytest
+
+import safe_optax
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+pytest.importorskip("ipykernel")
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+BUDGET_ENV = {"SAFE_OPTAX_NOTEBOOK_BUDGET": "ci", "PYDEVD_DISABLE_FILE_VALIDATION": "1"}
+
+
+def _execute(path: pathlib.Path):
+  """Runs the notebook in a fresh kernel; returns (executed notebook, summary dict or None)."""
+  nb = nbformat.read(path, as_version=4)
+  old = {k: os.environ.get(k) for k in BUDGET_ENV}
+  os.environ.update(BUDGET_ENV)  # the kernel inherits this process's environment
+  try:
+    client = nbclient.NotebookClient(
+        nb, timeout=600, kernel_name="python3",
+        resources={"metadata": {"path": str(path.parent)}},
+    )
+    # "python3" is ipykernel's native kernel: this interpreter, where safe_optax is installed.
+    client.execute()
+  finally:
+    for k, v in old.items():
+      if v is None:
+        os.environ.pop(k, None)
+      else:
+        os.environ[k] = v
+  summary = None
+  for cell in nb.cells:
+    if "summary" in cell.get("metadata", {}).get("tags", []):
+      text = "".join(o.get("text", "") for o in cell.get("outputs", [])
+                     if o.get("output_type") == "stream")
+      summary = json.loads(text.strip().splitlines()[-1])
+  return nb, summary
+
+
+@pytest.fixture(scope="module")
+def executed():
+  return {}
+
+
+def _run(executed, path):
+  if path.name not in executed:
+    executed[path.name] = _execute(path)
+  return executed[path.name]
+
+
+def test_there_are_notebooks():
+  names = {p.name for p in NOTEBOOKS}
+  assert {"quickstart.ipynb", "custom_model.ipynb"} <= names
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_is_committed_clean_and_installs_first(path):
+  nb = nbformat.read(path, as_version=4)
+  nbformat.validate(nb)
+  code = [c for c in nb.cells if c.cell_type == "code"]
+  assert all(not c.get("outputs") and c.get("execution_count") is None for c in code), (
+      f"{path.name}: clear the outputs before committing")
+  first = code[0].source
+  assert "pip" in first and "install" in first, "the first code cell installs the package"
+  assert "jax.default_backend()" in first and "SAFE_OPTAX_NOTEBOOK_BUDGET" in first
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_runs(executed, path):
+  nb, _ = _run(executed, path)
+  errors = [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
+  assert not errors, errors
+
+
+def _summary(executed, name):
+  path = ROOT / "notebooks" / name
+  if not path.exists():
+    pytest.skip(f"{name} is not in notebooks/")
+  _, summary = _run(executed, path)
+  assert summary is not None, f"{name} has no cell tagged 'summary'"
+  assert summary["budget"] == "ci"
+  return summary
+
+
+def test_quickstart_outputs(executed):
+  s = _summary(executed, "quickstart.ipynb")
+  assert s["chains_max_diff"] == 0.0  # the hand-built chain is safe_optax.safe
+  size = s["prunable_size"]
+  assert size == 64 * 128 + 128 * 64 + 64 * 10
+  rows = s["rows"]
+  dense = [r for r in rows if r["method"] == "dense"]
+  assert len(dense) == 1 and dense[0]["accuracy"] > 0.8  # chance is 0.1
+  pruned = [r for r in rows if r["method"] != "dense"]
+  assert {r["method"] for r in pruned} == {"magnitude", "admm", "safe"}
+  for r in pruned:
+    # Exactly num_keep weights survive the final projection.
+    assert r["achieved"] == pytest.approx(1 - safe_optax.num_keep(size, r["sparsity"]) / size)
+    assert 0.0 <= r["accuracy"] <= 1.0
+  for r in rows:
+    if r["method"] in ("admm", "safe"):
+      assert r["accuracy"] > 0.3 and r["distance"] >= 0.0
+
+
+def test_custom_model_outputs(executed):
+  s = _summary(executed, "custom_model.ipynb")
+  nnx = s["nnx"]
+  # Prunable: the two hidden kernels; the head kernel and the biases stay dense.
+  assert nnx["prunable_size"] == 64 * 128 + 128 * 64
+  assert nnx["prunable_nonzero"] == safe_optax.num_keep(nnx["prunable_size"], nnx["sparsity"])
+  assert nnx["head_nonzero"] == nnx["head_size"] == 64 * 10
+  assert nnx["accuracy"] > 0.3
+  linen = s["linen"]
+  assert linen["nm_ok"] and linen["sparsity"] == pytest.approx(0.5)
+  assert linen["first_conv_dense"]
+  assert linen["resume_identical"] and linen["restored_step"] == linen["total_steps"] // 2
+  assert linen["lambda_start"] == 0.0 and linen["lambda_end"] == pytest.approx(linen["penalty"])
+  assert linen["accuracy"] > 0.3
