@@ -37,30 +37,22 @@ Results go to ``benchmarks/results/step_overhead.json`` (``--out``).
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
 import os
-import platform
-import shlex
 import statistics
-import sys
 import time
-from typing import Any, Callable
+from typing import Any
 
 import flax
 import jax
 import jax.numpy as jnp
-import jaxlib
 import numpy as np
-import optax
 
-import safe_optax
-from safe_optax import flax_utils
+from _common import DUAL_EVERY, METHODS, make_step, make_tx, parse_steps, run_record, summary
 from safe_optax.vision import MLP, resnet20
 
 BATCH = 128
-DUAL_EVERY = 32
 MODELS = {
     "mlp": (lambda: MLP(), (28, 28, 1)),
     "resnet20x2": (lambda: resnet20(num_classes=10, width=2), (32, 32, 3)),
@@ -68,54 +60,6 @@ MODELS = {
 DEFAULT_STEPS = {"mlp": 128, "resnet20x2": 64}
 DEFAULT_WARMUP = {"mlp": 8, "resnet20x2": 2}
 BARS = {"safe/sam": 1.05, "sam/sgd": 2.1}
-
-
-def make_tx(method: str) -> tuple[optax.GradientTransformation, bool]:
-  """The optimizer and whether its ``update`` needs ``grad_fn``."""
-  if method == "sgd":
-    return optax.chain(optax.add_decayed_weights(1e-4), optax.sgd(0.1, momentum=0.9)), False
-  if method == "sam":
-    return optax.chain(safe_optax.sam_perturb(0.1), optax.add_decayed_weights(1e-4),
-                       optax.sgd(0.1, momentum=0.9)), True
-  if method == "safe":
-    return safe_optax.safe(0.1, 0.9, penalty=1e-3, total_steps=10000, dual_every=DUAL_EVERY,
-                           weight_decay=1e-4), True
-  if method == "safe_nodual":
-    return safe_optax.safe(0.1, 0.9, penalty=1e-3, total_steps=10000, dual_every=2**30,
-                           weight_decay=1e-4), True
-  if method == "admm":
-    return safe_optax.admm(0.1, 0.9, penalty=1e-3, penalty_schedule="cosine",
-                           total_steps=10000, dual_every=DUAL_EVERY, weight_decay=1e-4), False
-  raise ValueError(f"unknown method {method!r}")
-
-
-METHODS = ("sgd", "sam", "safe", "admm", "safe_nodual")
-
-
-def loss_fn(logits: jax.Array, labels: jax.Array) -> jax.Array:
-  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
-
-def make_step(apply_fn: Callable[..., Any], tx: optax.GradientTransformation,
-              needs_grad_fn: bool) -> Callable[..., Any]:
-  def step(params, model_state, opt_state, batch):
-    (loss, (_, new_model_state)), grads = flax_utils.loss_and_grad_with_state(
-        apply_fn, params, model_state, batch, loss_fn)
-    if needs_grad_fn:
-      grad_fn = flax_utils.sam_grad_fn(apply_fn, model_state, batch, loss_fn)
-      updates, opt_state = tx.update(grads, opt_state, params, grad_fn=grad_fn)
-    else:
-      updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), new_model_state, opt_state, loss
-
-  return jax.jit(step, donate_argnums=(0, 1, 2))
-
-
-def summary(times: list[float]) -> dict[str, float]:
-  ms = sorted(1e3 * t for t in times)
-  return {"n": len(ms), "median_ms": statistics.median(ms), "mean_ms": statistics.fmean(ms),
-          "p10_ms": ms[len(ms) // 10], "p90_ms": ms[(9 * len(ms)) // 10],
-          "min_ms": ms[0], "max_ms": ms[-1]}
 
 
 def bench_model(name: str, methods: list[str], steps: int, block: int, warmup: int,
@@ -237,32 +181,6 @@ def print_table(name: str, result: dict[str, Any]) -> None:
           f"  cpu mean {r['cpu_mean']:.3f}{verdict}")
 
 
-def cpu_info() -> dict[str, Any]:
-  model_name = platform.processor()
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          model_name = line.split(":", 1)[1].strip()
-          break
-  except OSError:
-    pass
-  return {"model": model_name, "cpu_count": os.cpu_count(), "machine": platform.machine(),
-          "loadavg_start": os.getloadavg()}
-
-
-def parse_steps(text: str | None, models: list[str]) -> dict[str, int]:
-  if text is None:
-    return {m: DEFAULT_STEPS[m] for m in models}
-  if "=" not in text:
-    return {m: int(text) for m in models}
-  steps = {m: DEFAULT_STEPS[m] for m in models}
-  for item in text.split(","):
-    key, value = item.split("=")
-    steps[key] = int(value)
-  return steps
-
-
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--models", default="mlp,resnet20x2")
@@ -281,17 +199,9 @@ def main() -> None:
     parser.error(f"unknown models {sorted(unknown)}; choose from {list(MODELS)}")
   if unknown := set(methods) - set(METHODS):
     parser.error(f"unknown methods {sorted(unknown)}; choose from {list(METHODS)}")
-  steps = parse_steps(args.steps, models)
+  steps = parse_steps(args.steps, models, DEFAULT_STEPS)
 
-  report: dict[str, Any] = {
-      "command": shlex.join([sys.executable] + sys.argv),
-      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-      "versions": {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
-                   "flax": flax.__version__, "optax": optax.__version__,
-                   "numpy": np.__version__, "python": platform.python_version(),
-                   "safe_optax": safe_optax.__version__},
-      "cpu": cpu_info(), "backend": jax.default_backend(), "batch": BATCH,
-      "bars": BARS, "models": {}}
+  report: dict[str, Any] = {**run_record(), "batch": BATCH, "bars": BARS, "models": {}}
   start = time.perf_counter()
   for name in models:
     warmup = DEFAULT_WARMUP[name] if args.warmup is None else args.warmup

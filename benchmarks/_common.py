@@ -1,0 +1,126 @@
+"""Shared pieces of the training-step benchmarks (``step_overhead.py``, ``train_throughput.py``).
+
+The optimizers compared, one jitted training step built with
+:mod:`safe_optax.flax_utils` (the perturbed pass of SAM / SAFE keeps the first
+pass's BatchNorm statistics), step-time summaries, and the machine / version
+record every results JSON carries.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import shlex
+import statistics
+import sys
+from typing import Any, Callable
+
+import flax
+import jax
+import jaxlib
+import numpy as np
+import optax
+
+import safe_optax
+from safe_optax import flax_utils
+
+DUAL_EVERY = 32
+METHODS = ("sgd", "sam", "safe", "admm", "safe_nodual")
+
+
+def make_tx(method: str) -> tuple[optax.GradientTransformation, bool]:
+  """The optimizer and whether its ``update`` needs ``grad_fn``.
+
+  * sgd:  ``chain(add_decayed_weights(1e-4), sgd(0.1, momentum=0.9))``;
+  * sam:  ``chain(sam_perturb(0.1), add_decayed_weights(1e-4), sgd(0.1, 0.9))``;
+  * safe: ``safe(0.1, 0.9, penalty=1e-3, total_steps=10000, dual_every=32,
+    weight_decay=1e-4)`` (SAM + ADMM penalty, a top-k dual update every 32 steps);
+  * admm: SAFE without SAM; safe_nodual: SAFE whose dual update never comes.
+  """
+  if method == "sgd":
+    return optax.chain(optax.add_decayed_weights(1e-4), optax.sgd(0.1, momentum=0.9)), False
+  if method == "sam":
+    return optax.chain(safe_optax.sam_perturb(0.1), optax.add_decayed_weights(1e-4),
+                       optax.sgd(0.1, momentum=0.9)), True
+  if method == "safe":
+    return safe_optax.safe(0.1, 0.9, penalty=1e-3, total_steps=10000, dual_every=DUAL_EVERY,
+                           weight_decay=1e-4), True
+  if method == "safe_nodual":
+    return safe_optax.safe(0.1, 0.9, penalty=1e-3, total_steps=10000, dual_every=2**30,
+                           weight_decay=1e-4), True
+  if method == "admm":
+    return safe_optax.admm(0.1, 0.9, penalty=1e-3, penalty_schedule="cosine",
+                           total_steps=10000, dual_every=DUAL_EVERY, weight_decay=1e-4), False
+  raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+
+
+def loss_fn(logits: jax.Array, labels: jax.Array) -> jax.Array:
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def make_step(apply_fn: Callable[..., Any], tx: optax.GradientTransformation,
+              needs_grad_fn: bool) -> Callable[..., Any]:
+  """``step(params, model_state, opt_state, batch) -> (params, model_state, opt_state, loss)``,
+  jitted with the three states donated."""
+  def step(params, model_state, opt_state, batch):
+    (loss, (_, new_model_state)), grads = flax_utils.loss_and_grad_with_state(
+        apply_fn, params, model_state, batch, loss_fn)
+    if needs_grad_fn:
+      grad_fn = flax_utils.sam_grad_fn(apply_fn, model_state, batch, loss_fn)
+      updates, opt_state = tx.update(grads, opt_state, params, grad_fn=grad_fn)
+    else:
+      updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), new_model_state, opt_state, loss
+
+  return jax.jit(step, donate_argnums=(0, 1, 2))
+
+
+def summary(times: list[float]) -> dict[str, float]:
+  """Median, mean, p10 / p90, min, max of step times (seconds in, milliseconds out)."""
+  ms = sorted(1e3 * t for t in times)
+  return {"n": len(ms), "median_ms": statistics.median(ms), "mean_ms": statistics.fmean(ms),
+          "p10_ms": ms[len(ms) // 10], "p90_ms": ms[(9 * len(ms)) // 10],
+          "min_ms": ms[0], "max_ms": ms[-1]}
+
+
+def cpu_info() -> dict[str, Any]:
+  """CPU model, core count and load average (start of the run)."""
+  model_name = platform.processor()
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          model_name = line.split(":", 1)[1].strip()
+          break
+  except OSError:
+    pass
+  return {"model": model_name, "cpu_count": os.cpu_count(), "machine": platform.machine(),
+          "loadavg_start": os.getloadavg()}
+
+
+def run_record() -> dict[str, Any]:
+  """Command, date, versions, machine and backend: the header of every results JSON."""
+  return {
+      "command": shlex.join([sys.executable] + sys.argv),
+      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+      "versions": {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
+                   "flax": flax.__version__, "optax": optax.__version__,
+                   "numpy": np.__version__, "python": platform.python_version(),
+                   "safe_optax": safe_optax.__version__},
+      "cpu": cpu_info(), "backend": jax.default_backend(),
+      "devices": [str(d) for d in jax.devices()],
+  }
+
+
+def parse_steps(text: str | None, models: list[str], defaults: dict[str, int]) -> dict[str, int]:
+  """``--steps``: ``None`` (the defaults), ``N`` for every model, or ``model=N,model=N``."""
+  if text is None:
+    return {m: defaults[m] for m in models}
+  if "=" not in text:
+    return {m: int(text) for m in models}
+  steps = {m: defaults[m] for m in models}
+  for item in text.split(","):
+    key, value = item.split("=")
+    steps[key] = int(value)
+  return steps
