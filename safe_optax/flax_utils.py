@@ -289,7 +289,8 @@ def recalibrate_batch_stats(
   .. math::
 
     \mu = rac{1}{N}\sum_b n_b \mu_b, \qquad
-    \sigma^2 = rac{1}{N}\sum_b n_b \left(\sigma_b^2 + (\mu_b - \mu)^2ight)
+    \sigma^2 = rac{1}{N}\sum_b n_b \left(\sigma_b^2 + (\mu_b - \mu)^2
+ight)
 
   with ``n_b`` the entries per channel in batch ``b`` (batch size times
   spatial positions) and ``N = sum_b n_b``. This is the mean and the
@@ -358,6 +359,8 @@ def recalibrate_batch_stats(
         name: jax.random.fold_in(key, index) for name, key in rngs_base.items()}
     for path, calls in jax.device_get(moments(params, model_state, inputs, rngs)).items():
       for count, mean, var in calls:
+        # Python ints: entry counts reach 1e7+ (10k images x 32 x 32), int32 products overflow.
+        count = int(count)
         mean, var = np.asarray(mean, np.float64), np.asarray(var, np.float64)
         if path not in totals:
           totals[path] = [count, mean, var * count]

@@ -71,8 +71,11 @@ def test_two_bn_model_equals_direct_average_with_unequal_last_batch():
   batches = [x[:10], x[10:20], x[20:]]
   model = TwoBN()
   params, model_state = numpy_variables(model, x[:2])
+  old_stats = jax.tree.map(np.copy, model_state["batch_stats"])
   new_state = flax_utils.recalibrate_batch_stats(model.apply, params, model_state,
                                                  iter(batches))
+  # The caller's state is not modified in place.
+  jax.tree.map(np.testing.assert_array_equal, model_state["batch_stats"], old_stats)
   want = numpy_two_bn_stats(params, batches)
   stats = new_state["batch_stats"]
   for name, (mean, var) in want.items():
