@@ -61,6 +61,8 @@ class Config:
   penalty_table: tuple[tuple[float, float], ...] = ((1.0, 1e-3),)
   penalty_schedule: str = "cosine"
   """SAFE family ramp; ADMM always uses a constant penalty (Zhang et al.)."""
+  admm_penalty: Optional[float] = None
+  """ADMM's ``lambda`` when tuned apart from SAFE's (``None``: the same as SAFE)."""
   saliency: str = "snip"
   """SAFE+ score: ``snip`` or ``obd``."""
   multi_sparsities: tuple[float, ...] = (0.7, 0.8, 0.9, 0.95, 0.98)
@@ -144,8 +146,9 @@ def validate(config: Config) -> Config:
   for name in ("learning_rate", "momentum", "weight_decay", "rho"):
     if getattr(config, name) < 0:
       raise ValueError(f"`{name}` must be >= 0, got {getattr(config, name)}.")
-  if config.penalty is not None and config.penalty < 0:
-    raise ValueError(f"`penalty` must be >= 0, got {config.penalty}.")
+  for name in ("penalty", "admm_penalty"):
+    if getattr(config, name) is not None and getattr(config, name) < 0:
+      raise ValueError(f"`{name}` must be >= 0, got {getattr(config, name)}.")
   for name in ("train_subset", "test_subset"):
     value = getattr(config, name)
     if value is not None:

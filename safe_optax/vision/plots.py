@@ -40,7 +40,8 @@ def plot_history(history: Sequence[dict[str, Any]], directory: os.PathLike,
   ax.set_ylabel("accuracy (%)")
   ax.set_title(title)
   ax.grid(alpha=0.3)
-  ax.legend()
+  if ax.get_lines():
+    ax.legend()
   paths.append(os.path.join(directory, "accuracy.png"))
   fig.tight_layout()
   fig.savefig(paths[-1], dpi=100)
@@ -60,7 +61,8 @@ def plot_history(history: Sequence[dict[str, Any]], directory: os.PathLike,
   ax.set_yscale("log" if positive else "linear")
   ax.set_title(title)
   ax.grid(alpha=0.3)
-  ax.legend()
+  if ax.get_lines():
+    ax.legend()
   paths.append(os.path.join(directory, "distance.png"))
   fig.tight_layout()
   fig.savefig(paths[-1], dpi=100)

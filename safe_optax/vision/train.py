@@ -243,7 +243,8 @@ def make_optimizer(config: Config, num_steps_per_epoch: int) -> optax.GradientTr
                                 penalty_schedule=config.penalty_schedule, rho=config.rho,
                                 **common)
   if method == "admm":
-    return safe_optax.admm(lr, s, penalty=lam, penalty_schedule="constant", **common)
+    admm_lam = lam if config.admm_penalty is None else config.admm_penalty
+    return safe_optax.admm(lr, s, penalty=admm_lam, penalty_schedule="constant", **common)
   if method == "safe-sg":
     return safe_optax.safe_sg(lr, s, penalty=lam, penalty_schedule=config.penalty_schedule,
                               rho=config.rho, **common)

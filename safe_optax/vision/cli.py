@@ -1,0 +1,249 @@
+"""``safe-optax-vision``: train one run, or sweep methods x sparsities x seeds.
+
+Examples (shell)::
+
+  safe-optax-vision train --preset resnet20x2-cifar10 --method safe --sparsity 0.95 \\
+      --data-dir DIR --workdir OUT
+  safe-optax-vision sweep --preset mlp-mnist --methods dense safe admm gmp magnitude \\
+      --sparsities 0.9 0.95 0.98 --seeds 0 1 2 --data-dir ../shared/data/mnist \\
+      --test-only-split 8000 2000 --epochs 20 --warmup-epochs 1 --workdir OUT
+
+Each subcommand is one function (``train``, ``sweep``) registered in
+:func:`build_parser`; a new one adds a subparser and a function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import sys
+from collections.abc import Sequence
+from typing import Any, Optional
+
+from safe_optax.demo import mean_se
+from safe_optax.vision import configs
+
+
+def _add_run_options(parser: argparse.ArgumentParser) -> None:
+  """Options shared by ``train`` and ``sweep``: the preset, data and overrides."""
+  parser.add_argument("--preset", required=True, choices=sorted(configs.PRESETS),
+                      help="named paper configuration")
+  parser.add_argument("--data-dir", required=True,
+                      help="CIFAR pickles / image folder / .tar.gz, or MNIST idx files")
+  parser.add_argument("--workdir", required=True, help="output folder (resumes if it has a "
+                                                       "checkpoint)")
+  over = parser.add_argument_group("overrides of the preset")
+  over.add_argument("--epochs", type=int)
+  over.add_argument("--batch-size", type=int)
+  over.add_argument("--lr", dest="learning_rate", type=float, help="peak learning rate")
+  over.add_argument("--warmup-epochs", type=int)
+  over.add_argument("--weight-decay", type=float)
+  over.add_argument("--penalty", type=float, help="lambda (default: the preset's table)")
+  over.add_argument("--admm-penalty", type=float, help="ADMM's lambda (default: --penalty)")
+  over.add_argument("--rho", type=float, help="SAM radius")
+  over.add_argument("--dual-every", type=int, help="K, steps between dual updates")
+  over.add_argument("--saliency", choices=configs.SALIENCIES, help="SAFE+ scores")
+  over.add_argument("--train-subset", type=int, help="train on this many examples")
+  over.add_argument("--test-subset", type=int, help="evaluate on this many test examples")
+  over.add_argument("--test-only-split", type=int, nargs=2, metavar=("N_TRAIN", "N_TEST"),
+                    help="MNIST with only the t10k files: split them (e.g. 8000 2000)")
+  over.add_argument("--gmp-update-every", type=int, help="GMP: steps between mask updates")
+  over.add_argument("--label-noise", type=float, help="symmetric label-noise ratio")
+  over.add_argument("--bnt-samples", type=int, help="training images for BN re-estimation")
+  over.add_argument("--eval-every", type=int, help="test evaluation every N epochs")
+  over.add_argument("--no-augment", dest="augment", action="store_const", const=False,
+                    help="no pad-crop-flip augmentation")
+  parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+  names = ("epochs", "batch_size", "learning_rate", "warmup_epochs", "weight_decay", "penalty",
+           "admm_penalty",
+           "rho", "dual_every", "saliency", "train_subset", "test_subset", "label_noise",
+           "bnt_samples", "eval_every", "augment", "gmp_update_every")
+  values = {name: getattr(args, name) for name in names}
+  if args.test_only_split is not None:
+    values["test_only_split"] = tuple(args.test_only_split)
+  return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+  """The top-level parser: one subparser (and one function) per subcommand."""
+  parser = argparse.ArgumentParser(
+      prog="safe-optax-vision",
+      description="SAFE and baseline pruning of CIFAR / MNIST models (Flax, optax).")
+  sub = parser.add_subparsers(dest="command", required=True)
+
+  train_parser = sub.add_parser("train", help="train and evaluate one configuration")
+  _add_run_options(train_parser)
+  train_parser.add_argument("--method", choices=configs.METHODS, default="safe")
+  train_parser.add_argument("--sparsity", type=float, default=None,
+                            help="target sparsity of the prunable weights (default: preset)")
+  train_parser.add_argument("--seed", type=int)
+  train_parser.set_defaults(func=train, parser=train_parser)
+
+  sweep_parser = sub.add_parser(
+      "sweep", help="methods x sparsities x seeds -> one table (mean +- standard error)")
+  _add_run_options(sweep_parser)
+  sweep_parser.add_argument("--methods", nargs="+", choices=configs.METHODS, required=True)
+  sweep_parser.add_argument("--sparsities", nargs="+", type=float, required=True)
+  sweep_parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+  sweep_parser.set_defaults(func=sweep, parser=sweep_parser)
+  return parser
+
+
+def _config(parser: argparse.ArgumentParser, args: argparse.Namespace,
+            **fields: Any) -> configs.Config:
+  try:
+    return configs.get_config(args.preset, **_overrides(args), **fields)
+  except ValueError as err:
+    parser.error(str(err))
+    raise  # parser.error exits; this keeps type checkers quiet
+
+
+def _load(parser: argparse.ArgumentParser, config: configs.Config, data_dir: str):
+  from safe_optax.vision import train as train_lib  # pylint: disable=import-outside-toplevel
+  try:
+    return train_lib.load_dataset(config, data_dir)
+  except (FileNotFoundError, ValueError) as err:
+    parser.exit(2, f"{parser.prog}: error: cannot load {config.dataset} from --data-dir "
+                   f"'{data_dir}': {err}\n")
+    raise
+
+
+def train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+  """``train``: one run in ``--workdir``; prints the final accuracies and sparsity."""
+  from safe_optax.vision import train as train_lib  # pylint: disable=import-outside-toplevel
+  config = _config(parser, args, method=args.method, seed=args.seed,
+                   sparsity=0.0 if args.method == "dense" else args.sparsity)
+  data = _load(parser, config, args.data_dir)
+  outcome = train_lib.train_and_evaluate(config, args.workdir, data_dir=args.data_dir,
+                                         dataset=data, progress=not args.no_progress)
+  final = outcome.results["final"]
+  print(json.dumps({"workdir": str(args.workdir), **final,
+                    "images_per_second": outcome.results["images_per_second"],
+                    "wall_seconds": outcome.results["wall_seconds"]}, indent=1))
+  return 0
+
+
+def _cell(values: Sequence[float]) -> str:
+  mean, se = mean_se([100 * v for v in values])
+  return f"{mean:.2f} ± {se:.2f}" if se is not None else f"{mean:.2f}"
+
+
+def summarize(runs: Sequence[dict[str, Any]], sparsities: Sequence[float]) -> dict[str, Any]:
+  """Groups per-run results into the paper's Table-5 form.
+
+  Args:
+    runs: records with ``method``, ``sparsity``, ``seed``, ``accuracy`` (the
+      reported accuracy: sparse after BNT, or dense for ``dense``) and
+      optionally ``accuracy_before_bnt``, ``dense_accuracy``,
+      ``achieved_sparsity``, ``images_per_second``, ``wall_seconds``.
+    sparsities: the table's columns.
+
+  Returns:
+    ``{"markdown": str, "rows": [...]}``: one row per method, one cell per
+    sparsity, ``mean ± s.e.`` in percent over seeds; the dense row repeats
+    its accuracy in every column.
+
+  Examples:
+    >>> runs = [{"method": "safe", "sparsity": 0.9, "seed": s, "accuracy": a}
+    ...         for s, a in enumerate([0.91, 0.93])]
+    >>> print(summarize(runs, [0.9])["markdown"])
+    | method | 90% |
+    |---|---|
+    | safe | 92.00 ± 1.00 |
+  """
+  methods = list(dict.fromkeys(r["method"] for r in runs))
+  header = "| method | " + " | ".join(f"{100 * s:g}%" for s in sparsities) + " |"
+  lines = [header, "|---|" + "---|" * len(sparsities)]
+  rows = []
+  for method in methods:
+    cells = []
+    # Dense has no target sparsity: one group, shown in every column.
+    for s in ([0.0] if method == "dense" else sparsities):
+      group = [r for r in runs if r["method"] == method and (
+          method == "dense" or math.isclose(r["sparsity"], s))]
+      cells.append(_cell([r["accuracy"] for r in group]) if group else "–")
+      if not group:
+        continue
+      row = {"method": method, "sparsity": s, "seeds": sorted(r["seed"] for r in group)}
+      for key in ("accuracy", "accuracy_before_bnt", "dense_accuracy", "achieved_sparsity",
+                  "images_per_second", "wall_seconds"):
+        values = [r[key] for r in group if r.get(key) is not None]
+        if values:
+          row[key + "_mean"], row[key + "_se"] = mean_se(values)
+      rows.append(row)
+    if method == "dense":
+      cells = cells * len(sparsities)
+    lines.append(f"| {method} | " + " | ".join(cells) + " |")
+  return {"markdown": "\n".join(lines), "rows": rows}
+
+
+def sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+  """``sweep``: every (method, sparsity, seed) in its own sub-workdir, then one table.
+
+  Finished runs (with a ``results.json``) are read, not retrained, so an
+  interrupted sweep continues where it stopped. ``dense`` runs once per seed.
+  """
+  from safe_optax.vision import train as train_lib  # pylint: disable=import-outside-toplevel
+  for s in args.sparsities:
+    if not 0.0 < s < 1.0:
+      parser.error(f"--sparsities must lie in (0, 1), got {s}")
+  base = _config(parser, args)
+  data = _load(parser, base, args.data_dir)
+  workdir = pathlib.Path(args.workdir)
+  jobs = []
+  for method in args.methods:
+    for s in ([0.0] if method == "dense" else args.sparsities):
+      for seed in args.seeds:
+        jobs.append((method, s, seed))
+  runs = []
+  for i, (method, s, seed) in enumerate(jobs):
+    config = base.replace(method=method, sparsity=s, seed=seed)
+    run_dir = workdir / f"{method}-s{s:g}-seed{seed}"
+    results_file = run_dir / "results.json"
+    if results_file.exists():
+      with open(results_file, encoding="utf-8") as f:
+        results = json.load(f)
+    else:
+      print(f"[{i + 1}/{len(jobs)}] {method} sparsity {s:g} seed {seed}", file=sys.stderr,
+            flush=True)
+      results = train_lib.train_and_evaluate(config, run_dir, data_dir=args.data_dir,
+                                             dataset=data, progress=not args.no_progress).results
+    final = results["final"]
+    runs.append({
+        "method": method, "sparsity": s, "seed": seed,
+        "accuracy": final.get("sparse_accuracy", final["dense_accuracy"]),
+        "accuracy_before_bnt": final.get("sparse_accuracy_before_bnt"),
+        "dense_accuracy": final["dense_accuracy"], "achieved_sparsity": final["sparsity"],
+        "images_per_second": results["images_per_second"],
+        "wall_seconds": results["wall_seconds"], "workdir": str(run_dir),
+    })
+  table = summarize(runs, args.sparsities)
+  command = "safe-optax-vision " + " ".join(sys.argv[1:]) if sys.argv else None
+  summary = {"command": command, "config": configs.to_dict(base), "runs": runs,
+             "table": table["rows"], "versions": train_lib.versions()}
+  workdir.mkdir(parents=True, exist_ok=True)
+  with open(workdir / "sweep.json", "w", encoding="utf-8") as f:
+    json.dump(summary, f, indent=1)
+    f.write("\n")
+  markdown = (f"Test accuracy (%) after the final projection and BNT, mean ± s.e. over seeds "
+              f"{args.seeds}; preset `{args.preset}`.\n\n{table['markdown']}\n")
+  with open(workdir / "table.md", "w", encoding="utf-8") as f:
+    f.write(markdown)
+  print(markdown)
+  return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  """Entry point of ``safe-optax-vision``."""
+  parser = build_parser()
+  args = parser.parse_args(argv)
+  return args.func(args.parser, args)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,294 @@
+"""Tests of safe_optax.vision.{configs,train,checkpoint}: schedule, data order, SAM/BN, resume, sharding.
+
+Cost: the training runs share one tiny configuration (an MLP on 100 generated
+8x8 images, batch 16: six full batches and a short one per epoch), so the
+jitted programs compile once (``train._programs`` caches them) and are reused
+by the uninterrupted, stopped and interrupted runs. The 8-device run is a
+subprocess started when the module is imported, so it overlaps the others.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import safe_optax
+from safe_optax import flax_utils
+from safe_optax.vision import checkpoint as checkpoint_lib
+from safe_optax.vision import configs
+from safe_optax.vision import input_pipeline
+from safe_optax.vision import train
+
+N_TRAIN, N_TEST, BATCH, EPOCHS = 100, 40, 16, 3
+TINY = dict(model="mlp", mlp_features=(16,), dataset="mnist", method="safe", sparsity=0.8,
+            epochs=EPOCHS, warmup_epochs=1, batch_size=BATCH, learning_rate=0.3, eval_batch_size=16, augment=True,
+            penalty=1e-2, dual_every=2, bnt_samples=64)
+
+
+def tiny_dataset(seed: int = 0) -> input_pipeline.Dataset:
+  """4 classes of 8x8 images: class c has brightness about 60 c (crops and flips keep it)."""
+  rng = np.random.default_rng(seed)
+  n = N_TRAIN + N_TEST
+  labels = rng.integers(0, 4, n).astype(np.int32)
+  images = (60 * labels[:, None, None, None] + rng.integers(0, 50, (n, 8, 8, 1))).astype(np.uint8)
+  return input_pipeline.Dataset(images[:N_TRAIN], labels[:N_TRAIN], images[N_TRAIN:],
+                                labels[N_TRAIN:], ("a", "b", "c", "d"))
+
+
+def tiny_config(**overrides) -> configs.Config:
+  return configs.validate(configs.Config(**{**TINY, **overrides}))
+
+
+_SHARDED_SCRIPT = textwrap.dedent("""
+    import json, sys, tempfile
+    import jax, numpy as np
+    sys.path.insert(0, {tests_dir!r})
+    import test_train as t
+    from safe_optax.vision import train
+    out = train.train_and_evaluate(t.tiny_config(), tempfile.mkdtemp(), data_dir=None,
+                                   dataset=t.tiny_dataset())
+    leaves = jax.tree.leaves(out.state.params)
+    print(json.dumps({{
+        "devices": jax.device_count(),
+        "param_devices": [len(x.sharding.device_set) for x in leaves],
+        "replicated": [bool(x.sharding.is_fully_replicated) for x in leaves],
+        "params": [np.asarray(x).tolist() for x in leaves],
+        "sparse_accuracy": out.results["final"]["sparse_accuracy"],
+    }}))
+""")
+
+
+def _launch_sharded_run() -> subprocess.Popen:
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+         "JAX_PLATFORMS": "cpu"}
+  script = _SHARDED_SCRIPT.format(tests_dir=os.path.dirname(os.path.abspath(__file__)))
+  return subprocess.Popen([sys.executable, "-c", script], env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+_BACKGROUND = {}
+if __name__ != "__main__" and os.environ.get("XLA_FLAGS", "").find("device_count=8") < 0:
+  _BACKGROUND["sharded"] = _launch_sharded_run()
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+def test_presets_follow_the_paper():
+  r20 = configs.get_config("resnet20x2-cifar10")
+  assert (r20.model, r20.width, r20.epochs, r20.batch_size, r20.learning_rate, r20.momentum,
+          r20.weight_decay, r20.rho, r20.dual_every, r20.warmup_epochs) == (
+              "resnet20", 2, 200, 128, 0.1, 0.9, 1e-4, 0.1, 32, 5)
+  lam = lambda preset, s: configs.get_config(preset, sparsity=s).resolved_penalty()
+  assert [lam("resnet20x2-cifar10", s) for s in (0.9, 0.98, 0.99, 0.995)] == [
+      1e-3, 1e-3, 1e-2, 1e-2]
+  assert [lam("vgg19-cifar10", s) for s in (0.7, 0.95, 0.98, 0.99)] == [1e-4, 1e-4, 1e-3, 1e-2]
+  assert [lam("resnet32x2-cifar100", s) for s in (0.95, 0.98)] == [1e-3, 1e-2]
+  assert lam("vgg19-cifar100", 0.99) == 1e-3
+  assert configs.get_config("vgg19-cifar100").epochs == 300
+  assert configs.get_config("resnet20x2-cifar10", penalty=0.5).resolved_penalty() == 0.5
+  config = configs.get_config("mlp-mnist", seed=3, epochs=7)
+  assert configs.from_dict(json.loads(json.dumps(configs.to_dict(config)))) == config
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(method="sgd"), "method"), (dict(sparsity=1.0), "sparsity"),
+    (dict(epochs=3), "warmup_epochs"), (dict(batch_size=0), "batch_size"),
+    (dict(model="resnet50"), "model"), (dict(label_noise=1.5), "label_noise"),
+    (dict(imp_power=2), "imp_power"), (dict(colour=1), "unknown config fields"),
+])
+def test_bad_config_values_are_named(overrides, match):
+  with pytest.raises(ValueError, match=match):
+    configs.get_config("resnet20x2-cifar10", **overrides)
+  with pytest.raises(ValueError, match="unknown preset"):
+    configs.get_config("resnet18-imagenet")
+
+
+# ----------------------------------------------------------------------------- schedule, data
+
+
+def test_learning_rate_reaches_its_end_value_at_the_last_step():
+  config = configs.get_config("resnet20x2-cifar10", epochs=20)
+  spe = 7
+  total, warm = 20 * spe, 5 * spe
+  lr = train.learning_rate_schedule(config, spe)
+  steps = np.arange(total + 1)
+  got = np.asarray([float(lr(t)) for t in steps])
+  # Independent reference: linear warm-up, then half a cosine from warm to total.
+  ref = np.where(steps < warm, 0.1 * steps / warm,
+                 0.05 * (1 + np.cos(np.pi * (steps - warm) / (total - warm))))
+  np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-7)
+  assert got[total] == 0.0 and 0 < got[total - 1] < 1e-4
+  # The official code's schedule is already 0 five epochs before the end; this one is not.
+  assert got[total - warm] > 0.01
+
+
+@given(n=st.integers(1, 300), batch=st.integers(1, 64), seed=st.integers(0, 5),
+       epoch=st.integers(0, 3))
+def test_every_example_once_per_epoch(n, batch, seed, epoch):
+  batches = train.epoch_batches(n, batch, seed, epoch)
+  assert len(batches) == math.ceil(n / batch)
+  assert all(len(b) == batch for b in batches[:-1]) and 1 <= len(batches[-1]) <= batch
+  np.testing.assert_array_equal(np.sort(np.concatenate(batches)), np.arange(n))
+  again = train.epoch_batches(n, batch, seed, epoch)
+  assert all(np.array_equal(a, b) for a, b in zip(batches, again))
+
+
+# ----------------------------------------------------------------------------- SAM and BatchNorm
+
+
+class _ConvBN(nn.Module):
+  @nn.compact
+  def __call__(self, x, train):
+    x = nn.Conv(4, (3, 3), use_bias=False)(x)
+    x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+    return nn.Dense(4)(jnp.mean(nn.relu(x), axis=(1, 2)))
+
+
+def test_sam_pass_leaves_batch_stats_of_the_clean_pass():
+  data = tiny_dataset()
+  images, labels = jnp.asarray(data.train_images), jnp.asarray(data.train_labels)
+  model = _ConvBN()
+  variables = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8, 8, 1)), train=False)
+  model_state, params = flax.core.pop(dict(variables), "params")
+  mean, std = input_pipeline.MNIST_MEAN, input_pipeline.MNIST_STD
+  indices = jnp.arange(BATCH)
+
+  def step(tx, uses_grad_fn):
+    state = train.TrainState(jnp.int32(0), jax.random.PRNGKey(5), params, dict(model_state),
+                             tx.init(params), train._zero_metrics())
+    fn = jax.jit(functools.partial(train.train_step, apply_fn=model.apply, tx=tx,
+                                   uses_grad_fn=uses_grad_fn, augment=True, mean=mean,
+                                   std=std))
+    return fn(state, images, labels, indices)
+
+  safe = step(optax.chain(safe_optax.sam_perturb(1.0), optax.sgd(0.1)), True)
+  sgd = step(optax.sgd(0.1), False)
+  # Reference: the clean pass's statistics on the same augmented batch.
+  key = jax.random.fold_in(jax.random.PRNGKey(5), 0)
+  x = train.prepare_images(images[indices], key, mean, std)
+  stats = jax.jit(lambda p: model.apply({"params": p, **model_state}, x, train=True,
+                                        mutable=["batch_stats"])[1])
+  clean = stats(params)
+  for a, b, c in zip(jax.tree.leaves(safe.model_state), jax.tree.leaves(sgd.model_state),
+                     jax.tree.leaves(clean["batch_stats"])):
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(a, c, rtol=1e-6, atol=1e-6)
+  # The perturbed point's statistics differ, so keeping them would have shown.
+  grads = jax.jit(jax.grad(lambda p: train.cross_entropy(model.apply(
+      {"params": p, **model_state}, x, train=True, mutable=["batch_stats"])[0],
+      labels[indices])))(params)
+  norm = optax.tree.norm(grads)
+  at_perturbed = stats(jax.tree.map(lambda p, g: p + 1.0 * g / norm, params, grads))
+  assert not np.allclose(jax.tree.leaves(at_perturbed["batch_stats"])[0],
+                         jax.tree.leaves(safe.model_state)[0])
+  # SAM did change the step itself.
+  assert not np.allclose(jax.tree.leaves(safe.params)[0], jax.tree.leaves(sgd.params)[0])
+
+
+# ----------------------------------------------------------------------------- full runs
+
+
+@pytest.fixture(scope="module")
+def full_dir(tmp_path_factory):
+  return tmp_path_factory.mktemp("full")
+
+
+@pytest.fixture(scope="module")
+def full_run(full_dir):
+  return train.train_and_evaluate(tiny_config(), full_dir, data_dir=None,
+                                  dataset=tiny_dataset())
+
+
+def _assert_same_state(a: train.TrainState, b: train.TrainState):
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert len(la) == len(lb)
+  for x, y in zip(la, lb):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_full_run_reports_exact_sparsity_and_learns(full_run, full_dir):
+  results = full_run.results
+  report = results["sparsity_report"]
+  assert report["prunable_nonzero"] == safe_optax.num_keep(report["prunable_size"], 0.8)
+  assert report["prunable_size"] == 64 * 16 + 16 * 4
+  assert results["final"]["sparsity"] == pytest.approx(0.8, abs=1e-3)
+  # 4 classes (chance 0.25), 21 steps.
+  assert results["final"]["dense_accuracy"] > 0.5 and results["final"]["sparse_accuracy"] > 0.35
+  history = results["history"]
+  assert [r["epoch"] for r in history] == list(range(EPOCHS))
+  assert all(r["train_examples"] == N_TRAIN for r in history)  # every example, once
+  assert all(r["distance_to_projection"] > 0 and r["distance_to_z"] > 0 for r in history)
+  for name in ("metrics.jsonl", "accuracy.png", "distance.png"):
+    assert (full_dir / name).stat().st_size > 0
+  with open(full_dir / "results.json", encoding="utf-8") as f:
+    assert json.load(f)["final"] == results["final"]
+  versions = results["versions"]
+  assert versions["jax"] == jax.__version__ and versions["device_count"] == jax.device_count()
+  assert results["images_per_second"] > 0
+
+
+def test_train_step_compiles_once_per_batch_shape(full_run):
+  del full_run
+  programs = train._programs(tiny_config(), N_TRAIN, 4, (8, 8, 1))
+  # 3 epochs x 7 steps: one program for the full batches, one for the short last batch.
+  assert programs.train._cache_size() == 2
+
+
+def test_stop_and_resume_is_bit_identical(full_run, tmp_path):
+  data = tiny_dataset()
+  stopped = train.train_and_evaluate(tiny_config(), tmp_path, data_dir=None, dataset=data,
+                                     stop_after_epoch=1)
+  assert stopped.results is None and int(stopped.state.step) == 7
+  resumed = train.train_and_evaluate(tiny_config(), tmp_path, data_dir=None, dataset=data)
+  _assert_same_state(resumed.state, full_run.state)
+  _assert_same_state(resumed.sparse_params, full_run.sparse_params)
+  with open(tmp_path / "metrics.jsonl", encoding="utf-8") as f:
+    epochs = [json.loads(line)["epoch"] for line in f]
+  assert epochs == list(range(EPOCHS))
+  assert [r["train_loss"] for r in resumed.results["history"]] == [
+      r["train_loss"] for r in full_run.results["history"]]
+
+
+def test_ctrl_c_checkpoints_and_resumes_mid_epoch(full_run, tmp_path):
+  data = tiny_dataset()
+
+  def interrupt(step):
+    if step == 10:  # in the middle of the second epoch
+      raise KeyboardInterrupt
+
+  with pytest.raises(KeyboardInterrupt):
+    train.train_and_evaluate(tiny_config(), tmp_path, data_dir=None, dataset=data,
+                             on_step=interrupt)
+  assert checkpoint_lib.Checkpointer(tmp_path / "checkpoints").latest_step() == 10
+  resumed = train.train_and_evaluate(tiny_config(), tmp_path, data_dir=None, dataset=data)
+  _assert_same_state(resumed.state, full_run.state)
+
+
+def test_8_devices_match_1_device(full_run):
+  proc = _BACKGROUND.get("sharded") or _launch_sharded_run()
+  stdout, stderr = proc.communicate(timeout=900)
+  assert proc.returncode == 0, stderr[-4000:]
+  result = json.loads(stdout.strip().splitlines()[-1])
+  assert result["devices"] == 8
+  assert all(n == 8 for n in result["param_devices"]) and all(result["replicated"])
+  for got, want in zip(result["params"], jax.tree.leaves(full_run.state.params)):
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=0,
+                               atol=2e-5)
+  assert result["sparse_accuracy"] == pytest.approx(
+      full_run.results["final"]["sparse_accuracy"], abs=1.0 / N_TEST + 1e-9)
