@@ -1,0 +1,102 @@
+"""Tests of the ``safe-optax-vision`` command line: errors, the sweep table, a 2-epoch smoke run."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+from importlib import metadata
+
+import numpy as np
+import pytest
+
+import safe_optax
+from safe_optax.vision import cli
+
+MNIST_DIR = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist"
+
+
+def _run(argv, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    cli.main(argv)
+  return exit_info.value.code, capsys.readouterr().err
+
+
+def test_entry_point_is_registered():
+  scripts = {ep.name: ep.value for ep in metadata.entry_points(group="console_scripts")}
+  assert scripts.get("safe-optax-vision") == "safe_optax.vision.cli:main"
+
+
+def test_missing_data_dir_is_a_clear_error(tmp_path, capsys):
+  code, err = _run(["train", "--preset", "mlp-mnist", "--data-dir", str(tmp_path / "nope"),
+                    "--workdir", str(tmp_path / "out")], capsys)
+  assert code == 2 and "nope" in err and "does not exist" in err
+
+
+@pytest.mark.parametrize("preset, expected", [
+    ("mlp-mnist", "t10k-images-idx3-ubyte"),
+    ("resnet20x2-cifar10", "data_batch_1"),
+])
+def test_malformed_data_dir_names_the_expected_files(tmp_path, capsys, preset, expected):
+  (tmp_path / "readme.txt").write_text("not a data set")
+  code, err = _run(["train", "--preset", preset, "--data-dir", str(tmp_path),
+                    "--workdir", str(tmp_path / "out")], capsys)
+  assert code == 2 and expected in err and str(tmp_path) in err
+
+
+def test_bad_override_is_a_usage_error(tmp_path, capsys):
+  code, err = _run(["train", "--preset", "mlp-mnist", "--epochs", "2", "--data-dir",
+                    str(tmp_path), "--workdir", str(tmp_path)], capsys)
+  assert code == 2 and "warmup_epochs" in err
+  code, err = _run(["train", "--preset", "mlp-mnist", "--method", "sgd", "--data-dir",
+                    str(tmp_path), "--workdir", str(tmp_path)], capsys)
+  assert code == 2 and "invalid choice" in err
+
+
+def test_sweep_table_is_mean_and_standard_error():
+  rng = np.random.default_rng(0)
+  runs = []
+  for method in ("dense", "safe", "admm"):
+    for s in ((0.0,) if method == "dense" else (0.9, 0.95)):
+      for seed in range(3):
+        runs.append({"method": method, "sparsity": s, "seed": seed,
+                     "accuracy": float(rng.uniform(0.8, 0.95))})
+  table = cli.summarize(runs, [0.9, 0.95])
+  lines = table["markdown"].splitlines()
+  assert lines[0] == "| method | 90% | 95% |"
+  assert len(table["rows"]) == 1 + 2 + 2
+  for row in table["rows"]:
+    values = np.array([100 * r["accuracy"] for r in runs if r["method"] == row["method"]
+                       and (row["method"] == "dense" or r["sparsity"] == row["sparsity"])])
+    mean, se = values.mean(), values.std(ddof=1) / math.sqrt(len(values))
+    assert row["accuracy_mean"] == pytest.approx(mean / 100)
+    assert row["accuracy_se"] == pytest.approx(se / 100)
+    assert row["seeds"] == [0, 1, 2]
+    line = next(l for l in lines if l.startswith(f"| {row['method']} |"))
+    assert f"{mean:.2f} ± {se:.2f}" in line
+  assert lines[2].count("±") == 2  # dense repeats its accuracy in every column
+
+
+@pytest.mark.skipif(not MNIST_DIR.exists(), reason="../shared/data/mnist is not beside the "
+                                                   "checkout")
+def test_two_epoch_smoke_run_has_exact_sparsity_and_beats_chance(tmp_path, capsys):
+  workdir = tmp_path / "run"
+  code = cli.main(["train", "--preset", "mlp-mnist", "--method", "safe", "--sparsity", "0.9",
+                   "--data-dir", str(MNIST_DIR), "--test-only-split", "8000", "2000",
+                   "--train-subset", "2048", "--epochs", "2", "--warmup-epochs", "1",
+                   "--workdir", str(workdir), "--no-progress"])
+  assert code == 0
+  printed = json.loads(capsys.readouterr().out)
+  with open(workdir / "results.json", encoding="utf-8") as f:
+    results = json.load(f)
+  report = results["sparsity_report"]
+  assert report["prunable_size"] == 266_200  # 784*300 + 300*100 + 100*10
+  assert report["prunable_nonzero"] == safe_optax.num_keep(266_200, 0.9)
+  assert sum(l["nonzero"] for l in report["leaves"] if l["prunable"]) == report[
+      "prunable_nonzero"]
+  assert all(l["nonzero"] == l["size"] for l in report["leaves"] if not l["prunable"])
+  assert printed["sparse_accuracy"] == results["final"]["sparse_accuracy"] > 0.5  # chance 0.1
+  assert results["data"] == {"num_train": 2048, "num_test": 2000, "num_classes": 10,
+                             "steps_per_epoch": 16}
+  assert [r["train_examples"] for r in results["history"]] == [2048, 2048]
+  assert (workdir / "accuracy.png").exists() and (workdir / "distance.png").exists()
