@@ -9,11 +9,13 @@ record every results JSON carries.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import shlex
 import statistics
 import sys
+import time
 from typing import Any, Callable
 
 import flax
@@ -124,3 +126,14 @@ def parse_steps(text: str | None, models: list[str], defaults: dict[str, int]) -
     key, value = item.split("=")
     steps[key] = int(value)
   return steps
+
+
+def write_report(report: dict[str, Any], out: str, start: float) -> None:
+  """Adds the end load average and wall time, writes the JSON and says where."""
+  report["cpu"]["loadavg_end"] = os.getloadavg()
+  report["total_wall_s"] = time.perf_counter() - start
+  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+  with open(out, "w") as f:
+    json.dump(report, f, indent=1)
+  print(f"\nwrote {out} ({report['total_wall_s']:.0f} s; load average "
+        f"{report['cpu']['loadavg_start'][0]:.1f} -> {report['cpu']['loadavg_end'][0]:.1f})")

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import statistics
 import time
@@ -49,7 +48,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from _common import DUAL_EVERY, METHODS, make_step, make_tx, parse_steps, run_record, summary
+from _common import (DUAL_EVERY, METHODS, make_step, make_tx, parse_steps, run_record, summary,
+                     write_report)
 from safe_optax.vision import MLP, resnet20
 
 BATCH = 128
@@ -208,17 +208,11 @@ def main() -> None:
     result = bench_model(name, methods, steps[name], args.block, warmup)
     report["models"][name] = result
     print_table(name, result)
-  report["cpu"]["loadavg_end"] = os.getloadavg()
-  report["total_wall_s"] = time.perf_counter() - start
   report["bars_met"] = {
       f"{name}:{key}:{stat}": r[stat] <= BARS[key]
       for name, res in report["models"].items() for key, r in res["ratios"].items()
       if key in BARS for stat in ("median", "mean")}
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(report, f, indent=1)
-  print(f"\nwrote {args.out} ({report['total_wall_s']:.0f} s; load average "
-        f"{report['cpu']['loadavg_start'][0]:.1f} -> {report['cpu']['loadavg_end'][0]:.1f})")
+  write_report(report, args.out, start)
 
 
 if __name__ == "__main__":

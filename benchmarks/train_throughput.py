@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import statistics
 import time
@@ -42,7 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import safe_optax
-from _common import DUAL_EVERY, make_step, make_tx, parse_steps, run_record, summary
+from _common import (DUAL_EVERY, make_step, make_tx, parse_steps, run_record, summary,
+                     write_report)
 from safe_optax.vision import resnet20, vgg19
 
 BATCH = 128
@@ -187,13 +187,7 @@ def main() -> None:
   for name in models:
     report["models"][name] = bench_model(name, steps[name], args.warmup, args.dual_steps)
     print_table(name, report["models"][name])
-  report["cpu"]["loadavg_end"] = os.getloadavg()
-  report["total_wall_s"] = time.perf_counter() - start
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(report, f, indent=1)
-  print(f"\nwrote {args.out} ({report['total_wall_s']:.0f} s; load average "
-        f"{report['cpu']['loadavg_start'][0]:.1f} -> {report['cpu']['loadavg_end'][0]:.1f})")
+  write_report(report, args.out, start)
 
 
 if __name__ == "__main__":
