@@ -187,7 +187,9 @@ def main() -> None:
   for name in models:
     report["models"][name] = bench_model(name, steps[name], args.warmup, args.dual_steps)
     print_table(name, report["models"][name])
-  write_report(report, args.out, start)
+    # Written after every model, so a slow later model cannot lose the earlier results.
+    report["complete"] = name == models[-1]
+    write_report(report, args.out, start)
 
 
 if __name__ == "__main__":
