@@ -117,3 +117,32 @@ def test_bad_arguments():
     robustness.pgd_attack(apply_fn, x, y, random_start=True)
   with pytest.raises(ValueError, match="batch_size"):
     robustness.pgd_accuracy(apply_fn, np.zeros(SHAPE, np.uint8), np.zeros(6), batch_size=0)
+
+
+def test_evaluation_suite_on_a_trained_workdir(tmp_path):
+  """`evaluate_workdir` rebuilds the deployed model: its clean accuracy is training's own."""
+  import json
+  import sys
+  sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+  import test_train  # the trainer's tiny data set and configuration
+  from safe_optax.vision import evaluation, train
+
+  data = test_train.tiny_dataset()
+  config = test_train.tiny_config(epochs=1)
+  trained = train.train_and_evaluate(config, tmp_path, data_dir=None, dataset=data)
+  out = evaluation.evaluate_workdir(tmp_path, data_dir=None, dataset=data, batch_size=16,
+                                    hessian_examples=32, corruption_subset=8,
+                                    corruption_names=("contrast", "gaussian_noise"),
+                                    cache_dir=tmp_path / "cache", progress=False)
+  assert out["clean"] == pytest.approx(trained.results["final"]["sparse_accuracy"])
+  for norm in ("linf", "l2"):
+    assert out[f"pgd-{norm}"]["clean"] == pytest.approx(out["clean"])
+    assert out[f"pgd-{norm}"]["adversarial"] <= out["clean"]
+  assert set(out["corruptions"]["mean"]) == {"3", "5"}
+  assert set(out["corruptions"]["per_type"]) == {"contrast", "gaussian_noise"}
+  assert np.isfinite(out["hessian"]["lambda_max"]) and out["hessian"]["lambda_max_support"] > 0
+  assert json.loads((tmp_path / "eval.json").read_text())["clean"] == out["clean"]
+  table = (tmp_path / "eval.md").read_text().splitlines()
+  assert table[0].startswith("| method | sparsity | seed | clean |") and len(table) == 3
+  with pytest.raises(ValueError, match="suite"):
+    evaluation.parse_suite("clean,fgsm")
