@@ -288,9 +288,8 @@ def recalibrate_batch_stats(
 
   .. math::
 
-    \mu = rac{1}{N}\sum_b n_b \mu_b, \qquad
-    \sigma^2 = rac{1}{N}\sum_b n_b \left(\sigma_b^2 + (\mu_b - \mu)^2
-ight)
+    \mu = \frac{1}{N}\sum_b n_b \mu_b, \qquad
+    \sigma^2 = \frac{1}{N}\sum_b n_b \left(\sigma_b^2 + (\mu_b - \mu)^2 \right)
 
   with ``n_b`` the entries per channel in batch ``b`` (batch size times
   spatial positions) and ``N = sum_b n_b``. This is the mean and the
