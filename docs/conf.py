@@ -53,28 +53,45 @@ html_title = f"safe_optax {release}"
 html_static_path = []
 
 
+def _public_names(module):
+  """``module.__all__``, or the functions and classes the module defines."""
+  import inspect  # pylint: disable=import-outside-toplevel
+
+  if hasattr(module, "__all__"):
+    return list(module.__all__)
+  return [name for name, obj in vars(module).items()
+          if not name.startswith("_") and (inspect.isfunction(obj) or inspect.isclass(obj))
+          and obj.__module__ == module.__name__]
+
+
 def _document_new_public_names(app, docname, source):
-  """Appends autodoc entries for names in ``safe_optax.__all__`` that api.rst does not list.
+  """Appends autodoc entries for public names that api.rst does not list yet.
 
   The API page is organised by hand; this keeps it complete when a name is
-  added to ``__all__`` before someone files it under a section.
+  added to a documented module's public API before someone files it under a
+  section.
   """
   if docname != "api":
     return
+  import importlib  # pylint: disable=import-outside-toplevel
   import inspect  # pylint: disable=import-outside-toplevel
 
   text = source[0]
-  missing = [name for name in safe_optax.__all__
-             if f":: {name}\n" not in text and f":: {name} " not in text]
-  if not missing:
-    return
-  lines = ["", "Other public names", "------------------", "",
-           ".. currentmodule:: safe_optax", ""]
-  for name in missing:
-    kind = "autoclass" if inspect.isclass(getattr(safe_optax, name)) else "autofunction"
-    lines += [f".. {kind}:: {name}", ""]
-    if kind == "autoclass":
-      lines += ["   :members:", ""]
+  lines = []
+  for module_name in ("safe_optax", "safe_optax.flax_utils", "safe_optax.vision.models",
+                      "safe_optax.vision.input_pipeline"):
+    module = importlib.import_module(module_name)
+    missing = [name for name in _public_names(module)
+               if f":: {name}\n" not in text and f":: {name} " not in text]
+    if not missing:
+      continue
+    title = f"Other public names in ``{module_name}``"
+    lines += ["", title, "-" * len(title), "", f".. currentmodule:: {module_name}", ""]
+    for name in missing:
+      is_class = inspect.isclass(getattr(module, name))
+      lines += [f".. {'autoclass' if is_class else 'autofunction'}:: {name}", ""]
+      if is_class:
+        lines += ["   :members:", ""]
   source[0] = text + "\n".join(lines)
 
 
