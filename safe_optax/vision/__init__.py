@@ -4,6 +4,13 @@
 wide variants), ``VGG19`` with BatchNorm and the 784-300-100-10 ``MLP``. All
 take ``__call__(x, train)``; pair them with :mod:`safe_optax.flax_utils` for
 SAM / SAFE steps that keep the first pass's BatchNorm statistics.
+
+Submodules (imported on demand, they pull in orbax / matplotlib):
+:mod:`~safe_optax.vision.configs` (the paper's named presets),
+:mod:`~safe_optax.vision.train` (``train_step``, ``evaluate``,
+``train_and_evaluate``), :mod:`~safe_optax.vision.checkpoint`,
+:mod:`~safe_optax.vision.plots` and :mod:`~safe_optax.vision.cli` (the
+``safe-optax-vision`` command).
 """
 
 from safe_optax.vision.models import MLP
