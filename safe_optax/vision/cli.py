@@ -91,6 +91,19 @@ def build_parser() -> argparse.ArgumentParser:
   sweep_parser.add_argument("--sparsities", nargs="+", type=float, required=True)
   sweep_parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
   sweep_parser.set_defaults(func=sweep, parser=sweep_parser)
+
+  eval_parser = sub.add_parser(
+      "eval", help="clean / corruption / PGD / Hessian evaluation of a finished run")
+  eval_parser.add_argument("--workdir", required=True, help="a finished `train` workdir")
+  eval_parser.add_argument("--data-dir", required=True, help="the data it was trained on")
+  eval_parser.add_argument("--suite", default="clean,corruptions,pgd-linf,pgd-l2,hessian",
+                           help="comma-separated subset of clean,corruptions,pgd-linf,pgd-l2,"
+                                "hessian")
+  eval_parser.add_argument("--corruption-subset", type=int, default=1000,
+                           help="corrupt the first N test images (CPU-generated, cached)")
+  eval_parser.add_argument("--seed", type=int, default=0)
+  eval_parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+  eval_parser.set_defaults(func=evaluate, parser=eval_parser)
   return parser
 
 
@@ -171,7 +184,7 @@ def summarize(runs: Sequence[dict[str, Any]], sparsities: Sequence[float]) -> di
         continue
       row = {"method": method, "sparsity": s, "seeds": sorted(r["seed"] for r in group)}
       for key in ("accuracy", "accuracy_before_bnt", "dense_accuracy", "achieved_sparsity",
-                  "images_per_second", "wall_seconds"):
+                  "images_per_second", "steady_images_per_second", "wall_seconds"):
         values = [r[key] for r in group if r.get(key) is not None]
         if values:
           row[key + "_mean"], row[key + "_se"] = mean_se(values)
@@ -220,6 +233,7 @@ def sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         "accuracy_before_bnt": final.get("sparse_accuracy_before_bnt"),
         "dense_accuracy": final["dense_accuracy"], "achieved_sparsity": final["sparsity"],
         "images_per_second": results["images_per_second"],
+        "steady_images_per_second": results.get("steady_images_per_second"),
         "wall_seconds": results["wall_seconds"], "workdir": str(run_dir),
     })
   table = summarize(runs, args.sparsities)
@@ -235,6 +249,21 @@ def sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
   with open(workdir / "table.md", "w", encoding="utf-8") as f:
     f.write(markdown)
   print(markdown)
+  return 0
+
+
+def evaluate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+  """``eval``: the suite on ``--workdir`` -> ``eval.json`` and ``eval.md`` there."""
+  from safe_optax.vision import evaluation  # pylint: disable=import-outside-toplevel
+  try:
+    suite = evaluation.parse_suite(args.suite)
+  except ValueError as err:
+    parser.error(str(err))
+    raise
+  out = evaluation.evaluate_workdir(args.workdir, data_dir=args.data_dir, suite=suite,
+                                    corruption_subset=args.corruption_subset, seed=args.seed,
+                                    progress=not args.no_progress)
+  print(evaluation.markdown_table([out]))
   return 0
 
 

@@ -570,6 +570,7 @@ def train_and_evaluate(config: Config, workdir: os.PathLike, *, data_dir: os.Pat
 
   trained_images = 0
   train_seconds = 0.0
+  epochs_run, steady = 0, [0, 0.0]  # images and seconds of epochs after the first
   last_saved = start_step
   bar = _progress(total_steps, start_step, f"{config.method}@{config.sparsity:g}", progress)
   try:
@@ -577,7 +578,7 @@ def train_and_evaluate(config: Config, workdir: os.PathLike, *, data_dir: os.Pat
       if stop_after_epoch is not None and epoch >= stop_after_epoch:
         break
       epoch_start = time.perf_counter()
-      position = int(state.step) - epoch * spe
+      position = position_start = int(state.step) - epoch * spe
       batches = epoch_batches(num_train, config.batch_size, config.seed, epoch)
       for indices in batches[position:]:
         state = programs.train(state, images_dev, labels_dev,
@@ -589,8 +590,13 @@ def train_and_evaluate(config: Config, workdir: os.PathLike, *, data_dir: os.Pat
         if on_step is not None:
           on_step(epoch * spe + position)
       state = jax.block_until_ready(state)
-      train_seconds += time.perf_counter() - epoch_start
-      record = _epoch_record(programs, config, state, data, epoch, time.perf_counter() - epoch_start)
+      epoch_seconds = time.perf_counter() - epoch_start
+      train_seconds += epoch_seconds
+      if epochs_run > 0:  # this process's first epoch includes the compilation
+        steady[0] += sum(len(b) for b in batches[position_start:])
+        steady[1] += epoch_seconds
+      epochs_run += 1
+      record = _epoch_record(programs, config, state, data, epoch, epoch_seconds)
       history.append(record)
       bar.set_postfix_str(f"loss {record['train_loss']:.3f} test {record.get('test_accuracy', 0):.3f}")
       with open(metrics_path, "a", encoding="utf-8") as f:
@@ -611,7 +617,8 @@ def train_and_evaluate(config: Config, workdir: os.PathLike, *, data_dir: os.Pat
     return Outcome(state, None, None, None)
   return _finish(programs, config, state, data, images_dev, labels_dev, history, workdir,
                  wall_seconds=time.perf_counter() - wall_start, train_seconds=train_seconds,
-                 trained_images=trained_images)
+                 trained_images=trained_images,
+                 steady_images_per_second=steady[0] / steady[1] if steady[1] else None)
 
 
 def _read_history(path: pathlib.Path, epochs_done: int) -> list[dict[str, Any]]:
@@ -656,7 +663,8 @@ def _epoch_record(programs: _Programs, config: Config, state: TrainState,
 def _finish(programs: _Programs, config: Config, state: TrainState,
             data: input_pipeline.Dataset, images_dev: jax.Array, labels_dev: jax.Array,
             history: list[dict[str, Any]], workdir: pathlib.Path, *, wall_seconds: float,
-            train_seconds: float, trained_images: int) -> Outcome:
+            train_seconds: float, trained_images: int,
+            steady_images_per_second: Optional[float]) -> Outcome:
   """Final projection, BNT, evaluation, ``results.json`` and plots."""
   num_train = len(data.train_labels)
   evaluate_split = functools.partial(evaluate, programs.eval, images=data.test_images,
@@ -698,6 +706,8 @@ def _finish(programs: _Programs, config: Config, state: TrainState,
       "train_seconds": train_seconds,
       "trained_images": trained_images,
       "images_per_second": trained_images / train_seconds if train_seconds else None,
+      # Without the first epoch of the process, which includes the compilation.
+      "steady_images_per_second": steady_images_per_second,
       "history": history,
   }
   with open(workdir / "results.json", "w", encoding="utf-8") as f:
