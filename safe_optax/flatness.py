@@ -254,7 +254,9 @@ def max_hessian_eigenvalue(
   costs one forward-over-reverse product per batch (about two gradients).
 
   The loop is a ``lax.while_loop``: the function is traceable, so jit the
-  whole measurement once (``loss_fn`` must be a traceable function).
+  whole measurement once (``loss_fn`` must be a traceable function), passing
+  ``batches`` as an argument of the jitted function rather than closing over
+  them (closed-over arrays become constants of the compiled program).
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> scalar`` (mean loss of one batch).

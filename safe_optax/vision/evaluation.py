@@ -171,15 +171,16 @@ def _hessian(model, params, model_state, data, config, examples, batch_size, see
 
   support = flatness.support_mask(params) if config.method != "dense" else None
 
+  # The batches are arguments, not closure constants XLA would fold into the program.
   @jax.jit
-  def run(params, key):
+  def run(params, batches, key):
     k1, k2 = jax.random.split(key)
     full = flatness.max_hessian_eigenvalue(loss_fn, params, batches, key=k1, max_iterations=100)
     kept = flatness.max_hessian_eigenvalue(loss_fn, params, batches, key=k2, max_iterations=100,
                                            support=support)
     return full, kept
 
-  full, kept = run(params, jax.random.PRNGKey(seed))
+  full, kept = run(params, batches, jax.random.PRNGKey(seed))
   return {"lambda_max": float(full.eigenvalue), "converged": bool(full.converged),
           "lambda_max_support": float(kept.eigenvalue),
           "converged_support": bool(kept.converged), "num_examples": n}
