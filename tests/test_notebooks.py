@@ -6,6 +6,7 @@ Colab or Jupyter would). A cell tagged ``summary`` prints one JSON line; the
 notebook-specific checks below read it. Committed notebooks carry no outputs.
 """
 
+import concurrent.futures
 import json
 import os
 import pathlib
@@ -26,21 +27,11 @@ BUDGET_ENV = {"SAFE_OPTAX_NOTEBOOK_BUDGET": "ci", "PYDEVD_DISABLE_FILE_VALIDATIO
 def _execute(path: pathlib.Path):
   """Runs the notebook in a fresh kernel; returns (executed notebook, summary dict or None)."""
   nb = nbformat.read(path, as_version=4)
-  old = {k: os.environ.get(k) for k in BUDGET_ENV}
-  os.environ.update(BUDGET_ENV)  # the kernel inherits this process's environment
-  try:
-    client = nbclient.NotebookClient(
-        nb, timeout=600, kernel_name="python3",
-        resources={"metadata": {"path": str(path.parent)}},
-    )
-    # "python3" is ipykernel's native kernel: this interpreter, where safe_optax is installed.
-    client.execute()
-  finally:
-    for k, v in old.items():
-      if v is None:
-        os.environ.pop(k, None)
-      else:
-        os.environ[k] = v
+  # "python3" is ipykernel's native kernel: this interpreter, where safe_optax is installed.
+  nbclient.NotebookClient(
+      nb, timeout=600, kernel_name="python3",
+      resources={"metadata": {"path": str(path.parent)}},
+  ).execute()
   summary = None
   for cell in nb.cells:
     if "summary" in cell.get("metadata", {}).get("tags", []):
@@ -52,13 +43,37 @@ def _execute(path: pathlib.Path):
 
 @pytest.fixture(scope="module")
 def executed():
-  return {}
+  """Every notebook, executed once, two kernels at a time.
+
+  Most of a small-budget run is single-threaded XLA compilation, so two
+  kernels side by side keep both cores of a CI machine busy. Values are
+  ``(notebook, summary)`` or the exception the run raised.
+  """
+  old = {k: os.environ.get(k) for k in BUDGET_ENV}
+  os.environ.update(BUDGET_ENV)  # kernels inherit this process's environment
+  try:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+      futures = {path.name: pool.submit(_execute, path) for path in NOTEBOOKS}
+      results = {}
+      for name, future in futures.items():
+        try:
+          results[name] = future.result()
+        except Exception as err:  # pylint: disable=broad-except
+          results[name] = err
+  finally:
+    for k, v in old.items():
+      if v is None:
+        os.environ.pop(k, None)
+      else:
+        os.environ[k] = v
+  return results
 
 
 def _run(executed, path):
-  if path.name not in executed:
-    executed[path.name] = _execute(path)
-  return executed[path.name]
+  result = executed[path.name]
+  if isinstance(result, Exception):
+    raise result
+  return result
 
 
 def test_there_are_notebooks():
