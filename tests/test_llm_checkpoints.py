@@ -1,0 +1,177 @@
+"""Loaders: safetensors folder and GGUF round trips, tokenizer from GGUF metadata, errors."""
+
+import dataclasses
+import json
+
+import gguf
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from safe_optax.llm import checkpoints
+from safe_optax.llm import model as model_lib
+
+CFG = model_lib.LlamaConfig(vocab_size=260, hidden_size=16, intermediate_size=24, num_layers=2,
+                            num_heads=4, num_kv_heads=2, rope_base=1e4, rms_eps=1e-6,
+                            tie_embeddings=False)
+TOKENS = np.array([[5, 100, 7, 259, 3, 42]])
+
+
+def _params(cfg, seed=0):
+  params = model_lib.init_params(cfg, seed)
+  # Non-unit norm scales, so a swapped or dropped norm shows.
+  return jax.tree.map(lambda a: a + 0.1 * (a.ndim == 1) * np.arange(a.shape[0]), params)
+
+
+def _logits(cfg, params):
+  return np.asarray(jax.jit(model_lib.Llama(cfg).apply)({"params": params}, TOKENS))
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_safetensors_round_trip(tmp_path, tie):
+  cfg = dataclasses.replace(CFG, tie_embeddings=tie)
+  params = _params(cfg)
+  checkpoints.save_safetensors(tmp_path, cfg, params)
+  raw = load_file(str(tmp_path / "model.safetensors"))
+  # Hugging Face layout: (out, in) linear weights.
+  assert raw["model.layers.1.self_attn.k_proj.weight"].shape == (8, 16)
+  assert ("lm_head.weight" in raw) is not tie
+  loaded_cfg, loaded = checkpoints.load_model(tmp_path)
+  assert loaded_cfg == cfg
+  jax.tree.map(np.testing.assert_array_equal, loaded, params)
+
+
+def test_export_interleaved_as_hf_layout(tmp_path):
+  """A GGUF-layout (interleaved) model exports to a half-layout folder with the same logits."""
+  cfg = dataclasses.replace(CFG, rope_layout="interleaved")
+  params = _params(cfg, seed=1)
+  checkpoints.save_safetensors(tmp_path, cfg, params)
+  loaded_cfg, loaded = checkpoints.load_safetensors(tmp_path)
+  assert loaded_cfg.rope_layout == "half"
+  np.testing.assert_allclose(_logits(loaded_cfg, loaded), _logits(cfg, params), atol=1e-5)
+
+
+def _write_gguf(path, cfg, params, tokens, merges):
+  """A llama GGUF the way llama.cpp's converter lays it out (numpy (out, in) tensors)."""
+  writer = gguf.GGUFWriter(str(path), "llama")
+  writer.add_block_count(cfg.num_layers)
+  writer.add_context_length(64)
+  writer.add_embedding_length(cfg.hidden_size)
+  writer.add_feed_forward_length(cfg.intermediate_size)
+  writer.add_head_count(cfg.num_heads)
+  writer.add_head_count_kv(cfg.num_kv_heads)
+  writer.add_rope_freq_base(cfg.rope_base)
+  writer.add_layer_norm_rms_eps(cfg.rms_eps)
+  writer.add_vocab_size(cfg.vocab_size)
+  writer.add_tokenizer_model("gpt2")
+  writer.add_token_list(tokens)
+  writer.add_token_types([1] * (len(tokens) - 1) + [3])
+  writer.add_token_merges(merges)
+  f32 = lambda a: np.ascontiguousarray(np.asarray(a, np.float32))
+  writer.add_tensor("token_embd.weight", f32(params["embed_tokens"]["embedding"]))
+  writer.add_tensor("output_norm.weight", f32(params["norm"]["scale"]))
+  if not cfg.tie_embeddings:
+    writer.add_tensor("output.weight", f32(params["lm_head"]["kernel"]).T.copy())
+  names = {v: k for k, v in checkpoints._GGUF_LINEARS.items()}
+  for i in range(cfg.num_layers):
+    block = params[f"layers_{i}"]
+    for (group, linear), name in names.items():
+      writer.add_tensor(f"blk.{i}.{name}.weight", f32(block[group][linear]["kernel"]).T.copy())
+    writer.add_tensor(f"blk.{i}.attn_norm.weight", f32(block["input_layernorm"]["scale"]))
+    writer.add_tensor(f"blk.{i}.ffn_norm.weight", f32(block["post_attention_layernorm"]["scale"]))
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+
+
+def _byte_vocab():
+  from tokenizers import pre_tokenizers
+  alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+  merges = ["h e", "l l", "he ll"]
+  return alphabet + ["he", "ll", "hell", "<|end|>"], merges
+
+
+def test_gguf_round_trip_and_tokenizer(tmp_path):
+  tokens, merges = _byte_vocab()
+  cfg = dataclasses.replace(CFG, vocab_size=len(tokens), rope_layout="interleaved")
+  params = _params(cfg, seed=2)
+  path = tmp_path / "tiny.gguf"
+  _write_gguf(path, cfg, params, tokens, merges)
+  loaded_cfg, loaded = checkpoints.load_model(path)
+  assert loaded_cfg == cfg
+  jax.tree.map(np.testing.assert_array_equal, loaded, params)
+  tokenizer = checkpoints.load_tokenizer(path)
+  ids = tokenizer.encode("hello hell<|end|>").ids
+  assert tokens[ids[0]] == "hell" and tokens.index("<|end|>") == ids[-1]
+  assert tokenizer.decode(ids) == "hello hell<|end|>"
+  # Exported to safetensors (Hugging Face layout) it is the same model.
+  checkpoints.save_safetensors(tmp_path / "hf", loaded_cfg, loaded, tokenizer)
+  hf_cfg, hf = checkpoints.load_model(tmp_path / "hf")
+  np.testing.assert_allclose(_logits(hf_cfg, hf), _logits(cfg, params), atol=1e-5)
+  assert checkpoints.load_tokenizer(tmp_path / "hf").encode("hello").ids == ids[:2]
+
+
+def test_gguf_quantized_tensor_dequantised(tmp_path):
+  """A Q8_0 tensor comes back dequantised, within the format's rounding."""
+  tokens, merges = _byte_vocab()
+  cfg = dataclasses.replace(CFG, vocab_size=len(tokens), hidden_size=32, num_heads=4,
+                            num_kv_heads=4, intermediate_size=32, num_layers=1)
+  params = _params(cfg, seed=4)
+  path = tmp_path / "q8.gguf"
+  _write_gguf(path, cfg, params, tokens, merges)
+  reader = gguf.GGUFReader(str(path))
+  up = np.asarray(params["layers_0"]["mlp"]["up_proj"]["kernel"], np.float32).T.copy()
+  quantised = gguf.quants.quantize(up, gguf.GGMLQuantizationType.Q8_0)
+  writer = gguf.GGUFWriter(str(tmp_path / "q8b.gguf"), "llama")
+  for key, field in reader.fields.items():
+    if key.startswith("GGUF.") or key == "general.architecture":
+      continue
+    value = field.contents()
+    if isinstance(value, list):
+      writer.add_array(key, value)
+    else:
+      writer.add_key_value(key, value, field.types[0])
+  for tensor in reader.tensors:
+    if tensor.name == "blk.0.ffn_up.weight":
+      writer.add_tensor(tensor.name, quantised, raw_shape=quantised.shape,
+                        raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    else:
+      writer.add_tensor(tensor.name, np.asarray(tensor.data))
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  _, loaded = checkpoints.load_gguf(tmp_path / "q8b.gguf")
+  got = loaded["layers_0"]["mlp"]["up_proj"]["kernel"]
+  step = np.abs(up).max() / 127
+  np.testing.assert_allclose(got, up.T, atol=step)
+  assert not np.array_equal(got, up.T)
+
+
+def test_bad_paths_and_mismatched_config(tmp_path):
+  with pytest.raises(FileNotFoundError, match="model"):
+    checkpoints.load_model(tmp_path / "nope")
+  (tmp_path / "weights.bin").write_bytes(b"x")
+  with pytest.raises(ValueError, match="folder .* or a .gguf file"):
+    checkpoints.load_model(tmp_path / "weights.bin")
+  with pytest.raises(FileNotFoundError, match="config.json"):
+    checkpoints.load_safetensors(tmp_path)
+  folder = tmp_path / "ckpt"
+  checkpoints.save_safetensors(folder, CFG, _params(CFG))
+  raw = json.loads((folder / "config.json").read_text())
+  (folder / "config.json").write_text(json.dumps(dict(raw, intermediate_size=32)))
+  with pytest.raises(ValueError, match="mlp/up_proj/kernel.*has shape"):
+    checkpoints.load_safetensors(folder)
+  (folder / "config.json").write_text(json.dumps(dict(raw, num_hidden_layers=3)))
+  with pytest.raises(ValueError, match="missing"):
+    checkpoints.load_safetensors(folder)
+  (folder / "config.json").write_text(json.dumps(raw))
+  tensors = load_file(str(folder / "model.safetensors"))
+  tensors["model.layers.0.mlp.extra.weight"] = np.zeros(3, np.float32)
+  save_file(tensors, str(folder / "model.safetensors"))
+  with pytest.raises(ValueError, match="unexpected tensors"):
+    checkpoints.load_safetensors(folder)
+  with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+    checkpoints.load_tokenizer(folder)
