@@ -128,18 +128,19 @@ def test_evaluation_suite_on_a_trained_workdir(tmp_path):
   from safe_optax.vision import evaluation, train
 
   data = test_train.tiny_dataset()
-  config = test_train.tiny_config(epochs=1)
+  config = test_train.tiny_config(epochs=1, warmup_epochs=0)
   trained = train.train_and_evaluate(config, tmp_path, data_dir=None, dataset=data)
+  # pgd-linf shares every code path with pgd-l2 (tested above); left out for time.
   out = evaluation.evaluate_workdir(tmp_path, data_dir=None, dataset=data, batch_size=16,
+                                    suite=("clean", "corruptions", "pgd-l2", "hessian"),
                                     hessian_examples=32, corruption_subset=8,
-                                    corruption_names=("contrast", "gaussian_noise"),
+                                    corruption_names=("contrast",),
                                     cache_dir=tmp_path / "cache", progress=False)
   assert out["clean"] == pytest.approx(trained.results["final"]["sparse_accuracy"])
-  for norm in ("linf", "l2"):
-    assert out[f"pgd-{norm}"]["clean"] == pytest.approx(out["clean"])
-    assert out[f"pgd-{norm}"]["adversarial"] <= out["clean"]
+  assert out["pgd-l2"]["clean"] == pytest.approx(out["clean"])
+  assert out["pgd-l2"]["adversarial"] <= out["clean"] and "pgd-linf" not in out
   assert set(out["corruptions"]["mean"]) == {"3", "5"}
-  assert set(out["corruptions"]["per_type"]) == {"contrast", "gaussian_noise"}
+  assert set(out["corruptions"]["per_type"]) == {"contrast"}
   assert np.isfinite(out["hessian"]["lambda_max"]) and out["hessian"]["lambda_max_support"] > 0
   assert json.loads((tmp_path / "eval.json").read_text())["clean"] == out["clean"]
   table = (tmp_path / "eval.md").read_text().splitlines()
