@@ -117,7 +117,7 @@ def main(argv: Optional[list[str]] = None) -> int:
   args = parser.parse_args(argv)
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
-  cases = [("mlp", 500, 4, 5, 25), ("resnet20", 64, 2, 2, 6)]
+  cases = [("mlp", 250, 4, 3, 13), ("resnet20", 32, 1, 2, 5)]
   rows = [measure(name, batch, nb, lo, hi, args.repeats) for name, batch, nb, lo, hi in cases]
   results = {"benchmark": "hessian_cost", "command": "python " + " ".join(sys.argv),
              "versions": versions(), "cases": rows}
