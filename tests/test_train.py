@@ -292,3 +292,23 @@ def test_8_devices_match_1_device(full_run):
                                atol=2e-5)
   assert result["sparse_accuracy"] == pytest.approx(
       full_run.results["final"]["sparse_accuracy"], abs=1.0 / N_TEST + 1e-9)
+
+
+def test_bnt_batches_cover_bnt_samples_distinct_training_images():
+  config = tiny_config(bnt_samples=40, augment=False)
+  data = tiny_dataset()
+  programs = train._programs(config, N_TRAIN, 4, (8, 8, 1))
+  images = jnp.asarray(data.train_images)
+  batches = list(train._bnt_batches(programs, config, images, N_TRAIN))
+  assert [b.shape[0] for b in batches] == [16, 16, 8]
+  got = np.concatenate([np.asarray(b) for b in batches])
+  normalized = np.asarray(input_pipeline.normalize(images, input_pipeline.MNIST_MEAN,
+                                                   input_pipeline.MNIST_STD))
+  # Each batch row is one training image, 40 different ones (a seeded subset).
+  flat = normalized.reshape(N_TRAIN, -1)
+  rows = [int(np.argmin(np.abs(flat - g.reshape(1, -1)).sum(1))) for g in got]
+  assert len(set(rows)) == 40
+  np.testing.assert_allclose(got, normalized[rows], rtol=0, atol=1e-6)
+  again = np.concatenate([np.asarray(b) for b in train._bnt_batches(programs, config, images,
+                                                                    N_TRAIN)])
+  np.testing.assert_array_equal(got, again)

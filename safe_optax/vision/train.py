@@ -473,8 +473,9 @@ def _bnt_batches(programs: _Programs, config: Config, images_dev: jax.Array,
   """Augmented, normalised training batches covering ``bnt_samples`` examples once."""
   mean, std = _NORMALIZATION[config.dataset]
   n = min(config.bnt_samples, num_train)
-  order = input_pipeline.epoch_order(num_train, config.seed, -1)[:n].astype(np.int32)
-  key = jax.random.fold_in(jax.random.PRNGKey(config.seed), -1)
+  # A data stream of its own: the pseudo-epoch just past the last training epoch.
+  order = input_pipeline.epoch_order(num_train, config.seed, config.epochs)[:n].astype(np.int32)
+  key = jax.random.fold_in(jax.random.PRNGKey(config.seed), config.epochs)
   for i, start in enumerate(range(0, n, config.batch_size)):
     batch = images_dev[order[start:start + config.batch_size]]
     yield programs.prepare(batch, jax.random.fold_in(key, i) if config.augment else None,
@@ -485,7 +486,7 @@ def _final_scores(programs: _Programs, config: Config, params: Any, model_state:
                   images_dev: jax.Array, labels_dev: jax.Array, num_train: int) -> Any:
   """SAFE+'s final projection uses the same metric P as training (SNIP or OBD scores)."""
   mean, std = _NORMALIZATION[config.dataset]
-  order = input_pipeline.epoch_order(num_train, config.seed, -2).astype(np.int32)
+  order = input_pipeline.epoch_order(num_train, config.seed, config.epochs + 1).astype(np.int32)
   batches = [order[i * config.batch_size:(i + 1) * config.batch_size]
              for i in range(min(_SCORE_BATCHES, num_train // config.batch_size or 1))]
   apply_fn = programs.model.apply
