@@ -60,7 +60,7 @@ def command(method: str, nm, model: pathlib.Path) -> str:
   return " ".join(parts)
 
 
-def run_all() -> None:
+def run_all(only=None) -> None:
   runs = HERE / "runs"
   runs.mkdir(exist_ok=True)
   model_path = gguf_path()
@@ -74,31 +74,49 @@ def run_all() -> None:
     return {name: cli.evaluate(config, p, tokenizer, str(path), BUDGET["eval_seqlen"],
                                BUDGET["eval_tokens"]) for name, path in EVALS.items()}
 
+  if not (runs / "dense.json").exists():
+    _dense(runs, config, params, model_path, evaluate)
+  names = [(m, label, nm) for m in METHODS for label, nm in STRUCTURES.items()]
+  if only:
+    lookup = {_name(m, label): (m, label, nm) for m, label, nm in names}
+    names = [lookup[name] for name in only]
+  for method, label, nm in names:
+    name = _name(method, label)
+    if (runs / f"{name}.json").exists():
+      continue
+    _run(runs, name, method, label, nm, config, params, calibration, model_path, evaluate)
+
+
+def _name(method, label):
+  return f"{method}_{label.replace('%', 'pct').replace(':', 'of')}"
+
+
+def _dense(runs, config, params, model_path, evaluate):
   dense = {"name": "dense", "method": "dense", "structure": "-", "eval": evaluate(params),
            "command": f"safe-optax-llm ppl --model {model_path} --text TEXT --seqlen 512 "
                       f"--max-tokens 2048", "versions": cli.versions()}
   (runs / "dense.json").write_text(json.dumps(dense, indent=2) + "\n")
   print("dense", {k: v["perplexity"] for k, v in dense["eval"].items()}, flush=True)
-  for method in METHODS:
-    for label, nm in STRUCTURES.items():
-      name = f"{method}_{label.replace('%', 'pct').replace(':', 'of')}"
-      extra = SAFE_BUDGET if method.startswith("safe") else {}
-      cfg = prune.PruneConfig(method, sparsity=0.5, nm=nm, seed=BUDGET["seed"], **extra)
-      start = time.perf_counter()
-      pruned, report = prune.prune_model(config, params, calibration, cfg, progress=False)
-      total = time.perf_counter() - start
-      kernels = [np.asarray(pruned[f"layers_{i}"][g][n]["kernel"])
-                 for i in range(config.num_layers) for g, n in prune.model_lib.LINEAR_INPUTS]
-      sparsity = 1.0 - sum(np.count_nonzero(k) for k in kernels) / sum(k.size for k in kernels)
-      result = {"name": name, "method": method, "structure": label,
-                "prune_config": dataclasses.asdict(cfg), "calibration": {
-                    "text": str(CALIB), **{k: BUDGET[k] for k in ("nsamples", "seqlen", "seed")}},
-                "seconds_total": total, **report, "block_sparsity": sparsity,
-                "eval": evaluate(pruned), "command": command(method, nm, model_path),
-                "versions": cli.versions()}
-      (runs / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-      print(name, f"{total:.0f}s", {k: v["perplexity"] for k, v in result["eval"].items()},
-            flush=True)
+
+
+def _run(runs, name, method, label, nm, config, params, calibration, model_path, evaluate):
+  extra = SAFE_BUDGET if method.startswith("safe") else {}
+  cfg = prune.PruneConfig(method, sparsity=0.5, nm=nm, seed=BUDGET["seed"], **extra)
+  start = time.perf_counter()
+  pruned, report = prune.prune_model(config, params, calibration, cfg, progress=False)
+  total = time.perf_counter() - start
+  kernels = [np.asarray(pruned[f"layers_{i}"][g][n]["kernel"])
+             for i in range(config.num_layers) for g, n in prune.model_lib.LINEAR_INPUTS]
+  sparsity = 1.0 - sum(np.count_nonzero(k) for k in kernels) / sum(k.size for k in kernels)
+  result = {"name": name, "method": method, "structure": label,
+            "prune_config": dataclasses.asdict(cfg), "calibration": {
+                "text": str(CALIB), **{k: BUDGET[k] for k in ("nsamples", "seqlen", "seed")}},
+            "seconds_total": total, **report, "block_sparsity": sparsity,
+            "eval": evaluate(pruned), "command": command(method, nm, model_path),
+            "versions": cli.versions()}
+  (runs / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+  print(name, f"{total:.0f}s", {k: v["perplexity"] for k, v in result["eval"].items()},
+        flush=True)
 
 
 def table() -> None:
@@ -110,10 +128,11 @@ def table() -> None:
     r = json.loads(file.read_text())
     results.append(r)
     secs = r.get("seconds_per_block_mean_excl_first")
+    secs = "-" if secs is None else f"{secs:.2f}"
+    sparsity = "-" if "block_sparsity" not in r else f"{r['block_sparsity']:.4f}"
     rows.append(f"| {r['method']} | {r['structure']} | {r['eval']['wikitext2']['perplexity']:.2f} "
                 f"| {r['eval']['austen']['perplexity']:.2f} | "
-                f"{'-' if secs is None else f'{secs:.2f}'} | "
-                f"{'-' if 'block_sparsity' not in r else f'{r['block_sparsity']:.4f}'} |")
+                f"{secs} | {sparsity} |")
   header = ("| method | sparsity | WikiText-2 ppl | Austen ppl | s / block | block sparsity |\n"
             "|---|---|---|---|---|---|")
   (HERE / "results.md").write_text(header + "\n" + "\n".join(rows) + "\n")
@@ -125,6 +144,8 @@ def table() -> None:
 if __name__ == "__main__":
   parser = argparse.ArgumentParser()
   parser.add_argument("--table", action="store_true", help="only rebuild the table")
-  if not parser.parse_args().table:
-    run_all()
+  parser.add_argument("--only", nargs="*", help="run names in this order (e.g. safe_50pct)")
+  args = parser.parse_args()
+  if not args.table:
+    run_all(args.only)
   table()

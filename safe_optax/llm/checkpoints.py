@@ -55,12 +55,15 @@ def _config_from_hf(raw: dict[str, Any], path: pathlib.Path) -> model_lib.LlamaC
   absent = [key for key in required if key not in raw]
   if absent:
     raise ValueError(f"'{path}' lacks {absent}; is this a LLaMA-family config.json?")
+  head_dim = raw.get("head_dim")
+  if head_dim == raw["hidden_size"] // raw["num_attention_heads"]:
+    head_dim = None  # the default; keeps configs equal whether or not the file spells it out
   return model_lib.LlamaConfig(
       vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
       intermediate_size=raw["intermediate_size"], num_layers=raw["num_hidden_layers"],
       num_heads=raw["num_attention_heads"],
       num_kv_heads=raw.get("num_key_value_heads", raw["num_attention_heads"]),
-      head_dim=raw.get("head_dim"), rope_base=float(raw.get("rope_theta", 10000.0)),
+      head_dim=head_dim, rope_base=float(raw.get("rope_theta", 10000.0)),
       rope_layout="half", rms_eps=float(raw.get("rms_norm_eps", 1e-5)),
       tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
   )
@@ -318,7 +321,9 @@ def save_safetensors(
       "model.norm.weight": np.asarray(params["norm"]["scale"], np.float32),
   }
   if not config.tie_embeddings:
-    tensors["lm_head.weight"] = np.asarray(params["lm_head"]["kernel"], np.float32).T
+    # safetensors writes the raw buffer: transposed views must be made contiguous.
+    tensors["lm_head.weight"] = np.ascontiguousarray(
+        np.asarray(params["lm_head"]["kernel"], np.float32).T)
   hf_names = {v: k for k, v in _HF_LINEARS.items()}
   for i in range(config.num_layers):
     block = params[f"layers_{i}"]

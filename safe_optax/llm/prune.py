@@ -266,12 +266,12 @@ def sparsegpt_prune(
                                                           * sparsity))
                  for s in range(0, cols, blocksize))
   return _sparsegpt_matrix(jnp.asarray(weight, jnp.float32), jnp.asarray(xtx, jnp.float32),
-                           jnp.float32(num_rows), jnp.float32(percdamp), counts=counts,
-                           nm=nm, blocksize=blocksize)
+                           jnp.float32(num_rows), jnp.float32(percdamp),
+                           jnp.asarray(counts, jnp.int32), nm=nm, blocksize=blocksize)
 
 
-@functools.partial(jax.jit, static_argnames=("counts", "nm", "blocksize"))
-def _sparsegpt_matrix(w, xtx, num_rows, percdamp, *, counts, nm, blocksize):
+@functools.partial(jax.jit, static_argnames=("nm", "blocksize"))
+def _sparsegpt_matrix(w, xtx, num_rows, percdamp, counts, *, nm, blocksize):
   """The whole matrix in one compilation (lazy batches unrolled, columns in a loop)."""
   h_chol = _inverse_hessian_chol(xtx, num_rows, percdamp)
   w = jnp.where((jnp.diag(xtx) == 0)[None, :], 0.0, w)
