@@ -156,9 +156,9 @@ def _chunks(sizes: Sequence[int], cap: int) -> list[list[int]]:
   faster than concatenating them first (e.g. 28 against 33 ms at 1.1M).
   """
   groups: list[list[int]] = []
-  total = cap
+  total = 0
   for i, size in enumerate(sizes):
-    if total + size > cap:
+    if not groups or total + size > cap:
       groups.append([])
       total = 0
     groups[-1].append(i)
@@ -199,9 +199,10 @@ def topk_masks(
 
   Two 16-bit radix passes find the exact k-th largest key ``t`` without
   sorting: a histogram of the high digit over all leaves, then one of the low
-  digit among entries in the chosen high bin. Entries ``> t`` are kept, plus the first ``k - count(> t)`` entries equal to
-  ``t`` in flatten order. Consecutive small leaves are processed in chunks of
-  at most ``chunk_size`` entries; larger leaves are never copied.
+  digit among entries in the chosen high bin. Entries ``> t`` are kept, plus
+  the first ``k - count(> t)`` entries equal to ``t`` in flatten order. For the
+  histograms, consecutive small leaves are gathered in chunks of at most
+  ``chunk_size`` entries; larger leaves are never copied.
 
   Args:
     keys: ``uint32`` arrays from :func:`order_keys`, any shapes.
@@ -221,41 +222,44 @@ def topk_masks(
       for g in groups
   ]
   found = _threshold(chunks, k)
-  threshold, nan = found.key, found.nan
+  threshold = found.key
   ties_to_keep = k - found.above
 
-  def without_tie_break():
-    # Straight from each leaf's keys: no chunk mask to cut back into leaves.
-    return [key >= threshold for key in keys]
+  def keep_all_ties():
+    return [jnp.int32(chunk.size) for chunk in chunks]
 
-  def with_tie_break():
-    masks, offset = [], jnp.int32(0)
+  def cut_ties():
+    # Ties are kept in flatten order: all of them in chunks before the one where
+    # the kept ties run out, none after it, and in that chunk only the ties
+    # before a cut index. One cumsum pass (no per-chunk conds: compile time).
+    cuts, offset = [], jnp.int32(0)
     for chunk in chunks:
+      if chunk.size == 0:
+        cuts.append(jnp.int32(0))
+        continue
       ties = chunk == threshold
-      count = jnp.sum(ties, dtype=jnp.int32)
+      ranks = jnp.cumsum(ties, dtype=jnp.int32)
+      remaining = ties_to_keep - offset
+      straddle = jnp.argmax(ranks >= remaining).astype(jnp.int32) + 1
+      cuts.append(jnp.where(remaining <= 0, jnp.int32(0),
+                            jnp.where(remaining >= ranks[-1], jnp.int32(chunk.size), straddle)))
+      offset = offset + ranks[-1]
+    return cuts
 
-      def cut(chunk=chunk, ties=ties, offset=offset):
-        rank = jnp.cumsum(ties, dtype=jnp.int32) - 1 + offset
-        return (chunk > threshold) | (ties & (rank < ties_to_keep))
-
-      def whole(chunk=chunk, ties=ties, offset=offset, count=count):
-        return (chunk > threshold) | (ties & (offset + count <= ties_to_keep))
-
-      # Only the chunk where the kept ties run out needs ranks (a cumsum pass).
-      straddles = (offset < ties_to_keep) & (offset + count > ties_to_keep)
-      masks.append(lax.cond(straddles, cut, whole))
-      offset = offset + count
-    leaf_masks: list[jax.Array] = [None] * len(keys)  # type: ignore[list-item]
-    for g, chunk_mask in zip(groups, masks):
-      start = 0
-      for i in g:
-        leaf_masks[i] = chunk_mask[start:start + keys[i].size].reshape(keys[i].shape)
-        start += keys[i].size
-    return leaf_masks
-
-  # Ties at the threshold are rare for real weights; skip the cumsum pass then.
-  masks = lax.cond(ties_to_keep == found.equal, without_tie_break, with_tie_break)
-  return masks, nan
+  # Ties at the threshold are rare for real weights; skip the counting passes then.
+  chunk_cuts = lax.cond(ties_to_keep == found.equal, keep_all_ties, cut_ties)
+  # Masks elementwise from each leaf's keys, outside the cond, so the caller's
+  # use of a mask (e.g. ``where(mask, leaf, 0)``) fuses with the key computation.
+  masks: list[jax.Array] = [None] * len(keys)  # type: ignore[list-item]
+  for g, chunk_cut in zip(groups, chunk_cuts):
+    start = 0
+    for i in g:
+      key = keys[i]
+      cut = jnp.clip(chunk_cut - start, 0, key.size)
+      before_cut = (lax.broadcasted_iota(jnp.int32, (key.size,), 0) < cut).reshape(key.shape)
+      masks[i] = (key > threshold) | ((key == threshold) & before_cut)
+      start += key.size
+  return masks, found.nan
 
 
 def group_topk_mask(keys: jax.Array, k) -> jax.Array:

@@ -934,6 +934,19 @@ def test_topk_masks_reports_nan_from_the_histogram(data):
   assert sum(int(np.sum(m)) for m in masks) == k
 
 
+@pytest.mark.parametrize("values", [np.ones(4), np.arange(4.0)], ids=["ties", "distinct"])
+def test_zero_size_prunable_leaves_anywhere(values):
+  """Empty kernels (first, middle, last) hold no entries and never shift the count."""
+  tree = {"a": jnp.zeros((0, 3)), "b": jnp.asarray(values.reshape(2, 2), jnp.float32),
+          "c": jnp.zeros((3, 0)), "d": jnp.asarray(values[::-1].reshape(2, 2), jnp.float32)}
+  projected, masks = jax.jit(lambda t: project_topk(t, 0.5))(tree)
+  assert projected["a"].shape == (0, 3) and projected["c"].shape == (3, 0)
+  flat = np.concatenate([np.asarray(tree[k]).ravel() for k in "bd"])
+  want = ref_keep(flat, 4)
+  got = np.concatenate([np.asarray(masks[k]).ravel() for k in "bd"])
+  np.testing.assert_array_equal(got, want)
+
+
 @jax.jit
 def _topk_nan(leaves, k):
   return _select.topk_masks([_select.order_keys(x) for x in leaves], k)
