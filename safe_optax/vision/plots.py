@@ -29,23 +29,26 @@ def plot_history(history: Sequence[dict[str, Any]], directory: os.PathLike,
     points = [(r["epoch"], r[key]) for r in history if r.get(key) is not None]
     return [p[0] for p in points], [p[1] for p in points]
 
-  paths = []
+  def save(fig, ax, ylabel, name):
+    ax.set_xlabel("epoch")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if ax.get_lines():
+      ax.legend()
+    paths.append(os.path.join(directory, name))
+    fig.tight_layout()
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+
+  paths: list[str] = []
   fig, ax = plt.subplots(figsize=(6, 4))
   for key, label in (("train_accuracy", "train (running)"), ("test_accuracy", "test, dense x"),
                      ("test_accuracy_projected", "test, Proj(x) (no BNT)")):
     xs, ys = series(key)
     if xs:
       ax.plot(xs, [100 * y for y in ys], marker="o", label=label)
-  ax.set_xlabel("epoch")
-  ax.set_ylabel("accuracy (%)")
-  ax.set_title(title)
-  ax.grid(alpha=0.3)
-  if ax.get_lines():
-    ax.legend()
-  paths.append(os.path.join(directory, "accuracy.png"))
-  fig.tight_layout()
-  fig.savefig(paths[-1], dpi=100)
-  plt.close(fig)
+  save(fig, ax, "accuracy (%)", "accuracy.png")
 
   fig, ax = plt.subplots(figsize=(6, 4))
   positive = True
@@ -55,16 +58,7 @@ def plot_history(history: Sequence[dict[str, Any]], directory: os.PathLike,
     if xs:
       ax.plot(xs, ys, marker="o", label=label)
       positive = positive and min(ys) > 0
-  ax.set_xlabel("epoch")
-  ax.set_ylabel("distance")
   # A persistent mask (GMP) reaches distance 0, which a log axis cannot show.
   ax.set_yscale("log" if positive else "linear")
-  ax.set_title(title)
-  ax.grid(alpha=0.3)
-  if ax.get_lines():
-    ax.legend()
-  paths.append(os.path.join(directory, "distance.png"))
-  fig.tight_layout()
-  fig.savefig(paths[-1], dpi=100)
-  plt.close(fig)
+  save(fig, ax, "distance", "distance.png")
   return paths
