@@ -9,7 +9,7 @@ over seeds. Finished runs in ``--workdir`` are reused.
 
   python benchmarks/label_noise.py --preset mlp-mnist --data-dir ../shared/data/mnist \\
       --test-only-split 8000 2000 --noise 0.25 0.5 0.75 --sparsities 0.9 --epochs 20 \\
-      --seeds 0 1 2 --out results/flatness
+      --warmup-epochs 1 --batch-size 100 --seeds 0 1 2 --out results/flatness
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ def main(argv: Optional[list[str]] = None) -> int:
   parser.add_argument("--sparsities", nargs="+", type=float, default=[0.9])
   parser.add_argument("--epochs", type=int)
   parser.add_argument("--warmup-epochs", type=int)
+  parser.add_argument("--batch-size", type=int)
   parser.add_argument("--train-subset", type=int)
   parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
   parser.add_argument("--workdir", default="/tmp/safe_optax_label_noise")
@@ -70,7 +71,7 @@ def main(argv: Optional[list[str]] = None) -> int:
   args = parser.parse_args(argv)
   start = time.perf_counter()
   overrides = {"epochs": args.epochs, "warmup_epochs": args.warmup_epochs,
-               "train_subset": args.train_subset}
+               "batch_size": args.batch_size, "train_subset": args.train_subset}
   if args.test_only_split:
     overrides["test_only_split"] = tuple(args.test_only_split)
   base = configs.get_config(args.preset, **overrides)

@@ -53,6 +53,30 @@ def test_bad_override_is_a_usage_error(tmp_path, capsys):
   assert code == 2 and "invalid choice" in err
 
 
+@pytest.mark.parametrize("flag", ["--test-subset", "--corruption-subset"])
+def test_eval_subsets_must_be_positive(tmp_path, capsys, flag):
+  code, err = _run(["eval", "--workdir", str(tmp_path), "--data-dir", str(tmp_path),
+                    flag, "0"], capsys)
+  assert code == 2 and flag in err and "positive" in err
+
+
+def test_eval_passes_the_subsets_through(tmp_path, monkeypatch):
+  from safe_optax.vision import evaluation
+  seen = {}
+
+  def fake_evaluate_workdir(workdir, **kwargs):
+    seen.update(kwargs, workdir=workdir)
+    return {"workdir": str(workdir), "sparsity": 0.9, "clean": 0.5,
+            "config": {"method": "safe", "sparsity": 0.9, "seed": 0}}
+
+  monkeypatch.setattr(evaluation, "evaluate_workdir", fake_evaluate_workdir)
+  assert cli.main(["eval", "--workdir", str(tmp_path), "--data-dir", str(tmp_path),
+                   "--suite", "clean,pgd-linf", "--test-subset", "300",
+                   "--corruption-subset", "200", "--no-progress"]) == 0
+  assert seen["test_subset"] == 300 and seen["corruption_subset"] == 200
+  assert seen["suite"] == ("clean", "pgd-linf") and seen["progress"] is False
+
+
 def test_sweep_table_is_mean_and_standard_error():
   rng = np.random.default_rng(0)
   runs = []

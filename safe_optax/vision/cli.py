@@ -101,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 "hessian")
   eval_parser.add_argument("--corruption-subset", type=int, default=1000,
                            help="corrupt the first N test images (CPU-generated, cached)")
+  eval_parser.add_argument("--test-subset", type=int, default=None,
+                           help="clean and PGD accuracy on the first N test images (default: all)")
   eval_parser.add_argument("--seed", type=int, default=0)
   eval_parser.add_argument("--no-progress", action="store_true", help="no progress bars")
   eval_parser.set_defaults(func=evaluate, parser=eval_parser)
@@ -260,7 +262,12 @@ def evaluate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
   except ValueError as err:
     parser.error(str(err))
     raise
+  for flag, value in (("--test-subset", args.test_subset),
+                      ("--corruption-subset", args.corruption_subset)):
+    if value is not None and value < 1:
+      parser.error(f"{flag} must be a positive number of test images, got {value}.")
   out = evaluation.evaluate_workdir(args.workdir, data_dir=args.data_dir, suite=suite,
+                                    test_subset=args.test_subset,
                                     corruption_subset=args.corruption_subset, seed=args.seed,
                                     progress=not args.no_progress)
   print(evaluation.markdown_table([out]))
