@@ -1,8 +1,11 @@
-"""Block-wise pruning: Wanda rows, SparseGPT vs a numpy OBS reference, SAFE, N:M, errors."""
+"""Block-wise pruning: Wanda rows, SparseGPT vs numpy OBS and least squares, SAFE, N:M, errors."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -83,6 +86,48 @@ def test_sparsegpt_beats_magnitude_and_keeps_dense_weights():
                              atol=1e-5)
 
 
+def test_sparsegpt_first_column_is_constrained_least_squares():
+  """Pruning only the first column: OBS is min ||(W - W')X^T||^2 s.t. W'[:, 0] = 0 exactly."""
+  rng = np.random.default_rng(3)
+  rows, cols, n = 12, 16, 256
+  x = rng.normal(size=(n, cols))
+  x[:, 0] = x[:, 1:4].sum(axis=1) + 0.5 * rng.normal(size=n)  # much to compensate for
+  w = np.sign(rng.normal(size=(rows, cols))) * rng.uniform(1.0, 2.0, size=(rows, cols))
+  w[:, 0] = np.sign(rng.normal(size=rows)) * rng.uniform(0.3, 0.6, size=rows)
+  x, w = x.astype(np.float32), w.astype(np.float32)
+  # One lazy batch, rows * cols / cols = rows pruned: the lowest OBS saliencies, column 0.
+  got = np.asarray(prune.sparsegpt_prune(w, x.T @ x, n, sparsity=1 / cols, blocksize=cols,
+                                         percdamp=0.0))
+  np.testing.assert_array_equal(got == 0, np.arange(cols)[None, :].repeat(rows, 0) == 0)
+  x64, want = x.astype(np.float64), w.astype(np.float64)
+  want[:, 1:] += np.linalg.lstsq(x64[:, 1:], np.outer(x64[:, 0], want[:, 0]), rcond=None)[0].T
+  want[:, 0] = 0.0
+  assert np.abs(want - w)[:, 1:].max() > 0.3  # the compensation is far from negligible
+  np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+@pytest.mark.parametrize("nm, blocksize", [(None, 8), (None, 128), ((2, 4), 8)])
+def test_sparsegpt_is_sequential_least_squares(nm, blocksize):
+  """What OBS guarantees, lazy batches or not: when column i is reached, columns i.. are the
+  exact least-squares continuation of the columns already fixed, so a kept W[:, i] is that
+  continuation's first entry. Checked against numpy.linalg.lstsq on ``[sqrt(2/n) X; sqrt(d) I]``
+  (whose Gram matrix is the damped Hessian), column by column."""
+  w, x = _layer()
+  got = np.asarray(prune.sparsegpt_prune(w, x.T @ x, x.shape[0], nm=nm, blocksize=blocksize))
+  n, cols = x.shape
+  x64, w64, q = x.astype(np.float64), w.astype(np.float64), got.astype(np.float64)
+  h_diag = 2 * np.sum(x64 ** 2, axis=0) / n
+  design = np.vstack([np.sqrt(2 / n) * x64, np.sqrt(0.01 * h_diag.mean()) * np.eye(cols)])
+  want = np.empty_like(w64)
+  for i in range(cols):
+    rhs = -design[:, :i] @ (q[:, :i] - w64[:, :i]).T
+    want[:, i] = w64[:, i] + np.linalg.lstsq(design[:, i:], rhs, rcond=None)[0][0]
+  kept = got != 0
+  assert kept.sum() == w.size // 2
+  assert np.abs(got - w)[kept].max() > 0.5  # kept weights really were updated
+  np.testing.assert_allclose(got[kept], want[kept], atol=1e-4)
+
+
 @settings(max_examples=12, deadline=None)
 @given(st.sampled_from([1, 5]), st.sampled_from([8]), st.sampled_from([0.0, 0.25, 0.5, 0.9]),
        st.booleans())
@@ -148,6 +193,93 @@ def test_safe_block_beats_one_shot_baseline(method, baseline):
   assert _rel_error(safe, x, y) < 0.8 * _rel_error(base, x, y)
 
 
+def test_safe_schedule_and_adam():
+  """Warm-up then linear decay to 0, and Adam(0.9, 0.95) on the (rho = 0, lambda = 0) gradient."""
+  cfg = prune.PruneConfig("safe", epochs=5, warmup_epochs=2, learning_rate=1e-3, rho=0.0,
+                          penalty=0.0)
+  schedule = prune._safe_schedule(cfg, steps_per_epoch=3)  # 15 steps, 6 of warm-up
+  t = np.arange(16)
+  want = np.where(t < 6, 1e-3 * t / 6, 1e-3 * (1 - (t - 6) / 9))
+  np.testing.assert_allclose([float(schedule(i)) for i in t], want, rtol=1e-5, atol=1e-9)
+
+  target = np.arange(6.0).reshape(2, 3)
+  grad_fn = jax.jit(lambda p, _: jax.grad(lambda q: jnp.sum((q["w"] - target) ** 2))(p))
+  tx = prune.safe_transform(cfg, steps_per_epoch=3)
+  params = {"w": jnp.ones((2, 3))}
+  state = tx.init(params)
+  w, m, v = np.ones((2, 3)), 0.0, 0.0
+  for step in range(8):
+    g = grad_fn(params, 0)
+    updates, state = tx.update(g, state, params, grad_fn=grad_fn)
+    params = optax.apply_updates(params, updates)
+    g = 2 * (w - target)
+    m, v = 0.9 * m + 0.1 * g, 0.95 * v + 0.05 * g ** 2
+    m_hat, v_hat = m / (1 - 0.9 ** (step + 1)), v / (1 - 0.95 ** (step + 1))
+    w = w - want[step] * m_hat / (np.sqrt(v_hat) + 1e-8)
+  np.testing.assert_allclose(params["w"], w, rtol=1e-5)
+
+
+@pytest.mark.parametrize("method, grouping", [("magnitude", "per_row"), ("wanda", "per_matrix"),
+                                              ("safe-plus", "per_matrix")])
+def test_grouping(method, grouping):
+  """Per row: every output row keeps half; per matrix: one threshold for the whole matrix."""
+  block_params, x, y, stats = _block_data()
+  cfg = prune.PruneConfig(method, grouping=grouping, epochs=1, batch_size=4)
+  pruned, _ = prune.prune_block(CFG, block_params, x, y, stats, cfg)
+  unequal_rows = 0
+  for group, linear in model_lib.LINEAR_INPUTS:
+    kernel = np.asarray(block_params[group][linear]["kernel"])
+    kept = np.asarray(pruned[group][linear]["kernel"]) != 0
+    assert kept.sum() == kernel.size // 2
+    per_row_kept = kept.sum(axis=0)
+    unequal_rows += int((per_row_kept != kernel.shape[0] // 2).any())
+    if method == "magnitude":
+      score = np.abs(kernel)
+      for row in range(kernel.shape[1]):
+        assert per_row_kept[row] == kernel.shape[0] // 2
+        assert score[kept[:, row], row].min() >= score[~kept[:, row], row].max()
+    elif method == "wanda":
+      norms = np.sqrt(np.asarray(stats[model_lib.LINEAR_INPUTS[(group, linear)]]["sq"]))
+      score = np.abs(kernel) * norms[:, None]
+      assert score[kept].min() >= score[~kept].max()
+  if grouping == "per_matrix":
+    assert unequal_rows > 0
+
+
+def test_prune_model_runs_on_the_pruned_stream():
+  """Targets are the dense block on the pruned stream's inputs; its statistics come from there."""
+  cfg = dataclasses.replace(CFG, num_layers=2)
+  params = jax.tree.map(lambda a: a * 10 if a.ndim == 2 else a, model_lib.init_params(cfg, 2))
+  calib = np.random.default_rng(1).integers(0, cfg.vocab_size, (5, 8))
+  pruned, report = prune.prune_model(cfg, params, calib, prune.PruneConfig("wanda", chunk=2),
+                                     progress=False)
+  block = jax.jit(model_lib.Block(cfg).apply)
+  x = np.asarray(params["embed_tokens"]["embedding"])[calib]
+  for i in range(2):
+    dense = np.asarray(block({"params": params[f"layers_{i}"]}, x))
+    if i == 1:  # Wanda's norms of q_proj's input, by hand from this (pruned-stream) x
+      h = x / np.sqrt(np.mean(x ** 2, axis=-1, keepdims=True) + cfg.rms_eps)
+      h = (h * np.asarray(params["layers_1"]["input_layernorm"]["scale"])).reshape(-1, 16)
+      kernel = np.asarray(params["layers_1"]["self_attn"]["q_proj"]["kernel"])
+      score = np.abs(kernel) * np.linalg.norm(h, axis=0)[:, None]
+      want = score >= np.sort(score, axis=0)[kernel.shape[0] // 2][None, :]
+      np.testing.assert_array_equal(
+          np.asarray(pruned["layers_1"]["self_attn"]["q_proj"]["kernel"]) != 0, want)
+    x = np.asarray(block({"params": pruned[f"layers_{i}"]}, x))
+    error = np.sum((x - dense) ** 2) / np.sum(dense ** 2)
+    np.testing.assert_allclose(report["blocks"][i]["relative_error"], error, rtol=1e-4)
+
+
+def test_bad_calibration():
+  params = model_lib.init_params(CFG)
+  with pytest.raises(ValueError, match="vocab_size is 40"):
+    prune.prune_model(CFG, params, np.full((2, 4), 40), prune.PruneConfig("magnitude"),
+                      progress=False)
+  with pytest.raises(ValueError, match="integer array"):
+    prune.prune_model(CFG, params, np.zeros(8, np.int32), prune.PruneConfig("magnitude"),
+                      progress=False)
+
+
 @pytest.mark.parametrize("method", prune.METHODS)
 def test_nm_groups_along_input_dim(method):
   calib = np.random.default_rng(0).integers(0, CFG.vocab_size, (4, 8))
@@ -170,6 +302,9 @@ def test_nm_groups_along_input_dim(method):
     ({"method": "wanda", "nm": (4, 4)}, "nm"),
     ({"method": "safe", "epochs": 0}, "epochs"),
     ({"method": "safe", "rho": -1.0}, "rho"),
+    ({"method": "wanda", "grouping": "rows"}, "grouping"),
+    ({"method": "sparsegpt", "grouping": "per_row"}, "grouping"),
+    ({"method": "wanda", "nm": (2, 4), "grouping": "per_row"}, "grouping"),
 ])
 def test_bad_prune_config(kw, match):
   with pytest.raises(ValueError, match=match):

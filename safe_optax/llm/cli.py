@@ -88,14 +88,12 @@ def _prune(args: argparse.Namespace) -> dict[str, Any]:
     config = dataclasses.replace(config, dtype=args.dtype)
   tokenizer = checkpoints.load_tokenizer(args.model)
   cfg = prune_lib.PruneConfig(
-      method=args.method, sparsity=args.sparsity, nm=args.nm, epochs=args.epochs,
+      method=args.method, sparsity=args.sparsity, nm=args.nm, grouping=args.grouping,
+      epochs=args.epochs,
       batch_size=args.batch_size, learning_rate=args.lr, warmup_epochs=args.warmup_epochs,
       rho=args.rho, penalty=args.penalty, dual_every=args.dual_every, seed=args.seed)
   calib_tokens = data.tokenize(tokenizer, data.read_text(args.calib))
   calibration = data.calibration_windows(calib_tokens, args.nsamples, args.seqlen, args.seed)
-  if calibration.max() >= config.vocab_size:
-    raise ValueError(f"the tokenizer yields ids up to {calibration.max()} but the model's "
-                     f"vocab_size is {config.vocab_size}: mismatched tokenizer and config.")
   start = time.perf_counter()
   pruned, prune_report = prune_lib.prune_model(config, params, calibration, cfg,
                                                progress=not args.quiet)
@@ -140,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--method", required=True, choices=prune_lib.METHODS)
   p.add_argument("--sparsity", type=float, default=0.5)
   p.add_argument("--nm", type=parse_nm, default=None, help="N:M along the input dim, e.g. 2:4")
+  p.add_argument("--grouping", choices=prune_lib.GROUPINGS, default=None,
+                 help="unstructured scores compete per matrix or per output row "
+                      "(default: per row for wanda / safe-plus, per matrix otherwise)")
   p.add_argument("--calib", required=True, help="calibration text file or folder")
   p.add_argument("--nsamples", type=int, default=128)
   p.add_argument("--seqlen", type=int, default=2048)

@@ -19,9 +19,12 @@ Methods (``PruneConfig.method``):
   final projection; SAFE+ projects with Wanda's saliency
   (:func:`safe_optax.wanda_saliency`), per output row.
 
-Structures: unstructured (per matrix for magnitude / SAFE, per output row for
-Wanda / SAFE+ / SparseGPT's row-wise OBS update) or N:M along the input
-dimension (``(in, out)`` kernels, the core's ``NM`` axis ``-2``).
+Structures: unstructured or N:M along the input dimension (``(in, out)``
+kernels, the core's ``NM`` axis ``-2``). Unstructured masks are compared per
+matrix (default for magnitude / SAFE) or per output row (default for Wanda /
+SAFE+, as in Wanda; the official SAFE+ code uses one threshold per matrix):
+``PruneConfig.grouping`` picks either. SparseGPT chooses its mask per lazy
+batch of columns, as in its paper.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import safe_optax
 from safe_optax.llm import model as model_lib
 
 METHODS = ("magnitude", "wanda", "sparsegpt", "safe", "safe-plus")
+GROUPINGS = ("per_matrix", "per_row")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +54,9 @@ class PruneConfig:
     method: one of ``METHODS``.
     sparsity: fraction of each matrix pruned (unstructured); ignored with ``nm``.
     nm: ``(n, m)`` to keep ``n`` of every ``m`` consecutive inputs (2:4, 4:8).
+    grouping: where unstructured scores compete, ``"per_matrix"`` or
+      ``"per_row"`` (each output row keeps the same count); ``None`` is
+      per row for Wanda / SAFE+ and per matrix for magnitude / SAFE.
     epochs, batch_size, learning_rate, warmup_epochs, rho, penalty,
     dual_every: SAFE / SAFE+ (Adam betas 0.9 / 0.95, no weight decay,
       linear warm-up then linear decay to 0, constant ``lambda``).
@@ -61,6 +68,7 @@ class PruneConfig:
   method: str
   sparsity: float = 0.5
   nm: Optional[tuple[int, int]] = None
+  grouping: Optional[str] = None
   epochs: int = 30
   batch_size: int = 8
   learning_rate: float = 2e-4
@@ -82,6 +90,12 @@ class PruneConfig:
         raise ValueError(f"`nm` must be (n, m) integers with 1 <= n < m, got {self.nm!r}.")
     elif not 0.0 <= self.sparsity < 1.0:
       raise ValueError(f"`sparsity` must be in [0, 1), got {self.sparsity}.")
+    if self.grouping is not None:
+      if self.grouping not in GROUPINGS:
+        raise ValueError(f"`grouping` must be one of {GROUPINGS} or None, got {self.grouping!r}.")
+      if self.nm is not None or self.method == "sparsegpt":
+        raise ValueError("`grouping` applies to unstructured magnitude / wanda / safe / "
+                         "safe-plus; N:M and SparseGPT choose their own groups.")
     for name in ("epochs", "batch_size", "dual_every", "blocksize", "chunk"):
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
@@ -96,11 +110,18 @@ class PruneConfig:
   def target_sparsity(self) -> float:
     return 1.0 - self.nm[0] / self.nm[1] if self.nm else self.sparsity
 
-  def projection(self, per_row: bool) -> dict[str, Any]:
+  @property
+  def per_row(self) -> bool:
+    """Whether unstructured scores compete within each output row."""
+    if self.grouping is None:
+      return self.method in ("wanda", "safe-plus")
+    return self.grouping == "per_row"
+
+  def projection(self) -> dict[str, Any]:
     """Keyword arguments of :func:`safe_optax.project_topk` for this structure."""
     if self.nm is not None:
       return {"sparsity": None, "structure": safe_optax.NM(*self.nm)}
-    if per_row:
+    if self.per_row:
       return {"sparsity": self.sparsity, "structure": safe_optax.PerOutput()}
     return {"sparsity": self.sparsity, "scope": "per_leaf"}
 
@@ -157,9 +178,9 @@ def _block_fns(config: model_lib.LlamaConfig, with_hessian: bool):
   return forward, forward_with_stats
 
 
-def _chunks(x: jax.Array, size: int):
-  for start in range(0, x.shape[0], size):
-    yield x[start:start + size]
+def _chunks(size: int, chunk: int):
+  for start in range(0, size, chunk):
+    yield slice(start, min(start + chunk, size))
 
 
 # ----------------------------------------------------------------------------- SparseGPT
@@ -304,10 +325,10 @@ def safe_transform(
   """``sam_perturb(rho) -> admm_penalty(...) -> adam(0.9, 0.95)``, all from the core.
 
   ``input_norms`` (a linears-shaped tree of ``||X_j||``) makes it SAFE+ with
-  :func:`safe_optax.wanda_saliency`, grouped per output row; ``None`` is SAFE
-  (magnitude, per matrix).
+  :func:`safe_optax.wanda_saliency`; ``None`` is SAFE (magnitude). Scores
+  compete as ``cfg.grouping`` says.
   """
-  projection = cfg.projection(per_row=input_norms is not None)
+  projection = cfg.projection()
   scores = None if input_norms is None else safe_optax.wanda_saliency(input_norms)
   return optax.chain(
       safe_optax.sam_perturb(cfg.rho),
@@ -354,7 +375,7 @@ def safe_block(
   Minimises :math:`\\frac{1}{n}\\|f(X; W) - Y\\|^2` over the block's seven
   matrices (norm scales fixed) with :func:`safe_transform`, ``cfg.epochs``
   passes over shuffled minibatches of ``cfg.batch_size`` windows, then
-  projects with :func:`safe_optax.finalize` (SAFE+: Wanda scores, per row).
+  projects with :func:`safe_optax.finalize` (SAFE+: Wanda scores).
 
   Args:
     config: the model's architecture.
@@ -371,7 +392,7 @@ def safe_block(
   batch = min(cfg.batch_size, n)
   steps_per_epoch = n // batch
   step = _safe_step(config, cfg, steps_per_epoch)
-  projection = cfg.projection(per_row=input_norms is not None)
+  projection = cfg.projection()
   params = linears
   opt_state = safe_transform(cfg, steps_per_epoch, input_norms).init(params)
   rng = np.random.default_rng(cfg.seed)
@@ -408,10 +429,10 @@ def prune_block(
   input_norms = _map_linears(lambda key: jnp.sqrt(stats[model_lib.LINEAR_INPUTS[key]]["sq"]))
   info: dict[str, Any] = {}
   if cfg.method == "magnitude":
-    pruned, _ = safe_optax.project_topk(linears, **cfg.projection(per_row=False))
+    pruned, _ = safe_optax.project_topk(linears, **cfg.projection())
   elif cfg.method == "wanda":
     scores = safe_optax.wanda_scores(linears, input_norms)
-    pruned, _ = safe_optax.project_topk(linears, scores=scores, **cfg.projection(per_row=True))
+    pruned, _ = safe_optax.project_topk(linears, scores=scores, **cfg.projection())
   elif cfg.method == "sparsegpt":
     pruned = _map_linears(lambda key: sparsegpt_prune(
         linears[key[0]][key[1]]["kernel"].T, stats[model_lib.LINEAR_INPUTS[key]]["xtx"],
@@ -441,7 +462,8 @@ def prune_model(
     progress: show a tqdm bar over blocks.
 
   Returns:
-    ``(pruned_params, report)``; the report has per-block seconds and the
+    ``(pruned_params, report)``; the report has, per block, the seconds
+    spent on the dense targets, activation statistics and pruning, and the
     relative reconstruction error ``||f^{pruned}(X) - Y||^2 / ||Y||^2``.
 
   Examples:
@@ -458,11 +480,25 @@ def prune_model(
   """
   from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
 
+  calibration = np.asarray(calibration)
+  if calibration.ndim != 2 or not np.issubdtype(calibration.dtype, np.integer):
+    raise ValueError(f"`calibration` must be a (nsamples, seqlen) integer array of token ids, "
+                     f"got dtype {calibration.dtype} and shape {calibration.shape}.")
+  if calibration.min() < 0 or calibration.max() >= config.vocab_size:
+    raise ValueError(
+        f"calibration token ids span [{calibration.min()}, {calibration.max()}] but the model's "
+        f"vocab_size is {config.vocab_size}: mismatched tokenizer and config.")
   model = model_lib.Llama(config)
   forward, forward_with_stats = _block_fns(config, with_hessian=cfg.method == "sparsegpt")
   embed = jax.jit(lambda p, t: model.apply({"params": p}, t, method=model_lib.Llama.embed))
-  x = jnp.concatenate([embed(params, jnp.asarray(c)) for c in _chunks(
-      np.asarray(calibration, np.int32), cfg.chunk)]).astype(jnp.float32)
+  # Two host buffers for the whole run: the current block's inputs and its dense
+  # targets. Each window's output depends only on that window, so the pruned
+  # block's outputs overwrite its inputs chunk by chunk.
+  n = calibration.shape[0]
+  x = np.empty(calibration.shape + (config.hidden_size,), np.float32)
+  targets = np.empty_like(x)
+  for part in _chunks(n, cfg.chunk):
+    x[part] = embed(params, jnp.asarray(calibration[part], jnp.int32))
   new_params = dict(params)
   blocks = []
   bar = tqdm(range(config.num_layers), desc=f"prune {cfg.method}", unit="block",
@@ -470,18 +506,21 @@ def prune_model(
   for i in bar:
     start = time.perf_counter()
     block_params = params[f"layers_{i}"]
-    outs, stats = [], None
-    for xc in _chunks(x, cfg.chunk):
-      out, st = forward_with_stats(block_params, xc)
-      outs.append(out)
+    stats = None
+    for part in _chunks(n, cfg.chunk):
+      out, st = forward_with_stats(block_params, x[part])
+      targets[part] = out
       stats = st if stats is None else jax.tree.map(jnp.add, stats, st)
-    targets = jnp.concatenate(outs).astype(jnp.float32)
     pruned_block, info = prune_block(config, block_params, x, targets, stats, cfg)
     jax.block_until_ready(pruned_block)
     seconds = time.perf_counter() - start
-    x = jnp.concatenate([forward(pruned_block, xc) for xc in _chunks(x, cfg.chunk)])
-    x = x.astype(jnp.float32)
-    error = float(jnp.sum(jnp.square(x - targets)) / jnp.sum(jnp.square(targets)))
+    sq_error = sq_target = 0.0
+    for part in _chunks(n, cfg.chunk):
+      out = np.asarray(forward(pruned_block, x[part]), np.float32)
+      sq_error += float(np.sum(np.square(out - targets[part]), dtype=np.float64))
+      sq_target += float(np.sum(np.square(targets[part]), dtype=np.float64))
+      x[part] = out
+    error = sq_error / sq_target
     new_params[f"layers_{i}"] = pruned_block
     blocks.append({"block": i, "seconds": seconds, "relative_error": error, **info})
     bar.set_postfix(rel_err=f"{error:.3g}", s=f"{seconds:.1f}")
