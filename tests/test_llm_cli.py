@@ -78,6 +78,10 @@ def test_ppl_and_errors(tiny, tmp_path, capsys):
   with pytest.raises(SystemExit):
     cli.main(["prune", "--model", str(folder), "--method", "wanda", "--calib", str(text),
               "--out", str(tmp_path / "o"), "--nm", "4:2"])
+  # --grouping reaches PruneConfig, which rejects it for SparseGPT.
+  assert cli.main(["prune", "--model", str(folder), "--method", "sparsegpt", "--grouping",
+                   "per_row", "--calib", str(text), "--out", str(tmp_path / "o")]) == 2
+  assert "grouping" in capsys.readouterr().err
   # A tokenizer whose ids exceed the model's vocabulary is a mismatched checkpoint.
   small = model_lib.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
                                 num_layers=1, num_heads=4, num_kv_heads=2)
