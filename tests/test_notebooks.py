@@ -8,6 +8,7 @@ notebook-specific checks below read it. Committed notebooks carry no outputs.
 
 import concurrent.futures
 import json
+import math
 import os
 import pathlib
 
@@ -78,7 +79,8 @@ def _run(executed, path):
 
 def test_there_are_notebooks():
   names = {p.name for p in NOTEBOOKS}
-  assert {"quickstart.ipynb", "custom_model.ipynb"} <= names
+  assert {"quickstart.ipynb", "custom_model.ipynb", "cifar_safe.ipynb",
+          "llm_pruning.ipynb"} <= names
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
@@ -143,3 +145,59 @@ def test_custom_model_outputs(executed):
   assert linen["resume_identical"] and linen["restored_step"] == linen["total_steps"] // 2
   assert linen["lambda_start"] == 0.0 and linen["lambda_end"] == pytest.approx(linen["penalty"])
   assert linen["accuracy"] > 0.3
+
+
+def test_cifar_safe_outputs(executed):
+  s = _summary(executed, "cifar_safe.ipynb")
+  config = s["config"]
+  assert (config["model"], config["width"], config["method"]) == ("resnet8", 1, "safe")
+  assert (s["num_train"], s["num_test"]) == (config["train_subset"], config["test_subset"])
+  assert s["epochs_recorded"] == {"dense": config["epochs"], "safe": config["epochs"]}
+  # ResNet-8 x1 kernels: stem 3*3*3*16, stage 1 2*(3*3*16*16), stage 2 3*3*16*32 + 3*3*32*32 +
+  # a 1x1 shortcut 16*32, stage 3 likewise with 32 -> 64, the 64x10 classifier.
+  size = s["prunable_size"]
+  assert size == (432 + 2 * 2304 + (4608 + 9216 + 512) + (18432 + 36864 + 2048) + 640)
+  keep = safe_optax.num_keep(size, config["sparsity"])
+  assert s["prunable_nonzero"] == keep
+  assert s["safe"]["sparsity"] == pytest.approx(1 - keep / size)
+  assert s["dense"]["dense_accuracy"] > 0.15  # chance is 0.1 (measured 0.22)
+  safe = s["safe"]
+  assert safe["sparse_accuracy"] > 0.13 and safe["bnt_samples"] == config["bnt_samples"]
+  # BNT repairs the statistics the projection broke (measured 8 % -> 19 %).
+  assert safe["sparse_accuracy"] > safe["sparse_accuracy_before_bnt"]
+  curve = s["curve"]
+  assert {r["method"] for r in curve} == {"dense", "safe"}
+  assert config["sparsity"] in {r["sparsity"] for r in curve}
+  for r in curve:
+    assert r["prunable_nonzero"] == safe_optax.num_keep(size, r["sparsity"])
+    assert 0.0 <= r["before_bnt"] <= 1.0 and 0.0 <= r["after_bnt"] <= 1.0
+  at_target = [r for r in curve if r["sparsity"] == config["sparsity"]]
+  assert all(r["after_bnt"] > r["before_bnt"] for r in at_target)
+  assert len(s["sharpness"]) == 3
+  for result in s["sharpness"].values():
+    assert math.isfinite(result["lambda_max"]) and result["lambda_max"] != 0.0
+    assert 2 <= result["iterations"]
+
+
+def test_llm_pruning_outputs(executed):
+  s = _summary(executed, "llm_pruning.ipynb")
+  assert s["model"] == "SmolLM2-135M-Instruct.Q4_1.gguf" and s["num_layers"] == 30
+  # 30 blocks of q, o (576x576), k, v (576x192), gate, up, down (576x1536).
+  size = s["prunable_size"]
+  assert size == 30 * (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536)
+  rows = {r["method"]: r for r in s["rows"]}
+  assert set(rows) == {"dense", "wanda", "safe-plus"}
+  dense = rows["dense"]["perplexity"]
+  assert 10.0 < dense < 60.0  # measured 39.0 on the first 256 test tokens
+  for method in ("wanda", "safe-plus"):
+    r = rows[method]
+    # Every output row of every block matrix keeps exactly half its weights.
+    assert r["prunable_nonzero"] == size // 2 and r["sparsity"] == pytest.approx(0.5)
+    assert math.isfinite(r["perplexity"]) and dense < r["perplexity"] < 5 * dense
+    assert s["blocks"][method] == 30
+  export = s["export"]
+  assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(export["files"])
+  assert export["prunable_nonzero"] == size // 2 and export["sparsity"] == pytest.approx(0.5)
+  # The GGUF's interleaved Q/K rows are written in the Hugging Face layout and read back.
+  assert export["rope_layout"] == "half" and export["same_tokens"]
+  assert export["perplexity"] == pytest.approx(rows["safe-plus"]["perplexity"], rel=1e-4)
