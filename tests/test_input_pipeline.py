@@ -172,3 +172,24 @@ def test_normalize_matches_formula():
   images = jnp.asarray([[[[0, 255, 51]]]], jnp.uint8)
   out = ip.normalize(images, (0.5, 0.5, 0.2), (0.25, 0.5, 1.0))
   np.testing.assert_allclose(out[0, 0, 0], [-2.0, 1.0, 0.0], atol=1e-6)
+
+
+def test_sample_indices_is_a_seeded_sample_of_a_class_sorted_set():
+  labels = np.repeat(np.arange(10), 100)  # stored class by class, as image folders are
+  first = ip.sample_indices(1000, 100, np.random.default_rng(0))
+  assert len(first) == 100 and np.all(np.diff(first) > 0) and first[-1] < 1000
+  assert len(set(labels[first])) == 10  # labels[:100] would be a single class
+  np.testing.assert_array_equal(first, ip.sample_indices(1000, 100, np.random.default_rng(0)))
+  assert not np.array_equal(first, ip.sample_indices(1000, 100, np.random.default_rng(1)))
+
+
+@pytest.mark.parametrize("size", [None, 7, 9])
+def test_sample_indices_everything_draws_nothing(size):
+  rng = np.random.default_rng(0)
+  np.testing.assert_array_equal(ip.sample_indices(7, size, rng), np.arange(7))
+  np.testing.assert_array_equal(rng.permutation(5), np.random.default_rng(0).permutation(5))
+
+
+def test_sample_indices_rejects_a_negative_size():
+  with pytest.raises(ValueError, match="non-negative"):
+    ip.sample_indices(5, -1, np.random.default_rng(0))

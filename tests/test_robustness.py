@@ -147,3 +147,38 @@ def test_evaluation_suite_on_a_trained_workdir(tmp_path):
   assert table[0].startswith("| method | sparsity | seed | clean |") and len(table) == 3
   with pytest.raises(ValueError, match="suite"):
     evaluation.parse_suite("clean,fgsm")
+
+
+def test_evaluation_subsets_are_seeded_samples_not_the_first_images(tmp_path):
+  """A class-sorted test set (as image folders store it): the first 8 images are one class.
+
+  The subsets must be seeded samples across classes, the corrupted images a
+  subset of the clean / PGD ones, and the clean accuracy that of exactly the
+  recorded images (checked by evaluating a data set holding only them).
+  """
+  import sys
+  sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+  import test_train
+  from safe_optax.vision import evaluation, input_pipeline, train
+
+  tiny = test_train.tiny_dataset()
+  order = np.argsort(tiny.test_labels, kind="stable")
+  data = tiny._replace(test_images=tiny.test_images[order], test_labels=tiny.test_labels[order])
+  assert len(set(data.test_labels[:8])) == 1
+  train.train_and_evaluate(test_train.tiny_config(epochs=1, warmup_epochs=0), tmp_path,
+                           data_dir=None, dataset=data)
+  kwargs = dict(data_dir=None, batch_size=16, corruption_names=("contrast",), progress=False,
+                cache_dir=tmp_path / "cache")
+  out = evaluation.evaluate_workdir(tmp_path, dataset=data, suite=("clean", "corruptions"),
+                                    test_subset=8, corruption_subset=5, **kwargs)
+  chosen, corrupted = np.asarray(out["test_indices"]), np.asarray(out["corrupted_indices"])
+  assert len(chosen) == 8 == out["num_test"] and np.all(np.diff(chosen) > 0)
+  assert len(set(data.test_labels[chosen])) > 1
+  assert len(corrupted) == 5 and set(corrupted) <= set(chosen)
+  again = evaluation.evaluate_workdir(tmp_path, dataset=data, suite=("clean",), test_subset=8,
+                                      **kwargs)
+  assert again["test_indices"] == out["test_indices"]  # deterministic given the seed
+  only_chosen = data._replace(test_images=data.test_images[chosen],
+                              test_labels=data.test_labels[chosen])
+  direct = evaluation.evaluate_workdir(tmp_path, dataset=only_chosen, suite=("clean",), **kwargs)
+  assert direct["clean"] == pytest.approx(out["clean"])

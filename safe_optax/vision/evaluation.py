@@ -84,16 +84,19 @@ def evaluate_workdir(
     data_dir: the data it was trained on.
     dataset: the already loaded data set instead (as for ``train_and_evaluate``).
     suite: a subset of :data:`SUITES`.
-    test_subset: evaluate clean / PGD on the first ``n`` test images.
-    corruption_subset: corrupt only the first ``n`` test images (each of the
-      19 x len(severities) sets is generated on the CPU, then cached).
+    test_subset: evaluate clean / PGD on a seeded sample of ``n`` test images
+      (:func:`~safe_optax.vision.input_pipeline.sample_indices`; never the
+      first ``n``, which in a class-sorted image folder are one class).
+    corruption_subset: corrupt only a seeded sample of ``n`` of those images
+      (each of the 19 x len(severities) sets is generated on the CPU, then
+      cached).
     severities: corruption severities.
     corruption_names: corruption types (default all 19).
-    hessian_examples: training examples for lambda_max (in batches of
-      ``batch_size``).
+    hessian_examples: a seeded sample of this many training examples for
+      lambda_max (in batches of ``batch_size``).
     batch_size: evaluation batch size.
-    seed: seeds corruptions, PGD random starts (unused by default) and the
-      power-iteration start.
+    seed: seeds the subsets, corruptions, PGD random starts (unused by
+      default) and the power-iteration start.
     cache_dir: corruption cache folder.
     progress: tqdm bars.
 
@@ -124,19 +127,21 @@ def evaluate_workdir(
     return model.apply({"params": params, **model_state}, (pixels - mean) / std, train=False)
 
   predict = jax.jit(lambda images: jnp.argmax(apply_fn(images.astype(jnp.float32) / 255.0), -1))
-  test_x, test_y = data.test_images, data.test_labels
-  if test_subset is not None:
-    test_x, test_y = test_x[:test_subset], test_y[:test_subset]
+  rng = np.random.default_rng([seed, 1])
+  test_indices = input_pipeline.sample_indices(len(data.test_labels), test_subset, rng)
+  test_x, test_y = data.test_images[test_indices], data.test_labels[test_indices]
+  corrupted = input_pipeline.sample_indices(len(test_y), corruption_subset, rng)
   out: dict[str, Any] = {"workdir": str(workdir), "config": configs.to_dict(config),
                          "suite": list(suite), "num_test": int(len(test_y)),
+                         "test_indices": test_indices.tolist(),
                          "versions": train_lib.versions(),
                          "sparsity": outcome.results["final"]["sparsity"]}
   if "clean" in suite:
     out["clean"] = float(np.mean(_batched(predict, test_x, batch_size) == test_y))
   if "corruptions" in suite:
-    n = len(test_y) if corruption_subset is None else min(corruption_subset, len(test_y))
+    out["corrupted_indices"] = test_indices[corrupted].tolist()
     out["corruptions"] = corruptions.corruption_accuracy(
-        lambda images: _batched(predict, images, batch_size), test_x[:n], test_y[:n],
+        lambda images: _batched(predict, images, batch_size), test_x[corrupted], test_y[corrupted],
         severities=severities, names=corruption_names, seed=seed, cache_dir=cache_dir,
         progress=progress)
   for norm in ("linf", "l2"):
@@ -146,7 +151,7 @@ def evaluate_workdir(
                                                    progress=progress)
   if "hessian" in suite:
     out["hessian"] = _hessian(model, params, model_state, data, config, hessian_examples,
-                              batch_size, seed, mean, std)
+                              batch_size, seed, mean, std, rng)
   out["wall_seconds"] = time.perf_counter() - start
   with open(workdir / "eval.json", "w", encoding="utf-8") as f:
     json.dump(out, f, indent=1)
@@ -156,13 +161,15 @@ def evaluate_workdir(
   return out
 
 
-def _hessian(model, params, model_state, data, config, examples, batch_size, seed, mean, std):
+def _hessian(model, params, model_state, data, config, examples, batch_size, seed, mean, std,
+             rng):
   n = min(examples, len(data.train_labels)) // batch_size * batch_size
   if n == 0:
     raise ValueError(f"`hessian_examples` ({examples}) must hold at least one batch of "
                      f"{batch_size}.")
-  x = (jnp.asarray(data.train_images[:n], jnp.float32) / 255.0 - mean) / std
-  y = jnp.asarray(data.train_labels[:n])
+  keep = input_pipeline.sample_indices(len(data.train_labels), n, rng)
+  x = (jnp.asarray(data.train_images[keep], jnp.float32) / 255.0 - mean) / std
+  y = jnp.asarray(data.train_labels[keep])
   batches = [(x[i:i + batch_size], y[i:i + batch_size]) for i in range(0, n, batch_size)]
 
   def loss_fn(p, batch):

@@ -254,6 +254,29 @@ def symmetric_label_noise(labels: np.ndarray, ratio: float, num_classes: int,
   return noisy, corrupted
 
 
+def sample_indices(num_examples: int, size: Optional[int],
+                   rng: np.random.Generator) -> np.ndarray:
+  """Sorted indices of a seeded sample of ``size`` examples without replacement.
+
+  Every subset of a data set is drawn with this, never as its first ``size``
+  examples: image-folder data sets are stored class by class, so the first
+  1,000 CIFAR-10 test images are all airplanes. ``size`` of ``None`` or at
+  least ``num_examples`` gives every index, and then ``rng`` is not drawn from.
+
+  Examples:
+    >>> import numpy as np
+    >>> sample_indices(10, 4, np.random.default_rng(0))
+    array([2, 5, 6, 9])
+    >>> sample_indices(3, None, np.random.default_rng(0))
+    array([0, 1, 2])
+  """
+  if size is not None and size < 0:
+    raise ValueError(f"subset size must be non-negative, got {size}.")
+  if size is None or size >= num_examples:
+    return np.arange(num_examples)
+  return np.sort(rng.permutation(num_examples)[:size])
+
+
 def epoch_order(num_examples: int, seed: int, epoch: int) -> np.ndarray:
   """The example order of one epoch: a permutation fixed by ``(seed, epoch)``."""
   return np.random.default_rng([seed, epoch]).permutation(num_examples)

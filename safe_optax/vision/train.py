@@ -159,12 +159,10 @@ def load_dataset(config: Config, data_dir: os.PathLike) -> input_pipeline.Datase
   train_x, train_y, test_x, test_y = (data.train_images, data.train_labels, data.test_images,
                                       data.test_labels)
   rng = np.random.default_rng([config.data_seed, 17])
-  if config.train_subset is not None and config.train_subset < len(train_y):
-    keep = np.sort(rng.permutation(len(train_y))[:config.train_subset])
-    train_x, train_y = train_x[keep], train_y[keep]
-  if config.test_subset is not None and config.test_subset < len(test_y):
-    keep = np.sort(rng.permutation(len(test_y))[:config.test_subset])
-    test_x, test_y = test_x[keep], test_y[keep]
+  keep = input_pipeline.sample_indices(len(train_y), config.train_subset, rng)
+  train_x, train_y = train_x[keep], train_y[keep]
+  keep = input_pipeline.sample_indices(len(test_y), config.test_subset, rng)
+  test_x, test_y = test_x[keep], test_y[keep]
   if config.label_noise > 0:
     train_y, _ = input_pipeline.symmetric_label_noise(train_y, config.label_noise,
                                                       data.num_classes, config.data_seed)
