@@ -241,6 +241,20 @@ def test_full_run_reports_exact_sparsity_and_learns(full_run, full_dir):
   versions = results["versions"]
   assert versions["jax"] == jax.__version__ and versions["device_count"] == jax.device_count()
   assert results["images_per_second"] > 0 and results["steady_images_per_second"] > 0
+  assert results["trained_images"] == EPOCHS * N_TRAIN
+  assert [r["includes_compile"] for r in history] == [True] + [False] * (EPOCHS - 1)
+
+
+def test_finishing_a_finished_run_again_keeps_its_training_record(full_run, full_dir):
+  """evaluate_workdir re-finishes the run: results.json must keep the training throughput."""
+  again = train.train_and_evaluate(tiny_config(), full_dir, data_dir=None,
+                                   dataset=tiny_dataset()).results
+  for key in ("train_seconds", "trained_images", "images_per_second",
+              "steady_images_per_second", "final"):
+    assert again[key] == full_run.results[key], key
+  steady = [r for r in again["history"] if not r["includes_compile"]]
+  assert again["steady_images_per_second"] == pytest.approx(
+      sum(r["trained_images"] for r in steady) / sum(r["epoch_seconds"] for r in steady))
 
 
 def test_train_step_compiles_once_per_batch_shape(full_run):

@@ -567,9 +567,7 @@ def train_and_evaluate(config: Config, workdir: os.PathLike, *, data_dir: os.Pat
   history = _read_history(metrics_path, start_step // spe)
   _write_history(metrics_path, history)
 
-  trained_images = 0
-  train_seconds = 0.0
-  epochs_run, steady = 0, [0, 0.0]  # images and seconds of epochs after the first
+  epochs_run = 0
   last_saved = start_step
   bar = _progress(total_steps, start_step, f"{config.method}@{config.sparsity:g}", progress)
   try:
@@ -583,19 +581,16 @@ def train_and_evaluate(config: Config, workdir: os.PathLike, *, data_dir: os.Pat
         state = programs.train(state, images_dev, labels_dev,
                                jax.device_put(indices, _batch_sharding(programs.mesh,
                                                                        len(indices))))
-        trained_images += len(indices)
         position += 1
         bar.update(1)
         if on_step is not None:
           on_step(epoch * spe + position)
       state = jax.block_until_ready(state)
       epoch_seconds = time.perf_counter() - epoch_start
-      train_seconds += epoch_seconds
-      if epochs_run > 0:  # this process's first epoch includes the compilation
-        steady[0] += sum(len(b) for b in batches[position_start:])
-        steady[1] += epoch_seconds
+      record = _epoch_record(programs, config, state, data, epoch, epoch_seconds,
+                             trained=sum(len(b) for b in batches[position_start:]),
+                             includes_compile=epochs_run == 0)
       epochs_run += 1
-      record = _epoch_record(programs, config, state, data, epoch, epoch_seconds)
       history.append(record)
       bar.set_postfix_str(f"loss {record['train_loss']:.3f} test {record.get('test_accuracy', 0):.3f}")
       with open(metrics_path, "a", encoding="utf-8") as f:
@@ -615,9 +610,29 @@ def train_and_evaluate(config: Config, workdir: os.PathLike, *, data_dir: os.Pat
   if int(state.step) < total_steps:
     return Outcome(state, None, None, None)
   return _finish(programs, config, state, data, images_dev, labels_dev, history, workdir,
-                 wall_seconds=time.perf_counter() - wall_start, train_seconds=train_seconds,
-                 trained_images=trained_images,
-                 steady_images_per_second=steady[0] / steady[1] if steady[1] else None)
+                 wall_seconds=time.perf_counter() - wall_start)
+
+
+def _throughput(history: list[dict[str, Any]]) -> dict[str, Any]:
+  """Training images and seconds of the whole run, from its per-epoch records.
+
+  Summed over every process that trained a part of the run (resumes included),
+  so finishing a run again (``evaluate_workdir`` does) keeps its record. The
+  steady rate leaves out each process's first epoch, which compiles the step.
+  """
+  def rate(records):
+    seconds = sum(r["epoch_seconds"] for r in records)
+    return sum(r["trained_images"] for r in records) / seconds if seconds else None
+
+  # Records written before these fields existed: every example once, epoch 0 compiling.
+  records = [{"trained_images": r.get("trained_images", r["train_examples"]),
+              "epoch_seconds": r["epoch_seconds"],
+              "includes_compile": r.get("includes_compile", r["epoch"] == 0)} for r in history]
+  return {"train_seconds": sum(r["epoch_seconds"] for r in records),
+          "trained_images": sum(r["trained_images"] for r in records),
+          "images_per_second": rate(records),
+          # Without the first epoch of each process, which includes the compilation.
+          "steady_images_per_second": rate([r for r in records if not r["includes_compile"]])}
 
 
 def _read_history(path: pathlib.Path, epochs_done: int) -> list[dict[str, Any]]:
@@ -636,13 +651,16 @@ def _write_history(path: pathlib.Path, history: list[dict[str, Any]]) -> None:
 
 
 def _epoch_record(programs: _Programs, config: Config, state: TrainState,
-                  data: input_pipeline.Dataset, epoch: int, seconds: float) -> dict[str, Any]:
+                  data: input_pipeline.Dataset, epoch: int, seconds: float, *, trained: int,
+                  includes_compile: bool) -> dict[str, Any]:
   metrics = jax.device_get(state.metrics)
   record: dict[str, Any] = {
       "epoch": epoch, "step": int(state.step),
       "train_loss": float(metrics.loss_sum) / max(int(metrics.count), 1),
       "train_accuracy": int(metrics.correct) / max(int(metrics.count), 1),
       "train_examples": int(metrics.count), "epoch_seconds": seconds,
+      # Images this process trained in ``seconds``, and whether they include compiling.
+      "trained_images": trained, "includes_compile": includes_compile,
   }
   if programs.distance is not None:
     record["distance_to_projection"] = float(programs.distance(state.params))
@@ -661,9 +679,8 @@ def _epoch_record(programs: _Programs, config: Config, state: TrainState,
 
 def _finish(programs: _Programs, config: Config, state: TrainState,
             data: input_pipeline.Dataset, images_dev: jax.Array, labels_dev: jax.Array,
-            history: list[dict[str, Any]], workdir: pathlib.Path, *, wall_seconds: float,
-            train_seconds: float, trained_images: int,
-            steady_images_per_second: Optional[float]) -> Outcome:
+            history: list[dict[str, Any]], workdir: pathlib.Path, *,
+            wall_seconds: float) -> Outcome:
   """Final projection, BNT, evaluation, ``results.json`` and plots."""
   num_train = len(data.train_labels)
   evaluate_split = functools.partial(evaluate, programs.eval, images=data.test_images,
@@ -701,12 +718,9 @@ def _finish(programs: _Programs, config: Config, state: TrainState,
                    config, num_train)},
       "final": final,
       "sparsity_report": report.as_dict(),
+      # This process's wall time (for a resumed or re-finished run, not the run's).
       "wall_seconds": wall_seconds,
-      "train_seconds": train_seconds,
-      "trained_images": trained_images,
-      "images_per_second": trained_images / train_seconds if train_seconds else None,
-      # Without the first epoch of the process, which includes the compilation.
-      "steady_images_per_second": steady_images_per_second,
+      **_throughput(history),
       "history": history,
   }
   with open(workdir / "results.json", "w", encoding="utf-8") as f:
