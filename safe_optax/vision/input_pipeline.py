@@ -266,7 +266,7 @@ def sample_indices(num_examples: int, size: Optional[int],
   Examples:
     >>> import numpy as np
     >>> sample_indices(10, 4, np.random.default_rng(0))
-    array([2, 5, 6, 9])
+    array([2, 4, 6, 7])
     >>> sample_indices(3, None, np.random.default_rng(0))
     array([0, 1, 2])
   """
