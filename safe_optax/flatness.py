@@ -556,14 +556,11 @@ def save_weight_histograms(named_params: Mapping[str, Any], path: os.PathLike,
     **kwargs: ``prunable``, ``bins``, ``value_range``, ``title`` of
       :func:`plot_weight_histograms`.
   """
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  # A Figure object saves through its own Agg canvas: no pyplot, and the
+  # caller's backend (a notebook's inline one) is left alone.
+  from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
 
-  fig, ax = plt.subplots(figsize=(5, 3.5))
-  try:
-    plot_weight_histograms(ax, named_params, **kwargs)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-  finally:
-    plt.close(fig)
+  fig = Figure(figsize=(5, 3.5))
+  plot_weight_histograms(fig.subplots(), named_params, **kwargs)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)

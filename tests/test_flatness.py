@@ -282,3 +282,28 @@ def test_bad_batches_and_options():
   with pytest.raises(ValueError, match="alphas"):
     flatness.loss_line(quadratic_loss, quadratic_params(), [jnp.eye(6)],
                        quadratic_params(), jnp.zeros((2, 2)))
+
+
+def test_saving_figures_leaves_the_callers_matplotlib_backend_and_figures_alone(tmp_path):
+  """A notebook's inline backend must survive the library's PNG writers (they used to
+  switch matplotlib to Agg, after which a notebook's figures no longer showed)."""
+  import matplotlib
+  import matplotlib.pyplot as plt
+  from safe_optax.vision import plots
+
+  before = matplotlib.get_backend()
+  matplotlib.use("svg")
+  try:
+    open_figures = plt.get_fignums()
+    dense = {"w": jax.random.normal(KEY, (20, 10))}
+    flatness.save_weight_histograms({"dense": dense}, tmp_path / "hist.png", bins=10)
+    history = [{"epoch": e, "train_accuracy": 0.5, "distance_to_projection": 1.0 / (e + 1)}
+               for e in range(3)]
+    paths = plots.plot_history(history, tmp_path, title="t")
+    assert matplotlib.get_backend() == "svg"
+    assert plt.get_fignums() == open_figures
+    for path in [tmp_path / "hist.png", *paths]:
+      with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  finally:
+    matplotlib.use(before)

@@ -21,9 +21,9 @@ def plot_history(history: Sequence[dict[str, Any]], directory: os.PathLike,
   Returns:
     The paths written.
   """
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  # Figure objects save through their own Agg canvas: no pyplot, and the
+  # caller's backend (a notebook's inline one) is left alone.
+  from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
 
   def series(key):
     points = [(r["epoch"], r[key]) for r in history if r.get(key) is not None]
@@ -39,10 +39,10 @@ def plot_history(history: Sequence[dict[str, Any]], directory: os.PathLike,
     paths.append(os.path.join(directory, name))
     fig.tight_layout()
     fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
 
   paths: list[str] = []
-  fig, ax = plt.subplots(figsize=(6, 4))
+  fig = Figure(figsize=(6, 4))
+  ax = fig.subplots()
   for key, label in (("train_accuracy", "train (running)"), ("test_accuracy", "test, dense x"),
                      ("test_accuracy_projected", "test, Proj(x) (no BNT)")):
     xs, ys = series(key)
@@ -50,7 +50,8 @@ def plot_history(history: Sequence[dict[str, Any]], directory: os.PathLike,
       ax.plot(xs, [100 * y for y in ys], marker="o", label=label)
   save(fig, ax, "accuracy (%)", "accuracy.png")
 
-  fig, ax = plt.subplots(figsize=(6, 4))
+  fig = Figure(figsize=(6, 4))
+  ax = fig.subplots()
   positive = True
   for key, label in (("distance_to_projection", "||x - Proj(x)||"),
                      ("distance_to_z", "||x - z|| (ADMM)")):
