@@ -47,6 +47,15 @@ class ADMMState(NamedTuple):
   """Sparse target ``Proj(x + u)``; ``optax.MaskedNode()`` on non-prunable leaves."""
   u: Any
   """Scaled dual variable; ``optax.MaskedNode()`` on non-prunable leaves."""
+  invalid_hyperparams: jax.Array
+  """Number of updates whose ``sparsity`` or ``penalty`` was out of range (int32).
+
+  Python values are checked at construction; traced ones (from
+  ``optax.inject_hyperparams`` or a schedule) can only be checked here, so an
+  out-of-range value is ignored for that update (an invalid sparsity skips the
+  dual update, keeping ``z`` and ``u``; an invalid penalty counts as 0) and
+  counted. Check it is 0 after training.
+  """
 
 
 def sparsity_fn(sparsity: SparsityArg, scope: Optional[str], structure: _projection.Structure):
@@ -74,6 +83,30 @@ def _is_masked(node: Any) -> bool:
   return isinstance(node, optax.MaskedNode)
 
 
+def _in_unit_interval(sparsity: Any) -> Any:
+  """Whether a (possibly traced) sparsity lies in ``[0, 1)``; NaN does not.
+
+  ``None`` (N:M, whose sparsity is fixed by the structure) and Python numbers
+  (checked at construction) are valid without any array work.
+  """
+  if sparsity is None or isinstance(sparsity, (int, float)):
+    return True
+  return (sparsity >= 0) & (sparsity < 1)
+
+
+def leaf_flags(params: Any, prunable: _prunable.Prunable) -> tuple[bool, ...]:
+  """Prunable flags of ``params``' leaves, MaskedNode placeholders counted as leaves.
+
+  Under ``optax.masked`` / ``optax.multi_transform`` the inner transform sees
+  ``params`` with ``optax.MaskedNode`` in place of the masked-out leaves; they
+  are never pruned, and counting them keeps the flags aligned with the state's
+  ``z`` / ``u`` trees, which hold MaskedNode at every non-prunable leaf.
+  """
+  array_flags = iter(_prunable.resolve(params, prunable).flags)
+  return tuple(False if _is_masked(leaf) else next(array_flags)
+               for leaf in jax.tree.leaves(params, is_leaf=_is_masked))
+
+
 def _prunable_leaves(tree: Any, flags: tuple[bool, ...]) -> list[Any]:
   """The prunable leaves of a params-shaped tree (MaskedNode placeholders count as leaves)."""
   leaves = jax.tree.leaves(tree, is_leaf=_is_masked)
@@ -89,7 +122,7 @@ def _masked_tree(params: Any, flags: tuple[bool, ...], values: Sequence[Any]) ->
   """``params``-shaped tree with ``values`` on prunable leaves, MaskedNode elsewhere."""
   it = iter(values)
   leaves = [next(it) if flag else optax.MaskedNode() for flag in flags]
-  return jax.tree.unflatten(jax.tree.structure(params), leaves)
+  return jax.tree.unflatten(jax.tree.structure(params, is_leaf=_is_masked), leaves)
 
 
 def dual_update(
@@ -232,7 +265,10 @@ def admm_penalty(
     # Only tree maps, so optax.tree.map_params and sharded params work; a
     # leafless tree (map_params' placeholder) yields an empty state.
     if jax.tree.leaves(params):
-      flags = _prunable.resolve(params, prunable).flags
+      flags = leaf_flags(params, prunable)
+      if structure is not None:
+        # Here, not at the first dual update, so the error names the parameter path.
+        _projection.check_structure_fits(params, structure, prunable)
     else:
       flags = ()
     x = _prunable_leaves(params, flags)
@@ -240,17 +276,22 @@ def admm_penalty(
         count=jnp.zeros([], jnp.int32),
         z=_masked_tree(params, flags, [jnp.array(xi) for xi in x]) if flags else params,
         u=_masked_tree(params, flags, [jnp.zeros_like(xi) for xi in x]) if flags else params,
+        invalid_hyperparams=jnp.zeros([], jnp.int32),
     )
 
   def update_fn(updates, state, params=None, *, grad_fn=None, **extra_args):
     del extra_args
     if params is None:
       raise ValueError("admm_penalty needs `params` in update(updates, state, params).")
-    flags = _prunable.resolve(params, prunable).flags
+    flags = leaf_flags(params, prunable)
     z = _prunable_leaves(state.z, flags)
     u = _prunable_leaves(state.u, flags)
     count = state.count
     key = jax.random.fold_in(base_key, count)
+    sparsity_now = get_sparsity(count, key)
+    sparsity_ok = _in_unit_interval(sparsity_now)
+    lam = lam_fn(count)
+    penalty_ok = jnp.isfinite(lam) & (lam >= 0)
 
     def run_dual(z, u):
       scores_now = None
@@ -262,32 +303,36 @@ def admm_penalty(
         )
         scores_now = list(saliency(inputs))
       return dual_update(
-          params, z, u, get_sparsity(count, key), flags=flags, first=count == 0,
+          params, z, u, sparsity_now, flags=flags, first=count == 0,
           scope=scope, structure=structure, scores=scores_now,
       )
 
-    due = count % dual_every == 0
+    due = (count % dual_every == 0) & sparsity_ok
     if isinstance(due, jax.core.Tracer):
       z, u = lax.cond(due, run_dual, lambda z, u: (list(z), list(u)), z, u)
     elif due:
       # Called eagerly: branch in Python, since an eager lax.cond recompiles every call.
       z, u = run_dual(z, u)
-    lam = lam_fn(count)
+    lam = jnp.where(penalty_ok, lam, jnp.zeros_like(lam))
     scale = lam if learning_rate is None else -lam * (
         learning_rate(count) if callable(learning_rate) else learning_rate)
     it = iter(zip(_prunable_leaves(params, flags), z, u))
     new_updates = []
-    for g, flag in zip(jax.tree.leaves(updates), flags):
+    for g, flag in zip(jax.tree.leaves(updates, is_leaf=_is_masked), flags):
       if flag:
         xi, zi, ui = next(it)
         g = (g + scale * (xi - zi + ui)).astype(g.dtype)
       new_updates.append(g)
+    valid = jnp.logical_and(sparsity_ok, penalty_ok)
     new_state = ADMMState(
         count=optax.safe_increment(count),
         z=_masked_tree(params, flags, z),
         u=_masked_tree(params, flags, u),
+        invalid_hyperparams=jnp.where(valid, state.invalid_hyperparams,
+                                      optax.safe_increment(state.invalid_hyperparams)),
     )
-    return jax.tree.unflatten(jax.tree.structure(updates), new_updates), new_state
+    updates_def = jax.tree.structure(updates, is_leaf=_is_masked)
+    return jax.tree.unflatten(updates_def, new_updates), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

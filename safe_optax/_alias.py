@@ -3,12 +3,14 @@
 Each alias is an ``optax.chain`` of this package's transforms and optax's
 SGD, as in the official recipe::
 
-  sam_perturb(rho) -> [add_projected_gradient] -> admm_penalty
-  -> add_decayed_weights(weight_decay) -> sgd(learning_rate, momentum)
+  sam_perturb(rho) -> [add_projected_gradient] -> [clip_by_global_norm(max_grad_norm)]
+  -> admm_penalty -> add_decayed_weights(weight_decay) -> sgd(learning_rate, momentum)
 
 With ``decoupled_penalty=True`` the penalty moves after SGD as the paper's
 plain step ``x -= eta_t * lambda_t * (x - z + u)``. Call ``update`` with
 ``params`` and ``grad_fn`` (the SAM aliases need it; ``admm`` does not).
+``rho=None`` leaves SAM out, for ``optax.chain(sam_perturb(rho), wrapper(alias))``
+with ``optax.MultiSteps`` / ``apply_if_finite`` / ``masked`` (see ``_sam.py``).
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ from safe_optax import _admm
 from safe_optax import _projection
 from safe_optax import _prunable
 from safe_optax import _sam
+from safe_optax import _schedules
 from safe_optax import _scores
 
 
 def _pruning_chain(
     learning_rate, sparsity, *, penalty, penalty_schedule, total_steps, rho, dual_every,
     momentum, nesterov, weight_decay, scope, structure, prunable, scores, decoupled_penalty,
-    sparse_gradient, adaptive, seed,
+    sparse_gradient, adaptive, max_grad_norm, seed,
 ) -> optax.GradientTransformationExtraArgs:
   """The shared chain behind every alias (each alias passes its own arguments on)."""
   penalty_tx = _admm.admm_penalty(
@@ -42,6 +45,10 @@ def _pruning_chain(
   if sparse_gradient:
     head.append(_sam.add_projected_gradient(
         sparsity, scope=scope, structure=structure, prunable=prunable, seed=seed))
+  if max_grad_norm is not None:
+    # After the gradient passes (which replace the incoming gradient), before the penalty.
+    _schedules.check_nonnegative(max_grad_norm, "max_grad_norm")
+    head.append(optax.clip_by_global_norm(max_grad_norm))
   base = [
       optax.add_decayed_weights(weight_decay),
       optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov),
@@ -57,7 +64,7 @@ def safe(
     penalty: Union[float, optax.Schedule],
     penalty_schedule: Optional[str] = "cosine",
     total_steps: Optional[int] = None,
-    rho: float = 0.1,
+    rho: Optional[float] = 0.1,
     dual_every: int = 32,
     momentum: float = 0.9,
     nesterov: bool = False,
@@ -66,6 +73,7 @@ def safe(
     structure: _projection.Structure = None,
     prunable: _prunable.Prunable = None,
     adaptive: bool = False,
+    max_grad_norm: Optional[float] = None,
     decoupled_penalty: bool = False,
     seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
@@ -85,12 +93,20 @@ def safe(
     penalty_schedule: ``"cosine"`` (vision default), ``"linear"`` or
       ``"constant"``; ``None`` when ``penalty`` is a schedule.
     total_steps: training steps ``T``, required by the ramps.
-    rho: SAM radius.
+    rho: SAM radius; ``None`` leaves SAM out, to put
+      :func:`safe_optax.sam_perturb` before an optax wrapper:
+      ``optax.chain(sam_perturb(rho), optax.MultiSteps(safe(..., rho=None), k))``
+      (``MultiSteps``, ``apply_if_finite``, ``masked`` and ``multi_transform``
+      refuse to wrap SAM itself).
     dual_every: ``K``, steps between dual updates.
     momentum, nesterov: SGD momentum.
     weight_decay: L2 weight decay added to the gradient (all leaves).
     scope, structure, prunable: the sparsity set (see :func:`project_topk`).
     adaptive: ASAM perturbation.
+    max_grad_norm: if set, clip the loss gradient (the SAM gradient) to this
+      global norm, before the penalty and weight decay are added. A clip placed
+      *before* the alias in an ``optax.chain`` clips nothing: SAM's gradient
+      replaces its output.
     decoupled_penalty: apply the penalty as a plain step after SGD (paper)
       instead of through momentum (official code, default).
     seed: seeds SAFE-Multi draws.
@@ -132,7 +148,7 @@ def safe_plus(
     scores: Union[str, _scores.Saliency] = "snip",
     penalty_schedule: Optional[str] = "cosine",
     total_steps: Optional[int] = None,
-    rho: float = 0.1,
+    rho: Optional[float] = 0.1,
     dual_every: int = 32,
     momentum: float = 0.9,
     nesterov: bool = False,
@@ -141,6 +157,7 @@ def safe_plus(
     structure: _projection.Structure = None,
     prunable: _prunable.Prunable = None,
     adaptive: bool = False,
+    max_grad_norm: Optional[float] = None,
     decoupled_penalty: bool = False,
     seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
@@ -165,7 +182,7 @@ def safe_plus(
     penalty_schedule, total_steps, rho, dual_every: as in :func:`safe`.
     momentum, nesterov, weight_decay: as in :func:`safe`.
     scope, structure, prunable: as in :func:`safe`.
-    adaptive, decoupled_penalty, seed: as in :func:`safe`.
+    adaptive, max_grad_norm, decoupled_penalty, seed: as in :func:`safe`.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs`; ``update`` needs
@@ -256,7 +273,8 @@ def admm(
     Zhang et al., `A Systematic DNN Weight Pruning Framework using Alternating
     Direction Method of Multipliers <https://arxiv.org/abs/1804.03294>`_, ECCV 2018.
   """
-  return _pruning_chain(**locals(), rho=None, sparse_gradient=False, adaptive=False)
+  return _pruning_chain(**locals(), rho=None, sparse_gradient=False, adaptive=False,
+                        max_grad_norm=None)
 
 
 def safe_sg(
@@ -266,7 +284,7 @@ def safe_sg(
     penalty: Union[float, optax.Schedule],
     penalty_schedule: Optional[str] = "cosine",
     total_steps: Optional[int] = None,
-    rho: float = 0.1,
+    rho: Optional[float] = 0.1,
     dual_every: int = 32,
     momentum: float = 0.9,
     nesterov: bool = False,
@@ -275,6 +293,7 @@ def safe_sg(
     structure: _projection.Structure = None,
     prunable: _prunable.Prunable = None,
     adaptive: bool = False,
+    max_grad_norm: Optional[float] = None,
     decoupled_penalty: bool = False,
     seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
@@ -291,7 +310,7 @@ def safe_sg(
     penalty_schedule, total_steps, rho, dual_every: as in :func:`safe`.
     momentum, nesterov, weight_decay: as in :func:`safe`.
     scope, structure, prunable: as in :func:`safe`.
-    adaptive, decoupled_penalty, seed: as in :func:`safe`.
+    adaptive, max_grad_norm, decoupled_penalty, seed: as in :func:`safe`.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs`; ``update`` needs
@@ -329,7 +348,7 @@ def safe_multi(
     penalty: Union[float, optax.Schedule],
     penalty_schedule: Optional[str] = "cosine",
     total_steps: Optional[int] = None,
-    rho: float = 0.1,
+    rho: Optional[float] = 0.1,
     dual_every: int = 32,
     momentum: float = 0.9,
     nesterov: bool = False,
@@ -338,6 +357,7 @@ def safe_multi(
     structure: _projection.Structure = None,
     prunable: _prunable.Prunable = None,
     adaptive: bool = False,
+    max_grad_norm: Optional[float] = None,
     decoupled_penalty: bool = False,
     seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
@@ -352,7 +372,8 @@ def safe_multi(
       one is drawn uniformly at random at every dual update.
     penalty, penalty_schedule, total_steps, rho, dual_every: as in :func:`safe`.
     momentum, nesterov, weight_decay: as in :func:`safe`.
-    scope, structure, prunable, adaptive, decoupled_penalty: as in :func:`safe`.
+    scope, structure, prunable, adaptive, max_grad_norm, decoupled_penalty: as in
+      :func:`safe`.
     seed: seeds the draws.
 
   Returns:

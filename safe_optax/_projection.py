@@ -30,16 +30,47 @@ from safe_optax import _select
 SCOPES = ("global", "per_leaf")
 
 
-class NM(NamedTuple):
+def _check_nm(n: Any, m: Any, axis: Any) -> None:
+  if not (_is_int(n) and _is_int(m) and 1 <= n <= m):
+    raise ValueError(f"NM(n, m) needs integers with 1 <= n <= m, got n={n}, m={m}.")
+  if not _is_int(axis):
+    raise ValueError(f"NM `axis` must be an int (the reduction axis, e.g. -2), got {axis!r}.")
+
+
+def _is_int(value: Any) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
+class _NMFields(NamedTuple):
+  n: int
+  m: int
+  axis: int = -2
+
+
+class NM(_NMFields):
   """N:M semi-structured sparsity: keep ``n`` of every ``m`` consecutive entries.
 
   Groups run along ``axis``, the reduction (input) axis: ``-2`` is ``in`` for a
   Flax ``Dense`` kernel ``(in, out)`` and for a conv kernel ``(h, w, in, out)``.
+  Checked when built: ``NM(3, 2)`` raises ``ValueError``. Whether each
+  prunable leaf's ``axis`` is divisible by ``m`` is checked by the
+  transforms' ``init`` (and by :func:`project_topk`), naming the leaf.
+
+  Examples:
+    >>> from safe_optax import NM
+    >>> NM(2, 4)
+    NM(n=2, m=4, axis=-2)
+    >>> NM(3, 2)
+    Traceback (most recent call last):
+    ...
+    ValueError: NM(n, m) needs integers with 1 <= n <= m, got n=3, m=2.
   """
 
-  n: int
-  m: int
-  axis: int = -2
+  __slots__ = ()
+
+  def __new__(cls, n: int, m: int, axis: int = -2) -> "NM":
+    _check_nm(n, m, axis)
+    return super().__new__(cls, n, m, axis)
 
 
 class PerOutput(NamedTuple):
@@ -90,8 +121,7 @@ def check_config(sparsity: Any, scope: Optional[str], structure: Structure) -> s
     )
   if isinstance(structure, NM):
     n, m = structure.n, structure.m
-    if not (isinstance(n, int) and isinstance(m, int) and 1 <= n <= m):
-      raise ValueError(f"NM(n, m) needs integers with 1 <= n <= m, got n={n}, m={m}.")
+    _check_nm(n, m, structure.axis)  # NM._replace bypasses the check in NM()
     if sparsity is not None:
       validate_sparsity(sparsity)
       if not isinstance(sparsity, jax.core.Tracer) and abs(float(sparsity) - (1 - n / m)) > 1e-6:
@@ -121,6 +151,15 @@ def _check_structure(shape: tuple[int, ...], structure: Structure, name: str) ->
         f"leaf '{name}' has {shape[axis]} entries along axis {axis}, not divisible by "
         f"m={structure.m} for {structure}; exclude it through `prunable`."
     )
+
+
+def check_structure_fits(tree: Any, structure: Structure,
+                         prunable: _prunable.Prunable = None) -> None:
+  """Raises ``ValueError``, naming the leaf's path, when a prunable leaf cannot carry ``structure``."""
+  resolved = _prunable.resolve(tree, prunable)
+  for leaf, flag, path in zip(resolved.leaves, resolved.flags, resolved.paths):
+    if flag:
+      _check_structure(jnp.shape(leaf), structure, path)
 
 
 def _to_groups(x: jax.Array, structure: Structure) -> jax.Array:

@@ -385,7 +385,7 @@ def cram(
   base_key = jax.random.PRNGKey(seed)
 
   def init_fn(params):
-    del params
+    _sam.check_placement(params, "cram")
     return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
 
   def update_fn(updates, state, params=None, *, grad_fn=None, **extra_args):

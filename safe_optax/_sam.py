@@ -4,12 +4,28 @@ r"""Sharpness-aware gradients as optax transforms.
 ascent point ``x + rho * g / ||g||``; :func:`add_projected_gradient` adds the
 gradient at the projected point ``Proj(x)`` (SAFE+SG, CrAM+). Both obtain
 gradients from the ``grad_fn(params, step)`` keyword argument of ``update``,
-the convention of ``optax.contrib.sam``, so they sit anywhere in an
-``optax.chain``.
+the convention of ``optax.contrib.sam``.
+
+Their gradient pass replaces the incoming gradient, so they go **first** in
+the chain, on all parameters, and the optax wrappers that must see the final
+gradient go after them, around the rest::
+
+  optax.chain(
+      safe_optax.sam_perturb(rho),                 # (+ add_projected_gradient)
+      optax.clip_by_global_norm(max_norm),         # clips the SAM gradient
+      optax.apply_if_finite(                       # counts a NaN from SAM's pass
+          optax.MultiSteps(safe_optax.safe(..., rho=None), k),  # mean of k SAM grads
+          max_consecutive_errors),
+  )
+
+Inside ``optax.MultiSteps``, ``optax.apply_if_finite``, ``optax.masked`` or
+``optax.multi_transform`` they would be silently wrong, so ``init`` raises.
 """
 
 from __future__ import annotations
 
+import functools
+import sys
 from collections.abc import Callable
 from typing import Any, Optional, Sequence, Union
 
@@ -33,6 +49,54 @@ def _require_grad_fn(grad_fn: Optional[GradFn], name: str) -> GradFn:
         "with grad_fn(params, step) returning the gradient of the same minibatch loss."
     )
   return grad_fn
+
+
+_RECIPE = (
+    "optax.chain(safe_optax.sam_perturb(rho), {wrapper}(safe_optax.safe(..., rho=None), ...)) "
+    "(for SAFE+SG add safe_optax.add_projected_gradient(sparsity) after sam_perturb)")
+
+
+@functools.cache
+def _wrapper_inits() -> dict[Any, tuple[str, str]]:
+  """Code objects of the optax wrappers' ``init`` that cannot hold a gradient pass, with why."""
+  return {
+      optax.MultiSteps.init.__code__: (
+          "optax.MultiSteps",
+          "MultiSteps calls the inner update once every k micro-batches, with the mean "
+          "gradient and the last micro-batch's grad_fn, so every other micro-batch would be "
+          "dropped. Put it before the accumulation, so that each micro-batch gets its own SAM "
+          "gradient and MultiSteps averages them"),
+      optax.apply_if_finite(optax.identity(), 0).init.__code__: (
+          "optax.apply_if_finite",
+          "apply_if_finite checks only the gradient it receives, so a NaN or Inf from this "
+          "transform's own gradient pass would not be counted and would reach the parameters "
+          "and the state. Put it before the check"),
+  }
+
+
+def check_placement(params: Any, name: str) -> None:
+  """Raises ``ValueError`` when a ``grad_fn`` transform is initialised inside a wrapper.
+
+  Its gradient pass needs the full parameters and replaces the incoming
+  gradient, so inside ``optax.masked`` / ``multi_transform`` (MaskedNode
+  placeholders in ``params``), ``optax.MultiSteps`` or ``optax.apply_if_finite``
+  (found among the calling frames) the result would be silently wrong.
+  """
+  masked = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+  if any(isinstance(leaf, optax.MaskedNode) for leaf in masked):
+    raise ValueError(
+        f"{name} inside optax.masked / optax.multi_transform: its grad_fn would get "
+        "optax.MaskedNode placeholders instead of the masked-out parameters. Put it before the "
+        "mask, on all parameters: " + _RECIPE.format(wrapper="optax.masked")
+        + " (likewise with optax.multi_transform); or prune a subset with "
+        "safe_optax.safe(..., prunable=mask).")
+  wrappers = _wrapper_inits()
+  frame = sys._getframe(1)
+  while frame is not None:
+    if frame.f_code in wrappers:
+      wrapper, why = wrappers[frame.f_code]
+      raise ValueError(f"{name} inside {wrapper}: {why}: " + _RECIPE.format(wrapper=wrapper) + ".")
+    frame = frame.f_back
 
 
 def ascent_point(
@@ -113,7 +177,7 @@ def sam_perturb(
   _schedules.check_nonnegative(eps, "eps")
 
   def init_fn(params):
-    del params
+    check_placement(params, "sam_perturb")
     return optax.EmptyState()
 
   def update_fn(updates, state, params=None, *, grad_fn=None, **extra_args):
@@ -173,7 +237,9 @@ def add_projected_gradient(
   base_key = jax.random.PRNGKey(seed)
 
   def init_fn(params):
-    del params
+    check_placement(params, "add_projected_gradient")
+    if structure is not None and jax.tree.leaves(params):
+      _projection.check_structure_fits(params, structure, prunable)
     return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
 
   def update_fn(updates, state, params=None, *, grad_fn=None, **extra_args):
@@ -182,14 +248,17 @@ def add_projected_gradient(
     if params is None:
       raise ValueError("add_projected_gradient needs `params` in update(updates, state, params).")
     key = jax.random.fold_in(base_key, state.count)
+    sparsity_now = get_sparsity(state.count, key)
     projected, _ = _projection.project_topk(
-        params, get_sparsity(state.count, key), scope=scope, structure=structure,
-        prunable=prunable,
+        params, sparsity_now, scope=scope, structure=structure, prunable=prunable,
     )
     sparse_grads = grad_fn(projected, 1)
     if axis_name is not None:
       sparse_grads = lax.pmean(sparse_grads, axis_name)
-    updates = jax.tree.map(lambda g, s: g + s.astype(g.dtype), updates, sparse_grads)
+    # A traced sparsity outside [0, 1) (inject_hyperparams) adds nothing; admm_penalty counts it.
+    valid = _admm._in_unit_interval(sparsity_now)
+    updates = jax.tree.map(
+        lambda g, s: jnp.where(valid, g + s.astype(g.dtype), g), updates, sparse_grads)
     return updates, optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
+import optax
 
 GradFn = Callable[[Any, int], Any]
 
@@ -215,7 +216,9 @@ def hutchinson_diagonal(
 
 
 def _prunable_leaves(tree: Any, flags: tuple[bool, ...]) -> list[Any]:
-  return [leaf for leaf, flag in zip(jax.tree.leaves(tree), flags) if flag]
+  # MaskedNode placeholders (optax.masked) count as leaves, as in ``flags``.
+  leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+  return [leaf for leaf, flag in zip(leaves, flags) if flag]
 
 
 def _snip(inputs: SaliencyInputs) -> Any:

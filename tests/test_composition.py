@@ -1,0 +1,340 @@
+"""Composition with the optax wrappers, each call with a different minibatch.
+
+Every wrapper either gives what a plain-JAX reference computes, or refuses at
+``init`` with an error that names it and the supported recipe:
+
+* ``MultiSteps`` / ``apply_if_finite`` / ``masked`` around a transform with a
+  gradient pass (``sam_perturb``, ``add_projected_gradient``, ``cram``) refuse;
+  ``optax.chain(sam_perturb(rho), wrapper(safe(..., rho=None)))`` works: the
+  mean of per-micro-batch SAM gradients, a NaN from SAM's pass is counted;
+* ``masked`` / ``multi_transform`` around ``admm_penalty`` (prune a subset);
+* clipping through ``max_grad_norm`` (or a clip after ``sam_perturb``);
+* ``inject_hyperparams`` values out of range: ignored and counted in the state.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import safe_optax
+
+LR = 0.1
+RHO = 0.2
+SHAPES = {"enc": (6, 8), "dec": (8, 3)}
+N_ENC = 6 * 8
+
+
+def init_params(seed: int = 0) -> dict:
+  keys = jax.random.split(jax.random.PRNGKey(seed), len(SHAPES))
+  return {name: {"kernel": jax.random.normal(key, shape) / math.sqrt(shape[0]),
+                 "bias": jnp.full((shape[1],), 0.1, jnp.float32)}
+          for key, (name, shape) in zip(keys, SHAPES.items())}
+
+
+def batch(t: int, n: int = 16):
+  """Minibatch ``t``: different inputs and targets at every call."""
+  kx, kw = jax.random.split(jax.random.PRNGKey(100 + t))
+  x = jax.random.normal(kx, (n, 6))
+  return x, jnp.tanh(x @ jax.random.normal(kw, (6, 3)))
+
+
+def loss(params, x, y):
+  h = jnp.tanh(x @ params["enc"]["kernel"] + params["enc"]["bias"])
+  return jnp.mean((h @ params["dec"]["kernel"] + params["dec"]["bias"] - y) ** 2)
+
+
+def grad_fn_of(x, y):
+  return lambda p, _: jax.grad(loss)(p, x, y)
+
+
+def ref_sam_grad(params, x, y, rho=RHO):
+  """SAM's gradient in plain JAX: grad f(x + rho g / ||g||) on the same minibatch."""
+  g = jax.grad(loss)(params, x, y)
+  norm = jnp.sqrt(sum(jnp.sum(leaf ** 2) for leaf in jax.tree.leaves(g)))
+  return jax.grad(loss)(jax.tree.map(lambda p, d: p + rho * d / (norm + 1e-12), params, g),
+                        x, y)
+
+
+def make_step(tx):
+  @jax.jit
+  def step(params, state, x, y, grad_fn_scale=jnp.float32(1.0)):
+    grads = jax.grad(loss)(params, x, y)
+    # grad_fn_scale=NaN poisons only the transforms' own gradient passes.
+    grad_fn = lambda p, _: jax.tree.map(lambda g: g * grad_fn_scale, jax.grad(loss)(p, x, y))
+    updates, state = tx.update(grads, state, params, grad_fn=grad_fn)
+    return optax.apply_updates(params, updates), state
+  return step
+
+
+def assert_trees_close(a, b, **kw):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), **kw)
+
+
+def find(state, kind):
+  found = [s for s in jax.tree.leaves(state, is_leaf=lambda s: isinstance(s, kind))
+           if isinstance(s, kind)]
+  assert len(found) == 1
+  return found[0]
+
+
+def body(**kw):
+  """SAFE without SAM: what goes inside a wrapper, after ``sam_perturb``."""
+  kw = dict(dict(penalty=0.5, penalty_schedule="constant", dual_every=2, momentum=0.9,
+                 rho=None), **kw)
+  return safe_optax.safe(LR, 0.5, **kw)
+
+
+# --------------------------------------------------------------------------
+# A transform with a gradient pass refuses every wrapper that would hide it.
+# --------------------------------------------------------------------------
+
+GRAD_PASS = {
+    "sam_perturb": (lambda: safe_optax.sam_perturb(RHO), "sam_perturb"),
+    "add_projected_gradient": (lambda: safe_optax.add_projected_gradient(0.5),
+                               "add_projected_gradient"),
+    "cram": (lambda: safe_optax.cram(RHO, 0.5), "cram"),
+    "safe": (lambda: safe_optax.safe(LR, 0.5, penalty=1e-2, total_steps=10), "sam_perturb"),
+    "safe_plus": (lambda: safe_optax.safe_plus(LR, 0.5, penalty=1e-2, total_steps=10),
+                  "sam_perturb"),
+    "safe_sg_without_sam": (
+        lambda: safe_optax.safe_sg(LR, 0.5, penalty=1e-2, total_steps=10, rho=None),
+        "add_projected_gradient"),
+}
+WRAPPERS = {
+    "optax.MultiSteps": lambda tx: optax.MultiSteps(tx, every_k_schedule=2),
+    "optax.apply_if_finite": lambda tx: optax.apply_if_finite(tx, 3),
+    "optax.masked": lambda tx: optax.masked(tx, {"enc": True, "dec": False}),
+    "optax.multi_transform": lambda tx: optax.multi_transform(
+        {"a": tx, "b": optax.sgd(LR)}, {"enc": "a", "dec": "b"}),
+}
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+@pytest.mark.parametrize("name", GRAD_PASS)
+def test_wrapper_around_a_gradient_pass_is_refused_at_init(name, wrapper):
+  make, transform = GRAD_PASS[name]
+  tx = WRAPPERS[wrapper](make())  # constructing the wrapper itself runs none of our code
+  shown = "optax.masked" if wrapper == "optax.multi_transform" else wrapper
+  pattern = rf"{transform} inside {shown}.*optax\.chain\(safe_optax\.sam_perturb\(rho\).*rho=None"
+  with pytest.raises(ValueError, match=pattern):
+    tx.init(init_params())
+  with pytest.raises(ValueError, match=pattern):  # also when traced
+    jax.jit(tx.init)(init_params())
+
+
+def test_the_same_transforms_unwrapped_still_initialise():
+  for make, _ in GRAD_PASS.values():
+    make().init(init_params())
+
+
+# --------------------------------------------------------------------------
+# MultiSteps: the recipe averages per-micro-batch SAM gradients.
+# --------------------------------------------------------------------------
+
+
+def test_multisteps_recipe_averages_per_micro_batch_sam_gradients():
+  k, emits = 3, 3
+  tx = optax.chain(safe_optax.sam_perturb(RHO), optax.MultiSteps(body(), every_k_schedule=k))
+  step = make_step(tx)
+  reference = body()
+  params = ref_params = init_params()
+  state, ref_state = tx.init(params), reference.init(params)
+  t = 0
+  for _ in range(emits):
+    sam_grads = []
+    for micro in range(k):
+      x, y = batch(t)
+      t += 1
+      sam_grads.append(ref_sam_grad(ref_params, x, y))
+      new_params, state = step(params, state, x, y)
+      if micro < k - 1:  # accumulating: nothing applied yet
+        assert_trees_close(new_params, params, rtol=0, atol=0)
+      params = new_params
+    mean = jax.tree.map(lambda *g: sum(g) / k, *sam_grads)
+    updates, ref_state = reference.update(mean, ref_state, ref_params)
+    ref_params = optax.apply_updates(ref_params, updates)
+    assert_trees_close(params, ref_params, rtol=2e-5, atol=1e-6)
+    assert int(safe_optax.find_admm_state(state).count) == int(
+        safe_optax.find_admm_state(ref_state).count)
+  # The last micro-batch alone would have given something else: the test can tell.
+  last_only = optax.apply_updates(init_params(), reference.update(
+      sam_grads[-1], reference.init(init_params()), init_params())[0])
+  assert not np.allclose(np.asarray(last_only["enc"]["kernel"]),
+                         np.asarray(ref_params["enc"]["kernel"]), atol=1e-3)
+
+
+# --------------------------------------------------------------------------
+# apply_if_finite: a NaN from SAM's own pass counts as non-finite.
+# --------------------------------------------------------------------------
+
+
+def test_apply_if_finite_recipe_counts_a_nan_from_the_sam_pass():
+  tx = optax.chain(safe_optax.sam_perturb(RHO), optax.apply_if_finite(body(), 3))
+  step = make_step(tx)
+  params = init_params()
+  state = tx.init(params)
+  nan_step = 3
+  for t in range(6):
+    x, y = batch(t)
+    scale = jnp.float32(jnp.nan if t == nan_step else 1.0)
+    new_params, new_state = step(params, state, x, y, scale)
+    guard = find(new_state, optax.ApplyIfFiniteState)
+    admm_in, admm_out = (safe_optax.find_admm_state(s) for s in (state, new_state))
+    if t == nan_step:
+      # The clean gradient is finite; only the ascent-point gradient is NaN.
+      assert all(np.isfinite(g).all() for g in jax.tree.leaves(jax.grad(loss)(params, x, y)))
+      assert int(guard.notfinite_count) == 1 and int(guard.total_notfinite) == 1
+      assert_trees_close(new_params, params, rtol=0, atol=0)
+      assert_trees_close(admm_out, admm_in, rtol=0, atol=0)
+    else:
+      assert int(guard.notfinite_count) == 0
+      assert int(admm_out.count) == int(admm_in.count) + 1
+      assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(new_params))
+    params, state = new_params, new_state
+  assert int(find(state, optax.ApplyIfFiniteState).total_notfinite) == 1
+
+
+# --------------------------------------------------------------------------
+# Clipping: max_grad_norm clips the SAM gradient (a clip before SAM cannot).
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("form", ["argument", "chain_after_sam"])
+def test_clipping_clips_the_sam_gradient(form):
+  max_norm = 0.05
+  common = dict(penalty=0.0, penalty_schedule="constant", momentum=0.0, dual_every=2)
+  if form == "argument":
+    tx = safe_optax.safe(LR, 0.5, rho=RHO, max_grad_norm=max_norm, **common)
+  else:
+    tx = optax.chain(safe_optax.sam_perturb(RHO), optax.clip_by_global_norm(max_norm),
+                     safe_optax.safe(LR, 0.5, rho=None, **common))
+  step = make_step(tx)
+  params = init_params()
+  state = tx.init(params)
+  for t in range(4):
+    x, y = batch(t)
+    g = ref_sam_grad(params, x, y)
+    norm = float(optax.tree.norm(g))
+    assert norm > 2 * max_norm  # clipping is active
+    expected = jax.tree.map(lambda p, gi: p - LR * gi * (max_norm / norm), params, g)
+    params, state = step(params, state, x, y)
+    assert_trees_close(params, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_max_grad_norm_is_checked_at_construction():
+  for bad in (-1.0, float("nan"), float("inf")):
+    with pytest.raises(ValueError, match="`max_grad_norm` must be a finite number >= 0"):
+      safe_optax.safe(LR, 0.5, penalty=1e-2, total_steps=10, max_grad_norm=bad)
+
+
+# --------------------------------------------------------------------------
+# masked / multi_transform: prune only the encoder.
+# --------------------------------------------------------------------------
+
+ENC_KERNEL_ONLY = {"enc": {"kernel": True, "bias": False}, "dec": {"kernel": False, "bias": False}}
+
+
+def test_masked_admm_prunes_only_the_masked_in_leaves():
+  tx = optax.masked(safe_optax.admm(LR, 0.5, penalty=0.5, dual_every=2),
+                    {"enc": True, "dec": False})
+  step = make_step(tx)
+  params = init_params()
+  state = tx.init(params)
+  for t in range(5):
+    x, y = batch(t)
+    grads = jax.grad(loss)(params, x, y)
+    new_params, state = step(params, state, x, y)
+    # optax.masked passes the masked-out updates through: the raw gradient.
+    assert_trees_close(jax.tree.map(lambda a, b: a - b, new_params["dec"], params["dec"]),
+                       grads["dec"], rtol=1e-5, atol=1e-7)
+    params = new_params
+  admm = safe_optax.find_admm_state(state)
+  assert isinstance(admm.z["dec"], optax.MaskedNode)
+  assert isinstance(admm.z["enc"]["bias"], optax.MaskedNode)
+  z = np.asarray(admm.z["enc"]["kernel"])
+  assert np.count_nonzero(z) == safe_optax.num_keep(N_ENC, 0.5)
+  assert float(safe_optax.constraint_distance(params, state)) > 0
+
+
+def test_multi_transform_recipe_equals_safe_with_a_prunable_subset():
+  """chain(sam, multi_transform({prune: safe(rho=None), dense: sgd})) == safe(prunable=...)."""
+  kw = dict(penalty=0.5, total_steps=8, dual_every=2, momentum=0.9)
+  tx = optax.chain(
+      safe_optax.sam_perturb(RHO),
+      optax.multi_transform(
+          {"prune": safe_optax.safe(LR, 0.5, rho=None, **kw),
+           "dense": optax.sgd(LR, momentum=0.9)},
+          {"enc": "prune", "dec": "dense"}))
+  reference = safe_optax.safe(LR, 0.5, rho=RHO, prunable=ENC_KERNEL_ONLY, **kw)
+  step, ref_step = make_step(tx), make_step(reference)
+  params = ref_params = init_params()
+  state, ref_state = tx.init(params), reference.init(params)
+  for t in range(6):
+    x, y = batch(t)
+    params, state = step(params, state, x, y)
+    ref_params, ref_state = ref_step(ref_params, ref_state, x, y)
+    assert_trees_close(params, ref_params, rtol=1e-5, atol=1e-7)
+  z = safe_optax.find_admm_state(state).z
+  z_ref = safe_optax.find_admm_state(ref_state).z
+  np.testing.assert_array_equal(np.asarray(z["enc"]["kernel"]) != 0,
+                                np.asarray(z_ref["enc"]["kernel"]) != 0)
+  sparse, _ = safe_optax.finalize(params, 0.5, prunable=ENC_KERNEL_ONLY)
+  assert np.count_nonzero(np.asarray(sparse["enc"]["kernel"])) == safe_optax.num_keep(N_ENC, 0.5)
+  np.testing.assert_array_equal(sparse["dec"]["kernel"], params["dec"]["kernel"])
+
+
+# --------------------------------------------------------------------------
+# inject_hyperparams: traced values out of range are ignored and counted.
+# --------------------------------------------------------------------------
+
+
+def _inject_run(hyperparams_per_step):
+  tx = optax.inject_hyperparams(safe_optax.admm)(
+      learning_rate=LR, sparsity=0.5, penalty=0.5, dual_every=1)
+  step = make_step(tx)
+  params = init_params()
+  state = tx.init(params)
+  records = []
+  for t, overrides in enumerate(hyperparams_per_step):
+    for name, value in overrides.items():
+      state.hyperparams[name] = jnp.asarray(value, state.hyperparams[name].dtype)
+    x, y = batch(t)
+    new_params, new_state = step(params, state, x, y)
+    records.append((params, state, new_params, new_state))
+    params, state = new_params, new_state
+  assert step._cache_size() == 1
+  return records
+
+
+@pytest.mark.parametrize("bad", [1.5, 1.0, -0.1, float("nan"), float("inf")])
+def test_inject_hyperparams_invalid_sparsity_skips_the_dual_update_and_is_counted(bad):
+  records = _inject_run([{}, {"sparsity": bad}, {"sparsity": bad}, {"sparsity": 0.5}])
+  keep = safe_optax.num_keep(N_ENC + 8 * 3, 0.5)
+  for t, (_, state_in, params_out, state_out) in enumerate(records):
+    admm_in, admm_out = (safe_optax.find_admm_state(s) for s in (state_in, state_out))
+    assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(params_out))
+    z_out = [np.asarray(leaf) for leaf in jax.tree.leaves(admm_out.z)]
+    assert sum(np.count_nonzero(z) for z in z_out) == keep  # never 1 weight, never dense
+    if t in (1, 2):
+      assert_trees_close(admm_out.z, admm_in.z, rtol=0, atol=0)  # z and u kept
+      assert_trees_close(admm_out.u, admm_in.u, rtol=0, atol=0)
+    assert int(admm_out.invalid_hyperparams) == min(t, 2)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -1.0, float("inf")])
+def test_inject_hyperparams_invalid_penalty_counts_as_zero_and_is_counted(bad):
+  records = _inject_run([{}, {"penalty": bad}])
+  zero = _inject_run([{}, {"penalty": 0.0}])
+  (_, _, params_bad, state_bad), (_, _, params_zero, state_zero) = records[1], zero[1]
+  assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(params_bad))
+  assert_trees_close(params_bad, params_zero, rtol=0, atol=0)
+  assert int(safe_optax.find_admm_state(state_bad).invalid_hyperparams) == 1
+  assert int(safe_optax.find_admm_state(state_zero).invalid_hyperparams) == 0
