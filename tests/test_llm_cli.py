@@ -1,5 +1,7 @@
 """safe-optax-llm on a tiny generated checkpoint: prune, exported sparsity, ppl, errors."""
 
+import functools
+import importlib.metadata
 import json
 
 import numpy as np
@@ -9,6 +11,7 @@ from safetensors.numpy import load_file
 from safe_optax.llm import checkpoints
 from safe_optax.llm import cli
 from safe_optax.llm import model as model_lib
+from safe_optax.llm import prune as prune_lib
 
 
 def _byte_tokenizer():
@@ -91,3 +94,110 @@ def test_ppl_and_errors(tiny, tmp_path, capsys):
                    "--calib", str(text), "--nsamples", "2", "--seqlen", "8",
                    "--out", str(tmp_path / "o")]) == 2
   assert "vocab_size" in capsys.readouterr().err
+
+
+def _prune_argv(folder, text, out, *extra):
+  return ["prune", "--model", str(folder), "--calib", str(text), "--nsamples", "4",
+          "--seqlen", "16", "--out", str(out), "--quiet", "--epochs", "2", "--batch-size", "2",
+          "--lr", "3e-3", *extra]
+
+
+def test_prune_resumes_after_interruption(tiny, tmp_path, monkeypatch, capsys):
+  """Ctrl-C after block 0: the same command finishes with the uninterrupted export; other
+  arguments are refused by name unless --restart."""
+  folder, text = tiny
+  want_dir, out = tmp_path / "want", tmp_path / "out"
+  assert cli.main(_prune_argv(folder, text, want_dir, "--method", "safe-plus")) == 0
+  original = prune_lib.prune_model
+
+  def interrupted(*args, **kwargs):
+    def hook(index, entry):
+      raise KeyboardInterrupt
+    return original(*args, **kwargs, on_block=hook)
+
+  monkeypatch.setattr(prune_lib, "prune_model", interrupted)
+  with pytest.raises(KeyboardInterrupt):
+    cli.main(_prune_argv(folder, text, out, "--method", "safe-plus"))
+  monkeypatch.setattr(prune_lib, "prune_model", original)
+  state = json.loads((out / cli.STATE_DIR / "state.json").read_text())
+  assert [b["block"] for b in state["blocks"]] == [0]
+  capsys.readouterr()
+  assert cli.main(_prune_argv(folder, text, out, "--method", "safe", "--seed", "1")) == 2
+  err = capsys.readouterr().err
+  assert "--method: saved 'safe-plus', now 'safe'" in err and "--seed: saved 0, now 1" in err
+  assert (out / cli.STATE_DIR / "block_0.npz").exists()  # a refused rerun keeps the state
+  # Evaluation arguments do not change the pruned weights: allowed to differ.
+  assert cli.main(_prune_argv(folder, text, out, "--method", "safe-plus", "--eval", str(text),
+                              "--eval-seqlen", "32", "--eval-tokens", "64")) == 0
+  report = json.loads((out / "report.json").read_text())
+  want_report = json.loads((want_dir / "report.json").read_text())
+  assert report["resumed_blocks"] == 1 and len(report["blocks"]) == 2
+  assert report["blocks"][0] == state["blocks"][0]  # block 0 was not pruned again
+  assert [b["relative_error"] for b in report["blocks"]] == [
+      b["relative_error"] for b in want_report["blocks"]]
+  got, want = load_file(str(out / "model.safetensors")), load_file(str(want_dir / "model.safetensors"))
+  assert got.keys() == want.keys()
+  for name in want:
+    np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+  assert not (out / cli.STATE_DIR).exists()  # removed once the export is written
+
+
+def test_prune_restart_discards_saved_state(tiny, tmp_path, monkeypatch):
+  folder, text = tiny
+  out = tmp_path / "out"
+  original = prune_lib.prune_model
+  calls = []
+
+  def recording(*args, **kwargs):
+    hook = lambda index, entry: calls.append(index)
+    return original(*args, **kwargs, on_block=hook)
+
+  monkeypatch.setattr(prune_lib, "prune_model", functools.partial(
+      original, on_block=lambda i, e: (_ for _ in ()).throw(KeyboardInterrupt)))
+  with pytest.raises(KeyboardInterrupt):
+    cli.main(_prune_argv(folder, text, out, "--method", "wanda"))
+  monkeypatch.setattr(prune_lib, "prune_model", recording)
+  assert cli.main(_prune_argv(folder, text, out, "--method", "magnitude", "--restart")) == 0
+  assert calls == [0, 1]
+  report = json.loads((out / "report.json").read_text())
+  assert report["prune_config"]["method"] == "magnitude" and report["resumed_blocks"] == 0
+
+
+def test_nm_fixes_sparsity(tiny, tmp_path, capsys):
+  folder, text = tiny
+  with pytest.raises(SystemExit):
+    cli.main(_prune_argv(folder, text, tmp_path / "o", "--method", "wanda", "--nm", "2:4",
+                         "--sparsity", "0.7"))
+  err = capsys.readouterr().err
+  assert "--sparsity 0.7" in err and "--nm 2:4" in err and "0.5" in err
+  assert cli.main(_prune_argv(folder, text, tmp_path / "o", "--method", "wanda", "--nm", "1:4",
+                              "--sparsity", "0.75")) == 0
+  report = json.loads((tmp_path / "o" / "report.json").read_text())
+  assert report["args"]["sparsity"] == 0.75 and report["sparsity"]["prunable"] == 0.75
+  assert cli.main(_prune_argv(folder, text, tmp_path / "p", "--method", "wanda", "--nm",
+                              "2:8")) == 0
+  assert json.loads((tmp_path / "p" / "report.json").read_text())["args"]["sparsity"] == 0.75
+
+
+@pytest.mark.parametrize("which", ["--calib", "--eval"])
+@pytest.mark.parametrize("problem", ["missing", "empty"])
+def test_bad_text_fails_before_model_load(tmp_path, capsys, which, problem):
+  """The model path does not exist either: the error must be about the text, found first."""
+  good = tmp_path / "good.txt"
+  good.write_text("some calibration text " * 20)
+  bad = tmp_path / "bad.txt"
+  if problem == "empty":
+    bad.write_text(" \n\n")
+  texts = {"--calib": str(good), "--eval": str(good), which: str(bad)}
+  argv = ["prune", "--model", str(tmp_path / "no-model"), "--method", "wanda",
+          "--calib", texts["--calib"], "--eval", texts["--eval"], "--out", str(tmp_path / "o")]
+  assert cli.main(argv) == 2
+  err = capsys.readouterr().err
+  assert "bad.txt" in err and "no-model" not in err
+  assert ("not found" if problem == "missing" else "is empty") in err
+
+
+def test_versions_from_package_metadata():
+  found = cli.versions()
+  assert found["gguf"] == importlib.metadata.version("gguf") != "missing"
+  assert found["numpy"] == np.__version__

@@ -304,6 +304,7 @@ def test_nm_groups_along_input_dim(method):
     ({"method": "safe", "rho": -1.0}, "rho"),
     ({"method": "wanda", "grouping": "rows"}, "grouping"),
     ({"method": "sparsegpt", "grouping": "per_row"}, "grouping"),
+    ({"method": "safe", "lr_scale": "layer"}, "lr_scale"),
     ({"method": "wanda", "nm": (2, 4), "grouping": "per_row"}, "grouping"),
 ])
 def test_bad_prune_config(kw, match):
@@ -315,3 +316,101 @@ def test_sparsegpt_nm_needs_divisible_width():
   w, x = _layer(rows=4, cols=6)
   with pytest.raises(ValueError, match="divisible by m"):
     prune.sparsegpt_prune(w, x.T @ x, x.shape[0], nm=(2, 4))
+
+
+class _Interrupt(Exception):
+  """Stands for Ctrl-C in the resume tests."""
+
+
+def _stop_after(block):
+  def hook(index, entry):
+    del entry
+    if index == block:
+      raise _Interrupt
+  return hook
+
+
+@pytest.mark.parametrize("method", ["safe-plus", "sparsegpt"])
+def test_resume_after_interruption_matches_uninterrupted_run(tmp_path, method):
+  """Stopped after block 1 of 4, a rerun prunes only blocks 2-3 and returns the same params."""
+  cfg = dataclasses.replace(CFG, num_layers=4)
+  params = model_lib.init_params(cfg, 3)
+  calib = np.random.default_rng(2).integers(0, cfg.vocab_size, (6, 8))
+  prune_cfg = prune.PruneConfig(method, epochs=3, batch_size=2, learning_rate=3e-3,
+                                dual_every=2, chunk=4)
+  want, want_report = prune.prune_model(cfg, params, calib, prune_cfg, progress=False)
+  state = tmp_path / "state"
+  with pytest.raises(_Interrupt):
+    prune.prune_model(cfg, params, calib, prune_cfg, progress=False, state_dir=state,
+                      on_block=_stop_after(1))
+  assert sorted(f.name for f in state.iterdir()) == [
+      "block_0.npz", "block_1.npz", "state.json", "stream_2.npz"]
+  visited = []
+  got, report = prune.prune_model(cfg, params, calib, prune_cfg, progress=False,
+                                  state_dir=state, on_block=lambda i, _: visited.append(i))
+  assert visited == [2, 3] and report["resumed_blocks"] == 2
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  jax.tree.map(np.testing.assert_array_equal, got, want)
+  assert [b["relative_error"] for b in report["blocks"]] == [
+      b["relative_error"] for b in want_report["blocks"]]
+  # A finished state continues to the same result without pruning anything.
+  visited.clear()
+  again, _ = prune.prune_model(cfg, params, calib, prune_cfg, progress=False, state_dir=state,
+                               on_block=lambda i, _: visited.append(i))
+  assert visited == []
+  jax.tree.map(np.testing.assert_array_equal, again, want)
+
+
+def test_resume_keeps_bfloat16_params(tmp_path):
+  cfg = dataclasses.replace(CFG, num_layers=2)
+  params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), model_lib.init_params(cfg, 1))
+  calib = np.random.default_rng(0).integers(0, cfg.vocab_size, (4, 8))
+  prune_cfg = prune.PruneConfig("magnitude")
+  want, _ = prune.prune_model(cfg, params, calib, prune_cfg, progress=False)
+  with pytest.raises(_Interrupt):
+    prune.prune_model(cfg, params, calib, prune_cfg, progress=False, state_dir=tmp_path,
+                      on_block=_stop_after(0))
+  got, _ = prune.prune_model(cfg, params, calib, prune_cfg, progress=False, state_dir=tmp_path)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert a.dtype == b.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_resume_refuses_different_arguments(tmp_path):
+  cfg = dataclasses.replace(CFG, num_layers=2)
+  params = model_lib.init_params(cfg)
+  calib = np.random.default_rng(0).integers(0, cfg.vocab_size, (4, 8))
+  with pytest.raises(_Interrupt):
+    prune.prune_model(cfg, params, calib, prune.PruneConfig("wanda"), progress=False,
+                      state_dir=tmp_path, identity={"--model": "a"}, on_block=_stop_after(0))
+  with pytest.raises(ValueError, match=r"prune_config.sparsity: saved 0.5, now 0.6") as err:
+    prune.prune_model(cfg, params, calib, prune.PruneConfig("wanda", sparsity=0.6),
+                      progress=False, state_dir=tmp_path, identity={"--model": "a"})
+  assert "prune_config.method" not in str(err.value) and "--restart" in str(err.value)
+  with pytest.raises(ValueError, match="calibration_sha256"):
+    prune.prune_model(cfg, params, calib[::-1], prune.PruneConfig("wanda"), progress=False,
+                      state_dir=tmp_path, identity={"--model": "a"})
+  with pytest.raises(ValueError, match="--model: saved 'a', now 'b'"):
+    prune.prune_model(cfg, params, calib, prune.PruneConfig("wanda"), progress=False,
+                      state_dir=tmp_path, identity={"--model": "b"})
+
+
+def test_lr_scale_rms_multiplies_each_matrix_step():
+  """``lr_scale="rms"``: each matrix's update is the unscaled update times its dense RMS."""
+  linears = {"a": {"kernel": jnp.full((4, 4), 3.0)}, "b": {"kernel": jnp.arange(8.0).reshape(2, 4)}}
+  scales = prune.lr_scales(prune.PruneConfig("safe", lr_scale="rms"), linears)
+  np.testing.assert_allclose(scales["a"]["kernel"], 3.0)
+  np.testing.assert_allclose(scales["b"]["kernel"], np.sqrt(np.mean(np.arange(8.0) ** 2)))
+  assert prune.lr_scales(prune.PruneConfig("safe"), linears) is None
+  cfg = prune.PruneConfig("safe", epochs=3, warmup_epochs=0, learning_rate=1e-2, rho=0.0)
+  grads = jax.tree.map(lambda w: jnp.sin(w + 1.0), linears)
+  grad_fn = lambda p, _: grads
+  plain = prune.safe_transform(cfg, 2)
+  scaled = prune.safe_transform(cfg, 2, scales=scales)
+  state_p, state_s = plain.init(linears), scaled.init(linears)
+  for _ in range(2):
+    up_p, state_p = plain.update(grads, state_p, linears, grad_fn=grad_fn)
+    up_s, state_s = scaled.update(grads, state_s, linears, grad_fn=grad_fn)
+    assert float(jnp.abs(up_p["a"]["kernel"]).max()) > 0
+    jax.tree.map(lambda p, s, c: np.testing.assert_allclose(s, p * c, rtol=1e-6),
+                 up_p, up_s, scales)

@@ -10,6 +10,12 @@
 ``tokenizer.json``) or a ``.gguf`` file. ``prune`` writes ``DIR`` as a
 safetensors folder plus ``report.json`` (arguments, per-block seconds and
 reconstruction errors, sparsity report, perplexities, package versions).
+
+``prune`` is resumable: each pruned block and the stream state go to
+``DIR/prune_state`` as it works, so rerunning an interrupted command (Ctrl-C,
+a lost machine) continues from the next block with the same final result. A
+rerun whose pruning arguments differ is refused, naming them, unless
+``--restart``. The state folder is removed once the export is written.
 """
 
 from __future__ import annotations
@@ -17,9 +23,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import importlib.metadata
 import json
 import pathlib
 import platform
+import shutil
 import sys
 import time
 from typing import Any, Optional, Sequence
@@ -36,13 +44,14 @@ from safe_optax.llm import prune as prune_lib
 
 
 def versions() -> dict[str, str]:
-  """Versions of the packages a result depends on."""
+  """Versions of the packages a result depends on (installed distributions' metadata)."""
   out = {"python": platform.python_version(), "safe_optax": safe_optax.__version__,
          "jax": jax.__version__, "backend": jax.default_backend()}
-  for name in ("optax", "flax", "numpy", "safetensors", "gguf", "tokenizers"):
+  # Not ``module.__version__``: gguf has none.
+  for name in ("jaxlib", "optax", "flax", "numpy", "safetensors", "gguf", "tokenizers"):
     try:
-      out[name] = __import__(name).__version__
-    except (ImportError, AttributeError):
+      out[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
       out[name] = "missing"
   return out
 
@@ -82,21 +91,38 @@ def evaluate(config: model_lib.LlamaConfig, params: Any, tokenizer: Any, text_pa
           "seconds": time.perf_counter() - start}
 
 
+# The arguments that decide the pruned weights: a resumed run must have the same.
+PRUNING_ARGS = ("model", "method", "sparsity", "nm", "grouping", "calib", "nsamples", "seqlen",
+                "epochs", "batch_size", "lr", "lr_scale", "warmup_epochs", "rho", "penalty",
+                "dual_every", "seed", "dtype")
+STATE_DIR = "prune_state"
+
+
 def _prune(args: argparse.Namespace) -> dict[str, Any]:
-  config, params = checkpoints.load_model(args.model)
-  if args.dtype:
-    config = dataclasses.replace(config, dtype=args.dtype)
-  tokenizer = checkpoints.load_tokenizer(args.model)
+  # Cheap checks first: a bad text path should not cost a model load.
+  calib_text = data.read_text(args.calib)
+  for text in args.eval or []:
+    data.read_text(text)
   cfg = prune_lib.PruneConfig(
       method=args.method, sparsity=args.sparsity, nm=args.nm, grouping=args.grouping,
       epochs=args.epochs,
       batch_size=args.batch_size, learning_rate=args.lr, warmup_epochs=args.warmup_epochs,
-      rho=args.rho, penalty=args.penalty, dual_every=args.dual_every, seed=args.seed)
-  calib_tokens = data.tokenize(tokenizer, data.read_text(args.calib))
+      rho=args.rho, penalty=args.penalty, dual_every=args.dual_every, lr_scale=args.lr_scale,
+      seed=args.seed)
+  config, params = checkpoints.load_model(args.model)
+  if args.dtype:
+    config = dataclasses.replace(config, dtype=args.dtype)
+  tokenizer = checkpoints.load_tokenizer(args.model)
+  calib_tokens = data.tokenize(tokenizer, calib_text)
   calibration = data.calibration_windows(calib_tokens, args.nsamples, args.seqlen, args.seed)
+  state_dir = pathlib.Path(args.out) / STATE_DIR
+  if args.restart and state_dir.exists():
+    shutil.rmtree(state_dir)
+  identity = {"--" + k.replace("_", "-"): getattr(args, k) for k in PRUNING_ARGS}
   start = time.perf_counter()
   pruned, prune_report = prune_lib.prune_model(config, params, calibration, cfg,
-                                               progress=not args.quiet)
+                                               progress=not args.quiet, state_dir=state_dir,
+                                               identity=identity)
   total = time.perf_counter() - start
   # Only the blocks' matrices are pruned; the embedding (and untied head) stay dense.
   sparsity = safe_optax.sparsity_report(
@@ -108,6 +134,7 @@ def _prune(args: argparse.Namespace) -> dict[str, Any]:
       "prune_config": dataclasses.asdict(cfg),
       "calibration": {"text": str(args.calib), "nsamples": args.nsamples,
                       "seqlen": args.seqlen, "seed": args.seed},
+      # Wall time of this process only; a resumed run's earlier blocks are in "blocks".
       "seconds_total": total, **prune_report,
       "sparsity": {"prunable": sparsity.sparsity, "overall": sparsity.overall_sparsity},
       "eval": [evaluate(config, pruned, tokenizer, text, args.eval_seqlen, args.eval_tokens)
@@ -115,6 +142,8 @@ def _prune(args: argparse.Namespace) -> dict[str, Any]:
       "versions": versions(),
   }
   (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+  # The export and report now hold everything the state was kept for.
+  shutil.rmtree(state_dir)
   return report
 
 
@@ -136,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
   p = sub.add_parser("prune", help="prune a checkpoint block by block")
   p.add_argument("--model", required=True, help="safetensors folder or .gguf file")
   p.add_argument("--method", required=True, choices=prune_lib.METHODS)
-  p.add_argument("--sparsity", type=float, default=0.5)
+  p.add_argument("--sparsity", type=float, default=None,
+                 help="fraction pruned (default 0.5); with --nm it is 1 - N/M")
   p.add_argument("--nm", type=parse_nm, default=None, help="N:M along the input dim, e.g. 2:4")
   p.add_argument("--grouping", choices=prune_lib.GROUPINGS, default=None,
                  help="unstructured scores compete per matrix or per output row "
@@ -148,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--epochs", type=int, default=30)
   p.add_argument("--batch-size", type=int, default=8)
   p.add_argument("--lr", type=float, default=2e-4)
+  p.add_argument("--lr-scale", choices=prune_lib.LR_SCALES, default="none",
+                 help="'rms': each matrix's step is lr x the RMS of its dense weights")
   p.add_argument("--warmup-epochs", type=int, default=2)
   p.add_argument("--rho", type=float, default=2e-4)
   p.add_argument("--penalty", type=float, default=1e-3)
@@ -158,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--eval-seqlen", type=int, default=512)
   p.add_argument("--eval-tokens", type=int, default=None)
   p.add_argument("--quiet", action="store_true", help="no progress bar")
+  p.add_argument("--restart", action="store_true",
+                 help=f"discard the saved state of an interrupted run in OUT/{STATE_DIR} "
+                      "(by default a rerun continues it, and refuses if the arguments differ)")
   p.set_defaults(func=_prune)
   q = sub.add_parser("ppl", help="perplexity of a checkpoint on a text")
   q.add_argument("--model", required=True)
@@ -170,10 +205,26 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
+def _check_sparsity(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+  """``--nm N:M`` fixes the sparsity at ``1 - N/M``; an explicit other ``--sparsity`` is an error."""
+  if args.nm is None:
+    args.sparsity = 0.5 if args.sparsity is None else args.sparsity
+    return
+  implied = 1.0 - args.nm[0] / args.nm[1]
+  if args.sparsity is not None and not np.isclose(args.sparsity, implied):
+    parser.error(f"--nm {args.nm[0]}:{args.nm[1]} prunes exactly {implied:g} of each matrix; "
+                 f"--sparsity {args.sparsity:g} contradicts it (leave --sparsity out, or give "
+                 f"{implied:g}).")
+  args.sparsity = implied
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
   """Entry point of ``safe-optax-llm``; prints the JSON result."""
   argv = list(sys.argv[1:] if argv is None else argv)
-  args = build_parser().parse_args(argv)
+  parser = build_parser()
+  args = parser.parse_args(argv)
+  if args.command == "prune":
+    _check_sparsity(parser, args)
   args.command_line = " ".join(["safe-optax-llm"] + argv)
   try:
     result = args.func(args)

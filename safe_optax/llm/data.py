@@ -20,7 +20,11 @@ import optax
 
 
 def read_text(path: os.PathLike) -> str:
-  """A text file, or every ``*.txt`` of a folder (sorted, blank line between), LF line ends."""
+  """A text file, or every ``*.txt`` of a folder (sorted, blank line between), LF line ends.
+
+  Raises ``FileNotFoundError`` for a missing path and ``ValueError`` for an
+  empty (or all-whitespace) text.
+  """
   path = pathlib.Path(path)
   if path.is_dir():
     files = sorted(path.glob("*.txt"))
@@ -31,6 +35,8 @@ def read_text(path: os.PathLike) -> str:
     text = path.read_text(encoding="utf-8", errors="replace")
   else:
     raise FileNotFoundError(f"text file or folder not found at '{path}'.")
+  if not text.strip():
+    raise ValueError(f"the text at '{path}' is empty.")
   return text.replace("\r\n", "\n")
 
 

@@ -31,6 +31,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import json
+import os
+import pathlib
 import time
 from typing import Any, Callable, Optional
 
@@ -38,12 +42,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import traverse_util
 
 import safe_optax
 from safe_optax.llm import model as model_lib
 
 METHODS = ("magnitude", "wanda", "sparsegpt", "safe", "safe-plus")
 GROUPINGS = ("per_matrix", "per_row")
+LR_SCALES = ("none", "rms")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +66,12 @@ class PruneConfig:
     epochs, batch_size, learning_rate, warmup_epochs, rho, penalty,
     dual_every: SAFE / SAFE+ (Adam betas 0.9 / 0.95, no weight decay,
       linear warm-up then linear decay to 0, constant ``lambda``).
+    lr_scale: ``"none"`` (the paper: every matrix steps by ``learning_rate``)
+      or ``"rms"``: each matrix's Adam step is multiplied by the RMS of its
+      dense weights, so ``learning_rate`` is relative (a fraction of the
+      matrix's typical weight per step). Adam moves a weight by at most about
+      the learning rate per step, so an absolute rate tuned for a 7B model's
+      weights can be too small to move a small model's weights far.
     blocksize, percdamp: SparseGPT's lazy batch width and damping.
     chunk: windows per forward call when computing targets and statistics.
     seed: shuffles SAFE's minibatches.
@@ -76,6 +88,7 @@ class PruneConfig:
   rho: float = 2e-4
   penalty: float = 1e-3
   dual_every: int = 32
+  lr_scale: str = "none"
   blocksize: int = 128
   percdamp: float = 0.01
   chunk: int = 8
@@ -100,6 +113,8 @@ class PruneConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
+    if self.lr_scale not in LR_SCALES:
+      raise ValueError(f"`lr_scale` must be one of {LR_SCALES}, got {self.lr_scale!r}.")
     if not isinstance(self.warmup_epochs, int) or self.warmup_epochs < 0:
       raise ValueError(f"`warmup_epochs` must be an int >= 0, got {self.warmup_epochs!r}.")
     for name in ("learning_rate", "rho", "penalty", "percdamp"):
@@ -319,25 +334,47 @@ def _safe_schedule(cfg: PruneConfig, steps_per_epoch: int) -> optax.Schedule:
       [warmup])
 
 
+def _scale_by_leaf(scales: Any) -> optax.GradientTransformation:
+  """Multiplies each leaf's update by its entry of ``scales`` (a tree of scalars)."""
+
+  def update_fn(updates, state, params=None):
+    del params
+    return jax.tree.map(lambda u, c: (u * c).astype(u.dtype), updates, scales), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+def lr_scales(cfg: PruneConfig, linears: dict[str, Any]) -> Optional[dict[str, Any]]:
+  """Per-matrix step multipliers for ``cfg.lr_scale``: ``None`` or the dense RMS of each kernel."""
+  if cfg.lr_scale == "none":
+    return None
+  return jax.tree.map(lambda w: jnp.sqrt(jnp.mean(jnp.square(w.astype(jnp.float32)))), linears)
+
+
 def safe_transform(
-    cfg: PruneConfig, steps_per_epoch: int, input_norms: Optional[dict[str, Any]] = None
+    cfg: PruneConfig, steps_per_epoch: int, input_norms: Optional[dict[str, Any]] = None,
+    scales: Optional[dict[str, Any]] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """``sam_perturb(rho) -> admm_penalty(...) -> adam(0.9, 0.95)``, all from the core.
 
   ``input_norms`` (a linears-shaped tree of ``||X_j||``) makes it SAFE+ with
   :func:`safe_optax.wanda_saliency`; ``None`` is SAFE (magnitude). Scores
-  compete as ``cfg.grouping`` says.
+  compete as ``cfg.grouping`` says. ``scales`` (from :func:`lr_scales`)
+  multiplies each matrix's Adam step.
   """
   projection = cfg.projection()
   scores = None if input_norms is None else safe_optax.wanda_saliency(input_norms)
-  return optax.chain(
+  parts = [
       safe_optax.sam_perturb(cfg.rho),
       safe_optax.admm_penalty(
           projection["sparsity"], cfg.penalty, dual_every=cfg.dual_every,
           penalty_schedule="constant", scope=projection.get("scope"),
           structure=projection.get("structure"), scores=scores),
       optax.adam(_safe_schedule(cfg, steps_per_epoch), b1=0.9, b2=0.95),
-  )
+  ]
+  if scales is not None:
+    parts.append(_scale_by_leaf(scales))
+  return optax.chain(*parts)
 
 
 @functools.lru_cache(maxsize=8)
@@ -350,10 +387,10 @@ def _safe_step(config: model_lib.LlamaConfig, cfg: PruneConfig, steps_per_epoch:
     return jnp.mean(jnp.square(out.astype(jnp.float32) - y))
 
   @jax.jit
-  def step(linears, norms, input_norms, opt_state, x, y):
-    # The transform is rebuilt inside the trace so this block's Wanda norms are
-    # data, not constants baked into a per-block compilation.
-    tx = safe_transform(cfg, steps_per_epoch, input_norms)
+  def step(linears, norms, input_norms, scales, opt_state, x, y):
+    # The transform is rebuilt inside the trace so this block's Wanda norms and
+    # step scales are data, not constants baked into a per-block compilation.
+    tx = safe_transform(cfg, steps_per_epoch, input_norms, scales)
     loss, grads = jax.value_and_grad(loss_fn)(linears, norms, x, y)
     grad_fn = lambda p, _: jax.grad(loss_fn)(p, norms, x, y)
     updates, opt_state = tx.update(grads, opt_state, linears, grad_fn=grad_fn)
@@ -394,15 +431,16 @@ def safe_block(
   step = _safe_step(config, cfg, steps_per_epoch)
   projection = cfg.projection()
   params = linears
-  opt_state = safe_transform(cfg, steps_per_epoch, input_norms).init(params)
+  scales = lr_scales(cfg, linears)
+  opt_state = safe_transform(cfg, steps_per_epoch, input_norms, scales).init(params)
   rng = np.random.default_rng(cfg.seed)
   losses = []
   for _ in range(cfg.epochs):
     order = rng.permutation(n)
     for b in range(steps_per_epoch):
       idx = order[b * batch:(b + 1) * batch]
-      params, opt_state, loss = step(params, norms, input_norms, opt_state, inputs[idx],
-                                     targets[idx])
+      params, opt_state, loss = step(params, norms, input_norms, scales, opt_state,
+                                     inputs[idx], targets[idx])
     losses.append(float(loss))
   final_scores = None
   if input_norms is not None:
@@ -410,6 +448,97 @@ def safe_block(
   pruned, _ = safe_optax.finalize(params, projection["sparsity"], scope=projection.get("scope"),
                                   structure=projection.get("structure"), scores=final_scores)
   return pruned, {"epoch_last_loss": losses, "steps": cfg.epochs * steps_per_epoch}
+
+
+# ----------------------------------------------------------------------------- resumable state
+
+
+def _identity(config: model_lib.LlamaConfig, calibration: np.ndarray, cfg: PruneConfig,
+              extra: Optional[dict[str, Any]]) -> dict[str, Any]:
+  """What must match for a saved run to be continued, flattened to ``{name: value}``."""
+  identity = {f"prune_config.{k}": v for k, v in dataclasses.asdict(cfg).items()}
+  identity.update({f"model_config.{k}": v for k, v in dataclasses.asdict(config).items()})
+  identity["calibration_sha256"] = hashlib.sha256(
+      np.ascontiguousarray(calibration, np.int64).tobytes()).hexdigest()
+  identity["calibration_shape"] = list(calibration.shape)
+  identity.update(extra or {})
+  # Through JSON so tuples and lists compare as what was saved.
+  return json.loads(json.dumps(identity, default=str))
+
+
+class PruneState:
+  """A resumable pruning run in a folder.
+
+  ``state.json`` holds the run's identity and the report entries of the
+  finished blocks; ``block_<i>.npz`` each pruned block; ``stream_<k>.npz`` the
+  pruned stream after ``k`` blocks (the inputs of block ``k``). Files are
+  written under temporary names and renamed, and ``state.json`` is written
+  last, so an interruption at any point leaves the last finished block
+  loadable.
+  """
+
+  def __init__(self, folder: os.PathLike, identity: dict[str, Any]):
+    self.folder = pathlib.Path(folder)
+    self.identity = identity
+    saved = self._read()
+    if saved is None:
+      self.folder.mkdir(parents=True, exist_ok=True)
+      self._saved_blocks: list[dict[str, Any]] = []
+    else:
+      old = saved["identity"]
+      differing = sorted(k for k in set(old) | set(identity) if old.get(k) != identity.get(k))
+      if differing:
+        details = "; ".join(f"{k}: saved {old.get(k)!r}, now {identity.get(k)!r}"
+                            for k in differing)
+        raise ValueError(
+            f"'{self.folder}' holds a pruning run with different arguments ({details}). "
+            f"Rerun with the saved arguments to continue it, or start over "
+            f"(safe-optax-llm prune --restart, or delete the folder).")
+      self._saved_blocks = saved["blocks"]
+    self.resumed_blocks = len(self._saved_blocks)
+
+  def _read(self) -> Optional[dict[str, Any]]:
+    file = self.folder / "state.json"
+    return json.loads(file.read_text()) if file.exists() else None
+
+  def blocks(self) -> list[dict[str, Any]]:
+    """Report entries of the blocks already pruned, in order."""
+    return [dict(entry) for entry in self._saved_blocks]
+
+  def load_block(self, index: int, like: dict[str, Any]) -> dict[str, Any]:
+    """Block ``index``'s pruned parameters, in the dtypes of ``like`` (its dense parameters)."""
+    with np.load(self.folder / f"block_{index}.npz") as arrays:
+      flat = {tuple(k.split("/")): arrays[k] for k in arrays.files}
+    loaded = traverse_util.unflatten_dict(flat)
+    return jax.tree.map(lambda a, ref: jnp.asarray(a, dtype=jnp.asarray(ref).dtype), loaded, like)
+
+  def load_stream(self, count: int) -> np.ndarray:
+    with np.load(self.folder / f"stream_{count}.npz") as arrays:
+      return np.array(arrays["x"], np.float32)
+
+  def save(self, block: dict[str, Any], stream: np.ndarray, blocks: list[dict[str, Any]]) -> None:
+    """Saves the newest block of ``blocks``, the stream after it, then the entries."""
+    index, count = blocks[-1]["block"], len(blocks)
+    flat = traverse_util.flatten_dict(block, sep="/")
+    # numpy cannot store bfloat16; float32 holds it exactly and load_block casts back.
+    self._write_npz(f"block_{index}.npz", {k: _savable(v) for k, v in flat.items()})
+    self._write_npz(f"stream_{count}.npz", {"x": stream})
+    tmp = self.folder / "state.json.tmp"
+    tmp.write_text(json.dumps({"identity": self.identity, "blocks": blocks}, indent=1) + "\n")
+    tmp.replace(self.folder / "state.json")
+    stale = self.folder / f"stream_{count - 1}.npz"
+    if stale.exists():
+      stale.unlink()
+
+  def _write_npz(self, name: str, arrays: dict[str, np.ndarray]) -> None:
+    tmp = self.folder / f"{name}.tmp.npz"
+    np.savez(tmp, **arrays)
+    tmp.replace(self.folder / name)
+
+
+def _savable(leaf: Any) -> np.ndarray:
+  array = np.asarray(leaf)
+  return array if array.dtype.kind in "fiu" else array.astype(np.float32)
 
 
 # ----------------------------------------------------------------------------- engine
@@ -451,8 +580,18 @@ def prune_model(
     cfg: PruneConfig,
     *,
     progress: bool = True,
+    state_dir: Optional[os.PathLike] = None,
+    identity: Optional[dict[str, Any]] = None,
+    on_block: Optional[Callable[[int, dict[str, Any]], None]] = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
   """Prunes every block in order on the pruned stream (see the module docstring).
+
+  With ``state_dir``, each pruned block, the stream (the next block's inputs)
+  and the report entries are saved there as soon as the block is done
+  (:class:`PruneState`); a later call with the same ``state_dir`` continues
+  from the next block and returns exactly what an uninterrupted run returns.
+  It refuses (``ValueError`` naming the fields) when the saved run had a
+  different ``cfg``, model config, calibration windows or ``identity``.
 
   Args:
     config: the model's architecture.
@@ -460,6 +599,11 @@ def prune_model(
     calibration: ``(nsamples, seqlen)`` token windows.
     cfg: the :class:`PruneConfig`.
     progress: show a tqdm bar over blocks.
+    state_dir: folder for the resumable state; ``None`` keeps nothing.
+    identity: extra JSON-able ``{name: value}`` that must match on resume
+      (the CLI passes its pruning arguments, so errors name its flags).
+    on_block: called as ``on_block(index, entry)`` after each block is pruned
+      (and saved), e.g. to stop after a given block.
 
   Returns:
     ``(pruned_params, report)``; the report has, per block, the seconds
@@ -495,14 +639,21 @@ def prune_model(
   # targets. Each window's output depends only on that window, so the pruned
   # block's outputs overwrite its inputs chunk by chunk.
   n = calibration.shape[0]
-  x = np.empty(calibration.shape + (config.hidden_size,), np.float32)
-  targets = np.empty_like(x)
-  for part in _chunks(n, cfg.chunk):
-    x[part] = embed(params, jnp.asarray(calibration[part], jnp.int32))
+  state = None if state_dir is None else PruneState(
+      state_dir, _identity(config, calibration, cfg, identity))
   new_params = dict(params)
-  blocks = []
-  bar = tqdm(range(config.num_layers), desc=f"prune {cfg.method}", unit="block",
-             disable=not progress)
+  blocks = [] if state is None else state.blocks()
+  for entry in blocks:
+    i = entry["block"]
+    new_params[f"layers_{i}"] = state.load_block(i, params[f"layers_{i}"])
+  x = None if not blocks else state.load_stream(len(blocks))
+  if x is None:
+    x = np.empty(calibration.shape + (config.hidden_size,), np.float32)
+    for part in _chunks(n, cfg.chunk):
+      x[part] = embed(params, jnp.asarray(calibration[part], jnp.int32))
+  targets = np.empty_like(x)
+  bar = tqdm(range(len(blocks), config.num_layers), desc=f"prune {cfg.method}", unit="block",
+             disable=not progress, initial=len(blocks), total=config.num_layers)
   for i in bar:
     start = time.perf_counter()
     block_params = params[f"layers_{i}"]
@@ -523,8 +674,13 @@ def prune_model(
     error = sq_error / sq_target
     new_params[f"layers_{i}"] = pruned_block
     blocks.append({"block": i, "seconds": seconds, "relative_error": error, **info})
+    if state is not None:
+      state.save(pruned_block, x, blocks)
     bar.set_postfix(rel_err=f"{error:.3g}", s=f"{seconds:.1f}")
+    if on_block is not None:
+      on_block(i, blocks[-1])
   report = {
+      "resumed_blocks": 0 if state is None else state.resumed_blocks,
       "blocks": blocks,
       "seconds_per_block_mean": float(np.mean([b["seconds"] for b in blocks])),
       "seconds_per_block_mean_excl_first": float(np.mean([b["seconds"] for b in blocks[1:]]))
