@@ -45,8 +45,8 @@ def test_malformed_data_dir_names_the_expected_files(tmp_path, capsys, preset, e
 
 
 def test_bad_override_is_a_usage_error(tmp_path, capsys):
-  code, err = _run(["train", "--preset", "mlp-mnist", "--epochs", "2", "--data-dir",
-                    str(tmp_path), "--workdir", str(tmp_path)], capsys)
+  code, err = _run(["train", "--preset", "mlp-mnist", "--epochs", "2", "--warmup-epochs", "2",
+                    "--data-dir", str(tmp_path), "--workdir", str(tmp_path)], capsys)
   assert code == 2 and "warmup_epochs" in err
   code, err = _run(["train", "--preset", "mlp-mnist", "--method", "sgd", "--data-dir",
                     str(tmp_path), "--workdir", str(tmp_path)], capsys)
@@ -121,6 +121,6 @@ def test_two_epoch_smoke_run_has_exact_sparsity_and_beats_chance(tmp_path, capsy
   assert all(l["nonzero"] == l["size"] for l in report["leaves"] if not l["prunable"])
   assert printed["sparse_accuracy"] == results["final"]["sparse_accuracy"] > 0.5  # chance 0.1
   assert results["data"] == {"num_train": 2048, "num_test": 2000, "num_classes": 10,
-                             "steps_per_epoch": 16}
+                             "evaluated_on": "test", "steps_per_epoch": 16}
   assert [r["train_examples"] for r in results["history"]] == [2048, 2048]
   assert (workdir / "accuracy.png").exists() and (workdir / "distance.png").exists()

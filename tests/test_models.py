@@ -20,7 +20,7 @@ import pytest
 
 import safe_optax
 from safe_optax import vision
-from safe_optax.vision import MLP, VGG, VGG19, ResNet, resnet20, resnet32
+from safe_optax.vision import MLP, VGG, VGG19, LeNet5, ResNet, resnet20, resnet32
 
 CIFAR = (3, 32, 32, 3)
 MNIST = (3, 28, 28, 1)
@@ -61,11 +61,13 @@ MODELS = {
     "resnet20x2": (lambda: resnet20(num_classes=10, width=2), CIFAR),
     "vgg19": (lambda: VGG19(num_classes=10), CIFAR),
     "mlp": (lambda: MLP(), MNIST),
+    "lenet5": (lambda: LeNet5(), MNIST),
 }
 
 
 @pytest.mark.parametrize("name, expected", [
-    ("resnet20x2", 1_081_440), ("vgg19", 20_548_288), ("mlp", 266_200)])
+    ("resnet20x2", 1_081_440), ("vgg19", 20_548_288), ("mlp", 266_200),
+    ("lenet5", 5 * 5 * 1 * 6 + 5 * 5 * 6 * 16 + 400 * 120 + 120 * 84 + 84 * 10)])
 def test_kernel_counts_are_the_spec(name, expected):
   params = cached_variables(name, MODELS[name][1])["params"]
   assert kernel_count(params) == expected
@@ -128,6 +130,17 @@ def test_mlp_layer_shapes():
   assert shapes == {"Dense_0/kernel": (784, 300), "Dense_0/bias": (300,),
                     "Dense_1/kernel": (300, 100), "Dense_1/bias": (100,),
                     "Dense_2/kernel": (100, 10), "Dense_2/bias": (10,)}
+
+
+def test_lenet5_layer_shapes():
+  params = cached_variables("lenet5", MNIST)["params"]
+  shapes = {name: leaf.shape for name, leaf in leaves_with_names(params)}
+  # 28x28 -> conv 'SAME' 28x28x6 -> pool 14x14 -> conv 'VALID' 10x10x16 -> pool 5x5x16 = 400.
+  assert shapes == {"Conv_0/kernel": (5, 5, 1, 6), "Conv_0/bias": (6,),
+                    "Conv_1/kernel": (5, 5, 6, 16), "Conv_1/bias": (16,),
+                    "Dense_0/kernel": (400, 120), "Dense_0/bias": (120,),
+                    "Dense_1/kernel": (120, 84), "Dense_1/bias": (84,),
+                    "Dense_2/kernel": (84, 10), "Dense_2/bias": (10,)}
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

@@ -106,9 +106,20 @@ def test_presets_follow_the_paper():
   assert configs.from_dict(json.loads(json.dumps(configs.to_dict(config)))) == config
 
 
+def test_a_run_shorter_than_the_presets_warm_up_warms_up_for_a_tenth_of_it():
+  with pytest.warns(UserWarning, match="warms up for 5 epochs, more than the run's 1; warming "
+                                       "up for 0"):
+    assert configs.get_config("resnet20x2-cifar10", epochs=1).warmup_epochs == 0
+  with pytest.warns(UserWarning, match="warming up for 0"):
+    assert configs.get_config("mlp-mnist", epochs=5).warmup_epochs == 0
+  # Longer runs and explicit warm-ups are left alone.
+  assert configs.get_config("mlp-mnist", epochs=6).warmup_epochs == 5
+  assert configs.get_config("mlp-mnist", epochs=3, warmup_epochs=2).warmup_epochs == 2
+
+
 @pytest.mark.parametrize("overrides, match", [
     (dict(method="sgd"), "method"), (dict(sparsity=1.0), "sparsity"),
-    (dict(epochs=3), "warmup_epochs"), (dict(batch_size=0), "batch_size"),
+    (dict(epochs=3, warmup_epochs=3), "warmup_epochs"), (dict(batch_size=0), "batch_size"),
     (dict(model="resnet50"), "model"), (dict(label_noise=1.5), "label_noise"),
     (dict(imp_power=2), "imp_power"), (dict(colour=1), "unknown config fields"),
 ])

@@ -1,7 +1,7 @@
 """Vision models (Flax Linen) for the CIFAR / MNIST experiments.
 
 ``ResNet`` (CIFAR v1; :func:`resnet20`, :func:`resnet32`, ``width=2`` for the
-wide variants), ``VGG19`` with BatchNorm and the 784-300-100-10 ``MLP``. All
+wide variants), ``VGG19`` with BatchNorm, the 784-300-100-10 ``MLP`` and ``LeNet5``. All
 take ``__call__(x, train)``; pair them with :mod:`safe_optax.flax_utils` for
 SAM / SAFE steps that keep the first pass's BatchNorm statistics.
 
@@ -13,15 +13,17 @@ Submodules (imported on demand, they pull in orbax / matplotlib):
 ``safe-optax-vision`` command).
 """
 
+from safe_optax.vision.models import LeNet5
 from safe_optax.vision.models import MLP
 from safe_optax.vision.models import ResNet
 from safe_optax.vision.models import ResNetBlock
 from safe_optax.vision.models import VGG
 from safe_optax.vision.models import VGG19
+from safe_optax.vision.models import lenet5
 from safe_optax.vision.models import mlp
 from safe_optax.vision.models import resnet20
 from safe_optax.vision.models import resnet32
 from safe_optax.vision.models import vgg19
 
-__all__ = ("MLP", "ResNet", "ResNetBlock", "VGG", "VGG19", "mlp", "resnet20", "resnet32",
-           "vgg19")
+__all__ = ("LeNet5", "MLP", "ResNet", "ResNetBlock", "VGG", "VGG19", "lenet5", "mlp",
+           "resnet20", "resnet32", "vgg19")

@@ -49,6 +49,9 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
   over.add_argument("--test-subset", type=int, help="evaluate on this many test examples")
   over.add_argument("--test-only-split", type=int, nargs=2, metavar=("N_TRAIN", "N_TEST"),
                     help="MNIST with only the t10k files: split them (e.g. 8000 2000)")
+  over.add_argument("--validation", type=int, metavar="N",
+                    help="hold out N training examples and report accuracy on them instead "
+                         "of the test set (for choosing hyperparameters)")
   over.add_argument("--gmp-update-every", type=int, help="GMP: steps between mask updates")
   over.add_argument("--label-noise", type=float, help="symmetric label-noise ratio")
   over.add_argument("--bnt-samples", type=int, help="training images for BN re-estimation")
@@ -62,7 +65,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
   names = ("epochs", "batch_size", "learning_rate", "warmup_epochs", "weight_decay", "penalty",
            "admm_penalty",
            "rho", "dual_every", "saliency", "train_subset", "test_subset", "label_noise",
-           "bnt_samples", "eval_every", "augment", "gmp_update_every")
+           "bnt_samples", "eval_every", "augment", "gmp_update_every", "validation")
   values = {name: getattr(args, name) for name in names}
   if args.test_only_split is not None:
     values["test_only_split"] = tuple(args.test_only_split)
@@ -201,8 +204,11 @@ def sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
   """``sweep``: every (method, sparsity, seed) in its own sub-workdir, then one table.
 
   Finished runs (with a ``results.json``) are read, not retrained, so an
-  interrupted sweep continues where it stopped. ``dense`` runs once per seed.
+  interrupted sweep continues where it stopped; a finished run of other
+  settings in the same folder is refused with the differing settings named
+  (:func:`safe_optax.vision.sweeps.run_or_load`). ``dense`` runs once per seed.
   """
+  from safe_optax.vision import sweeps  # pylint: disable=import-outside-toplevel
   from safe_optax.vision import train as train_lib  # pylint: disable=import-outside-toplevel
   for s in args.sparsities:
     if not 0.0 < s < 1.0:
@@ -219,15 +225,14 @@ def sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
   for i, (method, s, seed) in enumerate(jobs):
     config = base.replace(method=method, sparsity=s, seed=seed)
     run_dir = workdir / f"{method}-s{s:g}-seed{seed}"
-    results_file = run_dir / "results.json"
-    if results_file.exists():
-      with open(results_file, encoding="utf-8") as f:
-        results = json.load(f)
-    else:
-      print(f"[{i + 1}/{len(jobs)}] {method} sparsity {s:g} seed {seed}", file=sys.stderr,
-            flush=True)
-      results = train_lib.train_and_evaluate(config, run_dir, data_dir=args.data_dir,
-                                             dataset=data, progress=not args.no_progress).results
+    print(f"[{i + 1}/{len(jobs)}] {method} sparsity {s:g} seed {seed}", file=sys.stderr,
+          flush=True)
+    try:
+      results = sweeps.run_or_load(config, run_dir, data=data, data_dir=args.data_dir,
+                                   progress=not args.no_progress)
+    except ValueError as err:
+      parser.exit(2, f"{parser.prog}: error: {err}\n")
+      raise
     final = results["final"]
     runs.append({
         "method": method, "sparsity": s, "seed": seed,

@@ -20,6 +20,7 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping
 from typing import Any, Optional
 
@@ -27,7 +28,7 @@ METHODS = ("dense", "safe", "safe-plus", "admm", "gmp", "magnitude", "imp-sam", 
            "cram-plus", "safe-sg", "safe-multi")
 """Training methods understood by :func:`safe_optax.vision.train.train_and_evaluate`."""
 
-MODELS = ("resnet8", "resnet20", "resnet32", "vgg19", "mlp")
+MODELS = ("resnet8", "resnet20", "resnet32", "vgg19", "mlp", "lenet5")
 """``resnet8`` (one block per stage) is a small model for smoke tests."""
 
 DATASETS = ("cifar10", "cifar100", "mnist", "fashion_mnist")
@@ -80,6 +81,11 @@ class Config:
   test_subset: Optional[int] = None
   test_only_split: Optional[tuple[int, int]] = None
   """MNIST with only the t10k files: ``(n_train, n_test)`` split of them (e.g. 8000, 2000)."""
+  validation: Optional[int] = None
+  """Hold out this many training examples (a sample seeded by ``data_seed``) and evaluate on
+  them instead of the test set: the split on which hyperparameters are chosen. Label noise,
+  when set, is applied before the split, so the validation labels are as noisy as the
+  training labels."""
   bnt_samples: int = 10_000
   seed: int = 0
   data_seed: int = 0
@@ -149,10 +155,14 @@ def validate(config: Config) -> Config:
   for name in ("penalty", "admm_penalty"):
     if getattr(config, name) is not None and getattr(config, name) < 0:
       raise ValueError(f"`{name}` must be >= 0, got {getattr(config, name)}.")
-  for name in ("train_subset", "test_subset"):
+  for name in ("train_subset", "test_subset", "validation"):
     value = getattr(config, name)
     if value is not None:
       _positive_int(value, name)
+  if config.validation is not None and config.train_subset is not None and (
+      config.validation >= config.train_subset):
+    raise ValueError(f"`validation` ({config.validation}) must be smaller than `train_subset` "
+                     f"({config.train_subset}): the rest is the training split.")
   if config.test_only_split is not None and config.dataset not in ("mnist", "fashion_mnist"):
     raise ValueError("`test_only_split` applies to MNIST / Fashion-MNIST idx files only.")
   return config
@@ -185,6 +195,9 @@ PRESETS: Mapping[str, Config] = {
                         penalty_table=_MLP, admm_penalty=_MLP_ADMM),
     "mlp-fashion-mnist": Config(model="mlp", dataset="fashion_mnist", epochs=100,
                                 augment=False, penalty_table=_MLP, admm_penalty=_MLP_ADMM),
+    "lenet5-fashion-mnist": Config(model="lenet5", dataset="fashion_mnist", epochs=30,
+                                   warmup_epochs=2, augment=False, penalty_table=_MLP,
+                                   admm_penalty=_MLP_ADMM),
 }
 """The paper's rows (plus ``resnet20-cifar10``, the x1 model for CPU-sized runs)."""
 
@@ -192,12 +205,26 @@ PRESETS: Mapping[str, Config] = {
 def get_config(preset: str, **overrides: Any) -> Config:
   """The preset named ``preset`` with ``overrides`` (``None`` values are ignored).
 
+  A run whose ``epochs`` does not exceed the preset's warm-up, with no
+  ``warmup_epochs`` given, warms up for ``epochs // 10`` epochs instead (with a
+  warning saying so), so a short run needs no extra flags.
+
   Raises:
     ValueError: unknown preset or field, or an invalid value.
   """
   if preset not in PRESETS:
     raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}.")
-  return PRESETS[preset].replace(**overrides)
+  base = PRESETS[preset]
+  epochs = overrides.get("epochs")
+  if (epochs is not None and overrides.get("warmup_epochs") is None
+      and isinstance(epochs, int) and 0 < epochs <= base.warmup_epochs):
+    # A run shorter than the preset's warm-up: warm up for a tenth of it instead.
+    capped = epochs // 10
+    warnings.warn(f"preset {preset!r} warms up for {base.warmup_epochs} epochs, more than the "
+                  f"run's {epochs}; warming up for {capped} (set warmup_epochs, CLI "
+                  "--warmup-epochs, to choose).", stacklevel=2)
+    overrides = {**overrides, "warmup_epochs": capped}
+  return base.replace(**overrides)
 
 
 def to_dict(config: Config) -> dict[str, Any]:

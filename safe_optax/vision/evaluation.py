@@ -120,7 +120,7 @@ def evaluate_workdir(
     raise RuntimeError(f"the run in '{workdir}' is not finished; resume its training first.")
   params, model_state = outcome.sparse_params, outcome.model_state
   model = train_lib.create_model(config, data.num_classes)
-  mean, std = (jnp.asarray(v, jnp.float32) for v in train_lib._NORMALIZATION[config.dataset])  # pylint: disable=protected-access
+  mean, std = (jnp.asarray(v, jnp.float32) for v in train_lib.NORMALIZATION[config.dataset])
 
   def apply_fn(pixels: jax.Array) -> jax.Array:
     """Logits of pixel-space images in [0, 1]; the normalisation is part of the model."""

@@ -277,6 +277,27 @@ def sample_indices(num_examples: int, size: Optional[int],
   return np.sort(rng.permutation(num_examples)[:size])
 
 
+def validation_split(num_examples: int, size: int, data_seed: int) -> tuple[np.ndarray,
+                                                                              np.ndarray]:
+  """``(train_indices, held_out_indices)``: a seeded sample of ``size`` held out.
+
+  The vision trainer's ``Config.validation`` and the flatness benchmark carve
+  their validation splits with this; the sample is a stream of its own
+  (``[data_seed, 23]``), so adding a validation split changes no other draw.
+
+  Examples:
+    >>> train, held_out = validation_split(10, 3, data_seed=0)
+    >>> len(train), len(held_out), sorted(set(train) | set(held_out)) == list(range(10))
+    (7, 3, True)
+  """
+  if not 0 < size < num_examples:
+    raise ValueError(f"`validation` must be in [1, {num_examples}) (the training examples), "
+                     f"got {size}.")
+  held_out = sample_indices(num_examples, size,
+                                           np.random.default_rng([data_seed, 23]))
+  return np.setdiff1d(np.arange(num_examples), held_out), held_out
+
+
 def epoch_order(num_examples: int, seed: int, epoch: int) -> np.ndarray:
   """The example order of one epoch: a permutation fixed by ``(seed, epoch)``."""
   return np.random.default_rng([seed, epoch]).permutation(num_examples)

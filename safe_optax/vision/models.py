@@ -14,6 +14,9 @@ literature:
   512x4, 512x4, a 2x2 max-pool after each) and a 512-512-classes Dense head,
   no dropout (20,548,288 kernel weights on CIFAR-10).
 * :class:`MLP`: LeNet-300-100 (784-300-100-10, 266,200 kernel weights).
+* :class:`LeNet5`: LeNet-5 for 28x28 inputs (conv 5x5 x6 'SAME' - max-pool -
+  conv 5x5 x16 - max-pool - Dense 120-84-classes; 61,470 kernel weights), a
+  small conv net for CPU-sized MNIST / Fashion-MNIST experiments.
 
 Convolutions followed by BatchNorm have no bias; Dense layers have biases.
 BatchNorm uses ``momentum=0.9, epsilon=1e-5`` (PyTorch's defaults) and the
@@ -43,8 +46,8 @@ import jax.numpy as jnp
 
 ModuleDef = Any
 
-__all__ = ("MLP", "ResNet", "ResNetBlock", "VGG", "VGG19", "mlp", "resnet20", "resnet32",
-           "vgg19")
+__all__ = ("LeNet5", "MLP", "ResNet", "ResNetBlock", "VGG", "VGG19", "lenet5", "mlp",
+           "resnet20", "resnet32", "vgg19")
 
 BN_MOMENTUM = 0.9
 BN_EPSILON = 1e-5
@@ -204,3 +207,34 @@ class MLP(nn.Module):
 def mlp(num_classes: int = 10, **kwargs: Any) -> MLP:
   """The 784-300-100-10 MLP (266,200 kernel weights on MNIST)."""
   return MLP(num_classes=num_classes, **kwargs)
+
+
+class LeNet5(nn.Module):
+  """LeNet-5 (LeCun et al., 1998) with ReLU and max-pooling, for 28x28 inputs.
+
+  conv 5x5 x6 ('SAME', so 28x28 keeps its size) - ReLU - 2x2 max-pool - conv
+  5x5 x16 ('VALID') - ReLU - 2x2 max-pool - Dense(120)-ReLU-Dense(84)-ReLU-
+  Dense(classes). All layers have biases; no BatchNorm, so ``train`` is
+  accepted for a uniform interface and unused.
+  """
+
+  num_classes: int = 10
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, train: bool = False):
+    del train
+    x = nn.relu(nn.Conv(6, (5, 5), padding="SAME", dtype=self.dtype)(x))
+    x = nn.max_pool(x, (2, 2), strides=(2, 2))
+    x = nn.relu(nn.Conv(16, (5, 5), padding="VALID", dtype=self.dtype)(x))
+    x = nn.max_pool(x, (2, 2), strides=(2, 2))
+    x = x.reshape((x.shape[0], -1))
+    x = nn.relu(nn.Dense(120, dtype=self.dtype)(x))
+    x = nn.relu(nn.Dense(84, dtype=self.dtype)(x))
+    x = nn.Dense(self.num_classes, dtype=self.dtype)(x)
+    return jnp.asarray(x, jnp.float32)
+
+
+def lenet5(num_classes: int = 10, **kwargs: Any) -> LeNet5:
+  """LeNet-5 for 28x28 images (61,470 kernel weights with 10 classes)."""
+  return LeNet5(num_classes=num_classes, **kwargs)

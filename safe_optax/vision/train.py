@@ -56,7 +56,7 @@ Config = configs.Config
 
 FASHION_MNIST_MEAN = (0.2860,)
 FASHION_MNIST_STD = (0.3530,)
-_NORMALIZATION = {
+NORMALIZATION = {
     "cifar10": (input_pipeline.CIFAR10_MEAN, input_pipeline.CIFAR10_STD),
     "cifar100": (input_pipeline.CIFAR100_MEAN, input_pipeline.CIFAR100_STD),
     "mnist": (input_pipeline.MNIST_MEAN, input_pipeline.MNIST_STD),
@@ -130,15 +130,19 @@ def create_model(config: Config, num_classes: int) -> nn.Module:
     return models.resnet32(num_classes, width=config.width)
   if config.model == "vgg19":
     return models.vgg19(num_classes)
+  if config.model == "lenet5":
+    return models.lenet5(num_classes)
   return models.MLP(features=tuple(config.mlp_features), num_classes=num_classes)
 
 
 def load_dataset(config: Config, data_dir: os.PathLike) -> input_pipeline.Dataset:
-  """Loads ``config.dataset`` from ``data_dir``, then applies subsets and label noise.
+  """Loads ``config.dataset`` from ``data_dir``, then applies subsets, label noise and the
+  validation split.
 
-  The training subset (a seeded permutation's prefix), the test subset and
-  the label noise are drawn from ``config.data_seed``, so they are the same
-  for every training seed.
+  The training subset (a seeded sample), the test subset, the label noise and
+  the validation split are drawn from ``config.data_seed``, so they are the
+  same for every training seed. With ``config.validation`` the returned
+  ``test_*`` arrays are the held-out training examples, not the test set.
 
   Raises:
     FileNotFoundError: ``data_dir`` is missing or lacks the expected files
@@ -166,6 +170,11 @@ def load_dataset(config: Config, data_dir: os.PathLike) -> input_pipeline.Datase
   if config.label_noise > 0:
     train_y, _ = input_pipeline.symmetric_label_noise(train_y, config.label_noise,
                                                       data.num_classes, config.data_seed)
+  if config.validation is not None:
+    rest, held_out = input_pipeline.validation_split(len(train_y), config.validation,
+                                                     config.data_seed)
+    return input_pipeline.Dataset(train_x[rest], train_y[rest], train_x[held_out],
+                                  train_y[held_out], data.classes)
   return input_pipeline.Dataset(train_x, train_y, test_x, test_y, data.classes)
 
 
@@ -413,7 +422,7 @@ def _cached_programs(config: Config, num_train: int, num_classes: int,
   tx = make_optimizer(config, spe)
   mesh = Mesh(np.asarray(jax.devices()), ("data",))
   replicated = NamedSharding(mesh, PartitionSpec())
-  mean, std = _NORMALIZATION[config.dataset]
+  mean, std = NORMALIZATION[config.dataset]
 
   def init(key):
     init_key, data_key = jax.random.split(key)
@@ -469,7 +478,7 @@ def versions() -> dict[str, Any]:
 def _bnt_batches(programs: _Programs, config: Config, images_dev: jax.Array,
                  num_train: int) -> Iterator[jax.Array]:
   """Augmented, normalised training batches covering ``bnt_samples`` examples once."""
-  mean, std = _NORMALIZATION[config.dataset]
+  mean, std = NORMALIZATION[config.dataset]
   n = min(config.bnt_samples, num_train)
   # A data stream of its own: the pseudo-epoch just past the last training epoch.
   order = input_pipeline.epoch_order(num_train, config.seed, config.epochs)[:n].astype(np.int32)
@@ -483,7 +492,7 @@ def _bnt_batches(programs: _Programs, config: Config, images_dev: jax.Array,
 def _final_scores(programs: _Programs, config: Config, params: Any, model_state: Any,
                   images_dev: jax.Array, labels_dev: jax.Array, num_train: int) -> Any:
   """SAFE+'s final projection uses the same metric P as training (SNIP or OBD scores)."""
-  mean, std = _NORMALIZATION[config.dataset]
+  mean, std = NORMALIZATION[config.dataset]
   order = input_pipeline.epoch_order(num_train, config.seed, config.epochs + 1).astype(np.int32)
   batches = [order[i * config.batch_size:(i + 1) * config.batch_size]
              for i in range(min(_SCORE_BATCHES, num_train // config.batch_size or 1))]
@@ -714,6 +723,7 @@ def _finish(programs: _Programs, config: Config, state: TrainState,
       "config": configs.to_dict(config),
       "versions": versions(),
       "data": {"num_train": num_train, "num_test": len(data.test_labels),
+               "evaluated_on": "test" if config.validation is None else "validation",
                "num_classes": data.num_classes, "steps_per_epoch": steps_per_epoch(
                    config, num_train)},
       "final": final,

@@ -1,0 +1,217 @@
+"""Many runs of the vision trainer: one folder per run, lambda chosen on a validation split.
+
+The pieces that the ``sweep`` command and the evidence benchmarks
+(``benchmarks/sparsity_sweep.py``, ``benchmarks/label_noise.py``) share:
+
+* :func:`run_dir` names a run's folder by every setting that differs between
+  the runs of a sweep; :func:`run_or_load` trains a configuration there, or
+  reads its finished ``results.json`` after checking that the recorded
+  configuration is the one asked for (a folder of another run is refused, so
+  stale results are never reused);
+* :func:`select_penalty` trains each penalty method with every ``lambda`` of a
+  grid on a validation split carved from the training data
+  (``Config.validation``; the test set is never looked at) and keeps the one
+  with the best mean validation accuracy of the final sparse model;
+* :func:`convergence` says whether a finished run converged: the training
+  loss's change over the last 10 % of epochs, ``||x - z||`` and the accuracy
+  that the final projection costs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import numpy as np
+
+from safe_optax.vision import configs
+
+SAFE_FAMILY = ("safe", "safe-plus", "safe-sg", "safe-multi")
+"""Methods whose lambda is ``Config.penalty`` (cosine ramp by default)."""
+PENALTY_METHODS = SAFE_FAMILY + ("admm",)
+"""Methods with a lambda to choose (ADMM's is ``Config.admm_penalty``)."""
+
+
+def penalty_field(method: str) -> str:
+  """The config field that holds ``method``'s lambda.
+
+  Examples:
+    >>> penalty_field("admm"), penalty_field("safe")
+    ('admm_penalty', 'penalty')
+  """
+  if method not in PENALTY_METHODS:
+    raise ValueError(f"method {method!r} has no penalty; penalty methods: "
+                     f"{list(PENALTY_METHODS)}.")
+  return "admm_penalty" if method == "admm" else "penalty"
+
+
+def run_dir(root: os.PathLike, config: configs.Config) -> pathlib.Path:
+  """``root/[noise<r>-]<method>-s<sparsity>[-lam<lambda>]-seed<seed>``.
+
+  Examples:
+    >>> c = configs.get_config("mlp-mnist", method="admm", sparsity=0.9, admm_penalty=0.01)
+    >>> run_dir("out", c).as_posix()
+    'out/admm-s0.9-lam0.01-seed0'
+  """
+  name = f"{config.method}-s{config.sparsity:g}"
+  if config.label_noise > 0:
+    name = f"noise{config.label_noise:g}-{name}"
+  if config.method in PENALTY_METHODS:
+    value = getattr(config, penalty_field(config.method))
+    name += f"-lam{config.resolved_penalty() if value is None else value:g}"
+  return pathlib.Path(root) / f"{name}-seed{config.seed}"
+
+
+def differing_settings(recorded: configs.Config, requested: configs.Config) -> list[str]:
+  """Names of the config fields whose values differ, sorted.
+
+  Examples:
+    >>> a = configs.get_config("mlp-mnist")
+    >>> differing_settings(a, a.replace(epochs=3, learning_rate=0.05))
+    ['epochs', 'learning_rate']
+  """
+  old, new = configs.to_dict(recorded), configs.to_dict(requested)
+  return sorted(k for k in new if old.get(k) != new[k])
+
+
+def run_or_load(config: configs.Config, workdir: os.PathLike, *, data: Any,
+                data_dir: os.PathLike, progress: bool = False) -> dict[str, Any]:
+  """Trains ``config`` in ``workdir``, or reads the run already finished there.
+
+  Returns:
+    The run's ``results.json`` content.
+
+  Raises:
+    ValueError: ``workdir`` holds a finished run of another configuration
+      (the message names the differing settings).
+  """
+  from safe_optax.vision import train as train_lib  # pylint: disable=import-outside-toplevel
+  results_file = pathlib.Path(workdir) / "results.json"
+  if results_file.exists():
+    with open(results_file, encoding="utf-8") as f:
+      results = json.load(f)
+    differ = differing_settings(configs.from_dict(results["config"]), config)
+    if differ:
+      raise ValueError(f"'{workdir}' holds a finished run with other settings ({differ}); "
+                       "use another --workdir or delete that folder.")
+    return results
+  print(f"  training {pathlib.Path(workdir).name}", file=sys.stderr, flush=True)
+  return train_lib.train_and_evaluate(config, workdir, data_dir=data_dir, dataset=data,
+                                      progress=progress).results
+
+
+def convergence(results: dict[str, Any]) -> dict[str, Any]:
+  """Has a finished run converged? Its loss plateau, ``||x - z||`` and projection cost.
+
+  ``loss_change_last_tenth`` is the mean training loss of the second-to-last
+  tenth of the epochs minus that of the last tenth, relative to the last
+  (about 0 on a plateau); ``constraint_distance`` is ``||x - z||`` of the
+  ADMM-type methods at the end; ``projection_cost`` is the test (or
+  validation) accuracy of the dense iterate minus that of the projected model.
+  """
+  history = results["history"]
+  losses = np.asarray([h["train_loss"] for h in history], np.float64)
+  tail = max(1, len(losses) // 10)
+  out: dict[str, Any] = {
+      "final_train_loss": float(losses[-1]),
+      "loss_change_last_tenth": float(
+          (losses[-2 * tail:-tail].mean() - losses[-tail:].mean())
+          / max(losses[-tail:].mean(), 1e-12)) if len(losses) >= 2 * tail else None,
+      "distance_to_projection": history[-1].get("distance_to_projection"),
+      "constraint_distance": history[-1].get("distance_to_z"),
+  }
+  final = results["final"]
+  if "sparse_accuracy_before_bnt" in final:
+    out["projection_cost"] = final["dense_accuracy"] - final["sparse_accuracy_before_bnt"]
+  return out
+
+
+def record(config: configs.Config, results: dict[str, Any]) -> dict[str, Any]:
+  """One row of a sweep: the settings, the reported accuracy and :func:`convergence`."""
+  final = results["final"]
+  penalty = None
+  if config.method in PENALTY_METHODS:
+    penalty = getattr(config, penalty_field(config.method))
+    penalty = config.resolved_penalty() if penalty is None else penalty
+  return {"method": config.method, "sparsity": config.sparsity, "seed": config.seed,
+          "noise": config.label_noise, "penalty": penalty,
+          "accuracy": final.get("sparse_accuracy", final["dense_accuracy"]),
+          "accuracy_before_bnt": final.get("sparse_accuracy_before_bnt"),
+          "dense_accuracy": final["dense_accuracy"], "achieved_sparsity": final["sparsity"],
+          "images_per_second": results["images_per_second"],
+          "steady_images_per_second": results.get("steady_images_per_second"),
+          "wall_seconds": results["wall_seconds"],
+          "evaluated_on": results["data"].get("evaluated_on", "test"),
+          **convergence(results)}
+
+
+def select_penalty(base: configs.Config, methods: Sequence[str], sparsities: Sequence[float],
+                   grids: dict[str, Sequence[float]], *, validation: int, seeds: Sequence[int],
+                   root: os.PathLike, data_dir: os.PathLike,
+                   progress: bool = False) -> dict[str, Any]:
+  """Chooses each penalty method's lambda per sparsity on a validation split.
+
+  Every ``(method, sparsity, lambda, seed)`` is trained on the training data
+  minus ``validation`` held-out examples (``base.replace(validation=...)``;
+  label noise, if ``base`` has it, is on the held-out labels too) and scored by
+  the validation accuracy of its final sparse model; the lambda with the best
+  mean over ``seeds`` wins (the smaller lambda on a tie).
+
+  Args:
+    base: the configuration every run starts from.
+    methods: the methods to tune (others are ignored).
+    sparsities: target sparsities.
+    grids: ``{method: lambdas}`` for each method in ``methods`` that has a penalty.
+    validation: held-out training examples.
+    seeds: training seeds per grid point.
+    root: folder of the selection runs (one sub-folder per run).
+    data_dir: where the data set is.
+    progress: tqdm bars.
+
+  Returns:
+    ``{"grid": [...], "chosen": {"<method>@<sparsity>": lambda}, ...}``.
+  """
+  from safe_optax.vision import train as train_lib  # pylint: disable=import-outside-toplevel
+  val_base = base.replace(validation=validation)
+  tuned = [m for m in methods if m in PENALTY_METHODS]
+  missing = [m for m in tuned if not grids.get(m)]
+  if missing:
+    raise ValueError(f"no lambda grid for {missing}; give one per penalty method.")
+  data = train_lib.load_dataset(val_base, data_dir) if tuned else None
+  rows, chosen = [], {}
+  for method in tuned:
+    for s in sparsities:
+      scored = []
+      for lam in sorted(grids[method]):
+        runs = []
+        for seed in seeds:
+          config = val_base.replace(method=method, sparsity=s, seed=seed,
+                                    **{penalty_field(method): lam})
+          results = run_or_load(config, run_dir(root, config), data=data, data_dir=data_dir,
+                                progress=progress)
+          runs.append(record(config, results))
+        mean = float(np.mean([r["accuracy"] for r in runs]))
+        rows.append({"method": method, "sparsity": s, "penalty": lam,
+                     "validation_accuracy_mean": mean, "runs": runs})
+        scored.append((mean, -lam))
+      chosen[key(method, s)] = -max(scored)[1]
+  return {"validation_examples": validation, "seeds": list(seeds),
+          "criterion": "mean validation accuracy of the final sparse model",
+          "grid": rows, "chosen": chosen}
+
+
+def key(method: str, sparsity: float) -> str:
+  """The key of :func:`select_penalty`'s ``chosen``: ``"safe@0.9"``."""
+  return f"{method}@{sparsity:g}"
+
+
+def chosen_overrides(selection: Optional[dict[str, Any]], method: str,
+                     sparsity: float) -> dict[str, float]:
+  """``{penalty field: chosen lambda}`` for a penalty method, ``{}`` otherwise."""
+  if selection is None or method not in PENALTY_METHODS:
+    return {}
+  return {penalty_field(method): selection["chosen"][key(method, sparsity)]}

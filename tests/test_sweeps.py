@@ -1,0 +1,177 @@
+"""Validation splits, lambda selection and stale-run refusal (safe_optax.vision.sweeps)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from safe_optax.vision import cli, configs, input_pipeline, sweeps
+from safe_optax.vision import train as train_lib
+
+MNIST_DIR = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist"
+
+
+def _fake_dataset(n_train=50, n_test=20):
+  rng = np.random.default_rng(0)
+  return input_pipeline.Dataset(
+      rng.integers(0, 256, (n_train, 28, 28, 1), dtype=np.uint8),
+      np.arange(n_train, dtype=np.int32) % 10,
+      rng.integers(0, 256, (n_test, 28, 28, 1), dtype=np.uint8),
+      np.arange(n_test, dtype=np.int32) % 10, tuple(str(i) for i in range(10)))
+
+
+@pytest.mark.parametrize("n, size, seed", [(10, 1, 0), (10, 9, 3), (1000, 250, 7)])
+def test_validation_split_partitions_the_training_set(n, size, seed):
+  train, held_out = input_pipeline.validation_split(n, size, seed)
+  assert len(held_out) == size and len(train) == n - size
+  assert not set(train) & set(held_out)
+  assert sorted(np.concatenate([train, held_out]).tolist()) == list(range(n))
+  again = input_pipeline.validation_split(n, size, seed)
+  np.testing.assert_array_equal(again[1], held_out)
+
+
+@pytest.mark.parametrize("size", [0, 10, -1])
+def test_validation_split_rejects_sizes_outside_the_training_set(size):
+  with pytest.raises(ValueError, match="`validation` must be in"):
+    input_pipeline.validation_split(10, size, 0)
+
+
+def test_load_dataset_holds_out_noisy_training_examples_instead_of_the_test_set(monkeypatch):
+  data = _fake_dataset()
+  monkeypatch.setattr(input_pipeline, "load_mnist", lambda *a, **k: data)
+  config = configs.get_config("mlp-mnist", validation=15, label_noise=0.5)
+  split = train_lib.load_dataset(config, "/")  # the path only has to exist
+  rest, held_out = input_pipeline.validation_split(50, 15, config.data_seed)
+  noisy, corrupted = input_pipeline.symmetric_label_noise(data.train_labels, 0.5, 10,
+                                                          config.data_seed)
+  np.testing.assert_array_equal(split.test_images, data.train_images[held_out])
+  np.testing.assert_array_equal(split.train_images, data.train_images[rest])
+  # The held-out labels are as noisy as the training labels (a noisy validation split).
+  np.testing.assert_array_equal(split.test_labels, noisy[held_out])
+  np.testing.assert_array_equal(split.train_labels, noisy[rest])
+  assert corrupted[held_out].any()
+  # Without a validation split the test set is the real one.
+  plain = train_lib.load_dataset(configs.get_config("mlp-mnist"), "/")
+  np.testing.assert_array_equal(plain.test_images, data.test_images)
+
+
+def test_validation_must_leave_training_examples():
+  with pytest.raises(ValueError, match="`validation` .* smaller than `train_subset`"):
+    configs.get_config("mlp-mnist", validation=100, train_subset=100)
+  with pytest.raises(ValueError, match="`validation` must be a positive int"):
+    configs.get_config("mlp-mnist", validation=0)
+
+
+def _results(config, accuracy, losses=(1.0, 0.5, 0.4, 0.4)):
+  history = [{"epoch": i, "train_loss": l, "distance_to_z": 0.1 * (4 - i),
+              "distance_to_projection": 0.2} for i, l in enumerate(losses)]
+  return {"config": configs.to_dict(config), "history": history, "images_per_second": 1.0,
+          "wall_seconds": 1.0, "data": {"evaluated_on": "validation" if config.validation
+                                        else "test"},
+          "final": {"dense_accuracy": accuracy + 0.01, "sparse_accuracy_before_bnt": accuracy,
+                    "sparse_accuracy": accuracy, "sparsity": config.sparsity}}
+
+
+def test_select_penalty_keeps_the_best_mean_validation_accuracy(monkeypatch, tmp_path):
+  # Accuracy peaks at lambda 0.1 for SAFE and 0.01 for ADMM; a tie goes to the smaller lambda.
+  peak = {"safe": 0.1, "admm": 0.01}
+  seen = []
+
+  def fake_run(config, workdir, *, data, data_dir, progress):
+    seen.append(config)
+    lam = config.penalty if config.method == "safe" else config.admm_penalty
+    score = 0.9 - abs(np.log10(lam) - np.log10(peak[config.method])) / 10
+    return _results(config, score + 0.001 * config.seed)
+
+  monkeypatch.setattr(sweeps, "run_or_load", fake_run)
+  monkeypatch.setattr(train_lib, "load_dataset", lambda config, data_dir: None)
+  base = configs.get_config("mlp-mnist")
+  selection = sweeps.select_penalty(
+      base, ["dense", "safe", "admm", "gmp"], [0.9, 0.99],
+      {"safe": [1e-2, 1e-1, 1.0], "admm": [1e-3, 1e-2, 1e-1]}, validation=123, seeds=[0, 1],
+      root=tmp_path, data_dir="/")
+  assert selection["chosen"] == {"safe@0.9": 0.1, "safe@0.99": 0.1, "admm@0.9": 0.01,
+                                 "admm@0.99": 0.01}
+  # Only penalty methods are tuned, every run on the validation split, both seeds.
+  assert {c.method for c in seen} == {"safe", "admm"} and len(seen) == 2 * 2 * 3 * 2
+  assert all(c.validation == 123 for c in seen)
+  assert {c.seed for c in seen} == {0, 1}
+  rows = [r for r in selection["grid"] if r["method"] == "safe" and r["sparsity"] == 0.9]
+  assert [r["penalty"] for r in rows] == [1e-2, 1e-1, 1.0]
+  assert rows[1]["validation_accuracy_mean"] == pytest.approx(0.9005)
+  assert sweeps.chosen_overrides(selection, "admm", 0.99) == {"admm_penalty": 0.01}
+  assert sweeps.chosen_overrides(selection, "gmp", 0.99) == {}
+
+
+def test_select_penalty_breaks_ties_towards_the_smaller_lambda(monkeypatch, tmp_path):
+  monkeypatch.setattr(sweeps, "run_or_load", lambda config, *a, **k: _results(config, 0.5))
+  monkeypatch.setattr(train_lib, "load_dataset", lambda config, data_dir: None)
+  selection = sweeps.select_penalty(configs.get_config("mlp-mnist"), ["safe"], [0.9],
+                                    {"safe": [1.0, 0.01, 0.1]}, validation=10, seeds=[0],
+                                    root=tmp_path, data_dir="/")
+  assert selection["chosen"] == {"safe@0.9": 0.01}
+
+
+def test_select_penalty_needs_a_grid_per_penalty_method(tmp_path):
+  with pytest.raises(ValueError, match=r"no lambda grid for \['admm'\]"):
+    sweeps.select_penalty(configs.get_config("mlp-mnist"), ["safe", "admm"], [0.9],
+                          {"safe": [0.1]}, validation=10, seeds=[0], root=tmp_path,
+                          data_dir="/")
+
+
+def test_convergence_reports_plateau_distance_and_projection_cost():
+  config = configs.get_config("mlp-mnist", method="safe", sparsity=0.9)
+  losses = [2.0] * 8 + [1.1, 1.0]  # 10 epochs: the last tenth is 1 epoch, the one before 1.1
+  out = sweeps.convergence(_results(config, 0.8, losses))
+  assert out["final_train_loss"] == 1.0
+  assert out["loss_change_last_tenth"] == pytest.approx(0.1)
+  assert out["constraint_distance"] == pytest.approx(0.1 * (4 - 9))
+  assert out["projection_cost"] == pytest.approx(0.01)
+  record = sweeps.record(config, _results(config, 0.8, losses))
+  assert record["penalty"] == config.resolved_penalty() and record["evaluated_on"] == "test"
+
+
+def test_run_dir_names_every_setting_that_varies():
+  base = configs.get_config("mlp-mnist")
+  names = {sweeps.run_dir("r", base.replace(method=m, sparsity=s, seed=seed, penalty=lam,
+                                            label_noise=noise)).name
+           for m in ("safe", "gmp") for s in (0.9, 0.99) for seed in (0, 1)
+           for lam in (0.1, 1.0) for noise in (0.0, 0.5)}
+  # gmp has no lambda, so its two lambdas share a folder: 2*2*2*2 (safe) + 2*2*2 (gmp).
+  assert len(names) == 16 + 8
+  assert "noise0.5-safe-s0.99-lam1-seed1" in names
+
+
+def test_run_or_load_refuses_a_finished_run_of_other_settings(tmp_path):
+  config = configs.get_config("mlp-mnist", method="safe", sparsity=0.9, epochs=3)
+  tmp_path.joinpath("results.json").write_text(json.dumps(_results(config, 0.5)))
+  assert sweeps.run_or_load(config, tmp_path, data=None, data_dir="/")["final"][
+      "sparse_accuracy"] == 0.5
+  with pytest.raises(ValueError, match=r"other settings \(\['epochs', 'learning_rate'\]\)"):
+    sweeps.run_or_load(config.replace(epochs=4, learning_rate=0.05), tmp_path, data=None,
+                       data_dir="/")
+
+
+@pytest.mark.skipif(not MNIST_DIR.exists(), reason="../shared/data/mnist is not beside the "
+                                                   "checkout")
+def test_cli_sweep_refuses_stale_results_and_train_reports_the_validation_split(tmp_path,
+                                                                                 capsys):
+  common = ["--preset", "mlp-mnist", "--data-dir", str(MNIST_DIR), "--test-only-split",
+            "8000", "2000", "--train-subset", "512", "--epochs", "1", "--warmup-epochs", "0",
+            "--workdir", str(tmp_path), "--no-progress", "--methods", "safe",
+            "--sparsities", "0.9", "--seeds", "0"]
+  assert cli.main(["sweep", *common, "--validation", "128"]) == 0
+  with open(tmp_path / "safe-s0.9-seed0" / "results.json", encoding="utf-8") as f:
+    results = json.load(f)
+  assert results["data"]["evaluated_on"] == "validation"
+  assert results["data"]["num_train"] == 512 - 128 and results["data"]["num_test"] == 128
+  # The same folder with another learning rate: refused, naming the setting; nothing rewritten.
+  with pytest.raises(SystemExit) as exit_info:
+    cli.main(["sweep", *common, "--validation", "128", "--lr", "0.05"])
+  assert exit_info.value.code == 2
+  assert "['learning_rate']" in capsys.readouterr().err
+  with open(tmp_path / "sweep.json", encoding="utf-8") as f:
+    assert json.load(f)["config"]["learning_rate"] == 0.1
