@@ -57,8 +57,9 @@ class SparsityReport:
 
   @property
   def sparsity(self) -> float:
-    """Fraction of zeros among prunable entries (what the target sparsity counts)."""
-    return 1.0 - self.prunable_nonzero / self.prunable_size
+    """Fraction of zeros among prunable entries (what the target sparsity counts); 0 if none."""
+    size = self.prunable_size
+    return 1.0 - self.prunable_nonzero / size if size else 0.0
 
   @property
   def overall_sparsity(self) -> float:
@@ -77,7 +78,7 @@ class SparsityReport:
     }
 
   def __str__(self) -> str:
-    width = max(len(leaf.path) for leaf in self.leaves)
+    width = max((len(leaf.path) for leaf in self.leaves), default=0)
     lines = [f"{'leaf':<{width}}  {'shape':>16}  {'nonzero':>10}  {'sparsity':>8}"]
     for leaf in self.leaves:
       mark = "" if leaf.prunable else "  (dense)"
@@ -97,7 +98,8 @@ def sparsity_report(tree: Any, prunable: _prunable.Prunable = None) -> SparsityR
       (pass the rule used for training).
 
   Returns:
-    A :class:`SparsityReport`.
+    A :class:`SparsityReport`. A tree without prunable leaves gets a report
+    whose leaves are all dense and whose ``sparsity`` is 0.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -105,13 +107,15 @@ def sparsity_report(tree: Any, prunable: _prunable.Prunable = None) -> SparsityR
     >>> report = sparsity_report({'w': jnp.array([[1., 0.], [0., 0.]]), 'b': jnp.ones(2)})
     >>> report.sparsity, report.overall_sparsity
     (0.75, 0.5)
+    >>> sparsity_report({'b': jnp.array([1., 0.])}).sparsity  # nothing prunable
+    0.0
     >>> print(report)
     leaf        shape     nonzero  sparsity
     b            (2,)           2    0.0000  (dense)
     w          (2, 2)           1    0.7500
     prunable total              1    0.7500
   """
-  resolved = _prunable.resolve(tree, prunable)
+  resolved = _prunable.resolve(tree, prunable, allow_none=True)
   leaves = []
   for leaf, flag, path in zip(resolved.leaves, resolved.flags, resolved.paths):
     array = np.asarray(jax.device_get(leaf))

@@ -201,30 +201,23 @@ def _project_leaves(leaves, score_leaves, counts, *, scope, structure):
   keys = [_select.order_keys(jnp.abs(leaf) if score is None else score)
           for leaf, score in zip(leaves, score_leaves)]
   if scope == "global":
-    masks, nan = _select.topk_masks(keys, counts[0])
-    groups, nans = [list(range(len(leaves)))], [nan]
+    masks, _ = _select.topk_masks(keys, counts[0])
   elif scope == "per_leaf":
-    masks, nans = map(list, zip(*(_select.topk_masks([key], k) for key, k in zip(keys, counts))))
-    masks = [mask[0] for mask in masks]
-    groups = [[i] for i in range(len(leaves))]
+    masks = [_select.topk_masks([key], k)[0][0] for key, k in zip(keys, counts)]
   else:
     masks = [
         _from_groups(_select.group_topk_mask(_to_groups(key, structure), k), key.shape,
                      structure)
         for key, k in zip(keys, counts)
     ]
-    groups = [[i] for i in range(len(leaves))]
-    nans = [_select.has_nan([key]) for key in keys]
 
   projected = []
-  for group, poisoned in zip(groups, nans):
-    # A NaN anywhere in a scope's values or scores poisons the whole scope, so the
-    # failure shows in the loss (and optax.apply_if_finite) instead of being hidden.
-    if any(score_leaves[i] is not None for i in group):
-      poisoned = poisoned | jnp.stack([jnp.isnan(leaves[i]).any() for i in group]).any()
-    for i in group:
-      kept = jnp.where(masks[i], leaves[i], jnp.zeros((), leaves[i].dtype))
-      projected.append(jnp.where(poisoned, jnp.full((), jnp.nan, leaves[i].dtype), kept))
+  for leaf, score, mask in zip(leaves, score_leaves, masks):
+    # A NaN value or score shows as NaN at its own entry, kept or not: never hidden
+    # (the loss and finalize see it) and never spread over the rest of the scope.
+    bad = jnp.isnan(leaf) if score is None else jnp.isnan(leaf) | jnp.isnan(score)
+    kept = jnp.where(mask, leaf, jnp.zeros((), leaf.dtype))
+    projected.append(jnp.where(bad, jnp.full((), jnp.nan, leaf.dtype), kept))
   return projected, masks
 
 
@@ -246,9 +239,11 @@ def project_topk(
   prunable entry count of the scope), whatever the ties: among equal scores
   the earlier entry (flatten order, then row-major) is kept.
 
-  NaN: if any prunable value or score of a scope is NaN, every projected entry
-  of that scope is NaN, so the failure cannot pass unnoticed; the masks still
-  hold exactly the requested count (NaN scores rank highest).
+  NaN: a NaN prunable value or score is NaN at its own entry of the
+  projection (kept or not), so the failure is never hidden; it ranks highest
+  (a NaN score, or a NaN value without ``scores``, takes one of the kept
+  slots), every other entry is projected as usual, and the masks hold exactly
+  the requested count. :func:`finalize` raises on it outside ``jit``.
 
   Args:
     tree: pytree of arrays (Linen params, NNX ``State``, tuples, ...). Not modified.

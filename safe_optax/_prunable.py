@@ -83,7 +83,7 @@ def _flags_from_tree(prunable: Any, tree: Any) -> list[bool]:
   return jax.tree.leaves(expanded)
 
 
-def resolve(tree: Any, prunable: Prunable = None) -> ResolvedLeaves:
+def resolve(tree: Any, prunable: Prunable = None, *, allow_none: bool = False) -> ResolvedLeaves:
   """Flattens ``tree`` and decides which leaves are prunable.
 
   Args:
@@ -91,13 +91,15 @@ def resolve(tree: Any, prunable: Prunable = None) -> ResolvedLeaves:
     prunable: ``None`` for :func:`default_prunable`; a callable
       ``(key_path, leaf) -> bool``; or a pytree of bools shaped like ``tree``
       (or a prefix of it).
+    allow_none: accept a selection of no leaf (reports); pruning needs one.
 
   Returns:
     A :class:`ResolvedLeaves`.
 
   Raises:
     TypeError: a leaf selected as prunable is not a floating-point array.
-    ValueError: no leaf is prunable, or ``prunable`` does not match ``tree``.
+    ValueError: no leaf is prunable (unless ``allow_none``), or ``prunable``
+      does not match ``tree``.
   """
   with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
   paths = tuple(path_str(p) for p, _ in with_path)
@@ -115,7 +117,7 @@ def resolve(tree: Any, prunable: Prunable = None) -> ResolvedLeaves:
           f"leaf '{name}' is selected as prunable but has dtype {dtype}; only "
           "floating-point leaves can be pruned. Exclude it through `prunable`."
       )
-  if not any(flags):
+  if not any(flags) and not allow_none:
     raise ValueError(
         f"no prunable leaves among {len(leaves)} leaves; the default selects floating "
         "leaves with ndim >= 2. Pass `prunable` (a bool pytree or a callable "

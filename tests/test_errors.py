@@ -273,6 +273,47 @@ def test_nm_needs_1_le_n_le_m(name, n, m):
     STRUCTURED[name](None, structure=NM(n, m))
 
 
+@pytest.mark.parametrize("n, m, axis", [(3, 2, -2), (0, 4, -2), (2, 4.0, -2), (2, 4, 1.5),
+                                         (True, 4, -2)])
+def test_nm_is_checked_when_built(n, m, axis):
+  """Before any transform or tree sees it."""
+  with pytest.raises(ValueError, match=r"NM"):
+    NM(n, m, axis)
+
+
+NM_INIT = {
+    "admm_penalty": lambda **kw: safe_optax.admm_penalty(None, 1e-2, **kw),
+    "admm": lambda **kw: safe_optax.admm(0.1, None, penalty=1e-2, **kw),
+    "safe": lambda **kw: safe_optax.safe(0.1, None, penalty=1e-2, total_steps=10, **kw),
+    "add_projected_gradient": lambda **kw: safe_optax.add_projected_gradient(None, **kw),
+    "safe_sg": lambda **kw: safe_optax.safe_sg(0.1, None, penalty=1e-2, total_steps=10, **kw),
+}
+
+
+@pytest.mark.parametrize("name", NM_INIT)
+def test_nm_axis_not_divisible_raises_at_init_naming_the_path(name):
+  params = {"params": {"Dense_0": {"kernel": jnp.ones((8, 3)), "bias": jnp.ones(3)},
+                       "Dense_1": {"kernel": jnp.ones((6, 2)), "bias": jnp.ones(2)}}}
+  tx = NM_INIT[name](structure=NM(2, 4))
+  with pytest.raises(ValueError, match=r"leaf 'params/Dense_1/kernel' has 6 entries along "
+                                       r"axis -2, not divisible by m=4"):
+    tx.init(params)
+  # Excluding that leaf through `prunable` is the way out the message gives.
+  tx = NM_INIT[name](structure=NM(2, 4),
+                     prunable=lambda path, leaf: jnp.ndim(leaf) == 2 and leaf.shape[0] % 4 == 0)
+  tx.init(params)
+
+
+def test_sparsity_report_of_a_tree_without_prunable_leaves():
+  report = safe_optax.sparsity_report({"b": jnp.array([1.0, 0.0]), "scale": jnp.ones(3)})
+  assert report.sparsity == 0.0 and report.prunable_size == 0
+  assert report.overall_sparsity == pytest.approx(0.2)
+  assert not any(leaf.prunable for leaf in report.leaves)
+  assert "(dense)" in str(report)
+  assert safe_optax.sparsity_report({}).sparsity == 0.0
+  str(safe_optax.sparsity_report({}))
+
+
 @pytest.mark.parametrize("name", STRUCTURED)
 def test_nm_sparsity_mismatch(name):
   with pytest.raises(ValueError, match=r"`sparsity`=0.3 contradicts NM\(2, 4\)"):
