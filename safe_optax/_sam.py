@@ -155,7 +155,16 @@ def sam_perturb(
 
   Returns:
     A :class:`optax.GradientTransformationExtraArgs`; ``update`` needs
-    ``params`` and ``grad_fn`` and ignores other extra arguments.
+    ``params`` and ``grad_fn`` and ignores other extra arguments. Put it
+    first in the chain: a transform before it (a clip, say) only changes the
+    direction of ``e``, since the gradient at ``x + e`` replaces its output;
+    clip after it.
+
+  Raises:
+    ValueError: at ``init``, inside ``optax.MultiSteps``,
+      ``optax.apply_if_finite``, ``optax.masked`` or ``optax.multi_transform``
+      (silently wrong there); the message gives the recipe
+      ``optax.chain(sam_perturb(rho), wrapper(safe(..., rho=None)))``.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax
@@ -217,6 +226,11 @@ def add_projected_gradient(
   Returns:
     A :class:`optax.GradientTransformationExtraArgs` with a step counter as
     state; ``update`` needs ``params`` and ``grad_fn`` (called with step 1).
+    A traced sparsity outside ``[0, 1)`` adds nothing that step.
+
+  Raises:
+    ValueError: at ``init``, inside the wrappers :func:`sam_perturb` refuses,
+      or when a prunable leaf cannot carry ``structure`` (naming its path).
 
   Examples:
     >>> import jax, jax.numpy as jnp

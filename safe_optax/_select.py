@@ -8,9 +8,9 @@ is kept.
 
 Scores are compared through :func:`order_keys`, an order-preserving map from
 floats to ``uint32``. Every NaN maps to the largest key, so NaN ranks above
-``+inf`` and is always kept; callers poison the result instead of keeping or
-dropping a NaN silently (:func:`topk_masks` reports NaN for free, the group
-kernels use :func:`has_nan`).
+``+inf`` and is always kept; the caller (``project_topk``) makes every NaN
+entry NaN in its result, so a NaN is never kept or dropped silently
+(:func:`topk_masks` also reports whether the keys held a NaN, for free).
 """
 
 from __future__ import annotations
@@ -115,12 +115,6 @@ def order_keys(scores: jax.Array) -> jax.Array:
   bits = jnp.where(bits == sign, jnp.uint32(0), bits)
   keys = jnp.where((bits & sign) != 0, ~bits, bits | sign)
   return jnp.where(jnp.isnan(x), jnp.uint32(_NAN_KEY), keys)
-
-
-def has_nan(keys: Sequence[jax.Array]) -> jax.Array:
-  """True where any of the ``order_keys`` leaves holds a NaN."""
-  flags = [jnp.any(k == jnp.uint32(_NAN_KEY)) for k in keys]
-  return jnp.stack(flags).any() if flags else jnp.bool_(False)
 
 
 def _histogram(digits: Sequence[jax.Array], length: int = _NUM_BINS) -> jax.Array:
