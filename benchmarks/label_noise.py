@@ -5,11 +5,17 @@ trainer on symmetric label noise (every corrupted label moves to another
 class, ``input_pipeline.symmetric_label_noise`` through the config's
 ``label_noise``), finalize + BNT, and report clean test accuracy. The table has
 one row per (sparsity, noise ratio) and one column per method, mean ± s.e.
-over seeds. Finished runs in ``--workdir`` are reused.
+over seeds. Finished runs in ``--workdir`` are reused (a folder of other
+settings is refused).
+
+With ``--validation N`` each method's lambda is first chosen per noise ratio
+and sparsity on N held-out training examples whose labels carry the same
+noise (:func:`safe_optax.vision.sweeps.select_penalty`; the clean test set is
+never looked at), over ``--safe-grid`` / ``--admm-grid``.
 
   python benchmarks/label_noise.py --preset mlp-mnist --data-dir ../shared/data/mnist \\
       --test-only-split 8000 2000 --noise 0.25 0.5 0.75 --sparsities 0.9 --epochs 20 \\
-      --warmup-epochs 1 --batch-size 100 --seeds 0 1 2 --out results/flatness
+      --warmup-epochs 1 --batch-size 100 --seeds 0 1 2 --validation 2000 --out results/flatness
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import Any, Optional
 
 from safe_optax.demo import mean_se
 from safe_optax.vision import configs
+from safe_optax.vision import sweeps
 from safe_optax.vision import train
 
 
@@ -66,6 +73,11 @@ def main(argv: Optional[list[str]] = None) -> int:
   parser.add_argument("--batch-size", type=int)
   parser.add_argument("--train-subset", type=int)
   parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+  parser.add_argument("--validation", type=int, default=None,
+                      help="choose lambda on N held-out (equally noisy) training examples")
+  parser.add_argument("--select-seeds", type=int, default=1)
+  parser.add_argument("--safe-grid", type=float, nargs="+", default=[1e-3, 1e-2, 1e-1, 1.0])
+  parser.add_argument("--admm-grid", type=float, nargs="+", default=[1e-4, 1e-3, 1e-2, 1e-1])
   parser.add_argument("--workdir", default="/tmp/safe_optax_label_noise")
   parser.add_argument("--out", default="results/flatness")
   args = parser.parse_args(argv)
@@ -75,33 +87,44 @@ def main(argv: Optional[list[str]] = None) -> int:
   if args.test_only_split:
     overrides["test_only_split"] = tuple(args.test_only_split)
   base = configs.get_config(args.preset, **overrides)
-  runs = []
+  runs, selections = [], {}
+  grids = {m: (args.admm_grid if m == "admm" else args.safe_grid)
+           for m in sweeps.PENALTY_METHODS}
   for noise in args.noise:
-    data = train.load_dataset(base.replace(label_noise=noise), args.data_dir)
+    noisy = base.replace(label_noise=noise)
+    selection = None
+    if args.validation is not None:
+      selection = sweeps.select_penalty(
+          noisy, args.methods, args.sparsities, grids, validation=args.validation,
+          seeds=range(args.select_seeds), root=pathlib.Path(args.workdir) / "select",
+          data_dir=args.data_dir)
+      selections[f"{noise:g}"] = selection
+    data = train.load_dataset(noisy, args.data_dir)
     for sparsity in args.sparsities:
       for method in args.methods:
         for seed in args.seeds:
-          config = base.replace(method=method, sparsity=sparsity, seed=seed, label_noise=noise)
-          run_dir = (pathlib.Path(args.workdir)
-                     / f"noise{noise:g}-{method}-s{sparsity:g}-seed{seed}")
-          print(f"noise {noise:g} {method} {sparsity:g} seed {seed}", file=sys.stderr,
-                flush=True)
-          results = train.train_and_evaluate(config, run_dir, data_dir=args.data_dir,
-                                             dataset=data, progress=True).results
-          runs.append({"method": method, "sparsity": sparsity, "noise": noise, "seed": seed,
-                       "accuracy": results["final"]["sparse_accuracy"],
-                       "workdir": str(run_dir)})
+          config = noisy.replace(method=method, sparsity=sparsity, seed=seed,
+                                 **sweeps.chosen_overrides(selection, method, sparsity))
+          results = sweeps.run_or_load(config, sweeps.run_dir(args.workdir, config), data=data,
+                                       data_dir=args.data_dir, progress=True)
+          runs.append({**sweeps.record(config, results),
+                       "workdir": str(sweeps.run_dir(args.workdir, config))})
   markdown = table(runs, args.methods)
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   command = "python " + " ".join(sys.argv)
   stem = f"label_noise_{args.preset}"
   (out / f"{stem}.json").write_text(json.dumps(
-      {"command": command, "config": configs.to_dict(base), "runs": runs,
+      {"command": command, "config": configs.to_dict(base), "selection": selections,
+       "runs": runs,
        "versions": train.versions(), "wall_seconds": time.perf_counter() - start}, indent=1))
+  chosen = "".join(f"\n- noise {noise}: " + ", ".join(f"{k} {v:g}" for k, v in sel["chosen"].items())
+                   for noise, sel in selections.items())
+  lambdas = (f"\n\nLambda chosen per noise ratio on {args.validation} held-out training "
+             f"examples with equally noisy labels:{chosen}" if selections else "")
   (out / f"{stem}.md").write_text(
       f"Command: `{command}`\n\nClean test accuracy (%) after projection + BNT, trained on "
-      f"symmetric label noise; mean ± s.e. over seeds {args.seeds}.\n\n{markdown}\n")
+      f"symmetric label noise; mean ± s.e. over seeds {args.seeds}.\n\n{markdown}{lambdas}\n")
   print(markdown)
   return 0
 

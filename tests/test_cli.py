@@ -124,3 +124,9 @@ def test_two_epoch_smoke_run_has_exact_sparsity_and_beats_chance(tmp_path, capsy
                              "evaluated_on": "test", "steps_per_epoch": 16}
   assert [r["train_examples"] for r in results["history"]] == [2048, 2048]
   assert (workdir / "accuracy.png").exists() and (workdir / "distance.png").exists()
+
+
+def test_eval_of_an_empty_workdir_is_a_clear_error(tmp_path, capsys):
+  code, err = _run(["eval", "--workdir", str(tmp_path), "--data-dir", str(tmp_path)], capsys)
+  assert code == 2 and "results.json' not found: train the run first" in err
+  assert "Traceback" not in err

@@ -337,3 +337,33 @@ def test_bnt_batches_cover_bnt_samples_distinct_training_images():
   again = np.concatenate([np.asarray(b) for b in train._bnt_batches(programs, config, images,
                                                                     N_TRAIN)])
   np.testing.assert_array_equal(got, again)
+
+
+def test_a_workdir_is_one_run(full_run, full_dir, tmp_path, capsys):
+  data = tiny_dataset()
+  results_before = (full_dir / "results.json").read_text()
+  # A finished run of other settings is refused, naming what differs; nothing is rewritten.
+  with pytest.raises(ValueError, match=r"other settings \(method: 'safe' -> 'admm', "
+                                       r"sparsity: 0.8 -> 0.5\)"):
+    train.train_and_evaluate(tiny_config(method="admm", sparsity=0.5), full_dir, data_dir=None,
+                             dataset=data)
+  assert (full_dir / "results.json").read_text() == results_before
+  with open(full_dir / "config.json", encoding="utf-8") as f:
+    assert configs.from_dict(json.load(f)) == tiny_config()
+  # An unfinished run too: a longer schedule with another learning rate must not continue it.
+  stopped = tmp_path / "stopped"
+  train.train_and_evaluate(tiny_config(), stopped, data_dir=None, dataset=data,
+                           stop_after_epoch=1)
+  with pytest.raises(ValueError, match=r"epochs: 3 -> 4, learning_rate: 0.3 -> 0.1"):
+    train.train_and_evaluate(tiny_config(epochs=4, learning_rate=0.1), stopped, data_dir=None,
+                             dataset=data)
+  # The same settings resume and say so.
+  capsys.readouterr()
+  resumed = train.train_and_evaluate(tiny_config(), stopped, data_dir=None, dataset=data)
+  assert "resuming from step 7 of 21" in capsys.readouterr().err
+  _assert_same_state(resumed.state, full_run.state)
+  # restart discards the old run and trains the new settings from scratch.
+  fresh = train.train_and_evaluate(tiny_config(method="admm"), stopped, data_dir=None,
+                                   dataset=data, restart=True)
+  assert fresh.results["config"]["method"] == "admm"
+  assert [r["epoch"] for r in fresh.results["history"]] == list(range(EPOCHS))

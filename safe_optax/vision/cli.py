@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
   train_parser.add_argument("--sparsity", type=float, default=None,
                             help="target sparsity of the prunable weights (default: preset)")
   train_parser.add_argument("--seed", type=int)
+  train_parser.add_argument("--restart", action="store_true",
+                            help="discard a run of other settings in --workdir and start over")
   train_parser.set_defaults(func=train, parser=train_parser)
 
   sweep_parser = sub.add_parser(
@@ -137,8 +139,15 @@ def train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
   config = _config(parser, args, method=args.method, seed=args.seed,
                    sparsity=0.0 if args.method == "dense" else args.sparsity)
   data = _load(parser, config, args.data_dir)
-  outcome = train_lib.train_and_evaluate(config, args.workdir, data_dir=args.data_dir,
-                                         dataset=data, progress=not args.no_progress)
+  try:
+    outcome = train_lib.train_and_evaluate(config, args.workdir, data_dir=args.data_dir,
+                                           dataset=data, progress=not args.no_progress,
+                                           restart=args.restart)
+  except ValueError as err:
+    if "holds a run" not in str(err) and "holds checkpoints" not in str(err):
+      raise
+    parser.exit(2, f"{parser.prog}: error: {err}\n")
+    raise
   final = outcome.results["final"]
   print(json.dumps({"workdir": str(args.workdir), **final,
                     "images_per_second": outcome.results["images_per_second"],
@@ -271,10 +280,14 @@ def evaluate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                       ("--corruption-subset", args.corruption_subset)):
     if value is not None and value < 1:
       parser.error(f"{flag} must be a positive number of test images, got {value}.")
-  out = evaluation.evaluate_workdir(args.workdir, data_dir=args.data_dir, suite=suite,
-                                    test_subset=args.test_subset,
-                                    corruption_subset=args.corruption_subset, seed=args.seed,
-                                    progress=not args.no_progress)
+  try:
+    out = evaluation.evaluate_workdir(args.workdir, data_dir=args.data_dir, suite=suite,
+                                      test_subset=args.test_subset,
+                                      corruption_subset=args.corruption_subset, seed=args.seed,
+                                      progress=not args.no_progress)
+  except (FileNotFoundError, RuntimeError) as err:
+    parser.exit(2, f"{parser.prog}: error: {err}\n")
+    raise
   print(evaluation.markdown_table([out]))
   return 0
 

@@ -32,6 +32,7 @@ import json
 import os
 import pathlib
 import platform
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, Optional
@@ -538,7 +539,7 @@ def train_and_evaluate(config: Config, workdir: os.PathLike, *, data_dir: os.Pat
                        dataset: Optional[input_pipeline.Dataset] = None,
                        stop_after_epoch: Optional[int] = None,
                        on_step: Optional[Callable[[int], None]] = None,
-                       progress: bool = False) -> Outcome:
+                       progress: bool = False, restart: bool = False) -> Outcome:
   """Trains ``config`` in ``workdir`` (resuming from its checkpoint), then evaluates.
 
   Args:
@@ -550,14 +551,24 @@ def train_and_evaluate(config: Config, workdir: os.PathLike, *, data_dir: os.Pat
     stop_after_epoch: stop (with a checkpoint) once this many epochs are done.
     on_step: called with the step number after each step (on the host).
     progress: show tqdm progress bars.
+    restart: discard what ``workdir`` holds (checkpoints, metrics, results)
+      and train from scratch, whatever settings it was run with.
+
+  A workdir is one run: the resolved config is written to ``config.json`` at
+  the start, and a workdir whose run has other settings is refused (the
+  error names them) unless ``restart``; with the same settings the run
+  resumes from its last checkpoint.
 
   Returns:
     An :class:`Outcome`. On ``KeyboardInterrupt`` a checkpoint of the last
     completed step is written and the exception re-raised.
+
+  Raises:
+    ValueError: ``workdir`` holds a run of other settings.
   """
   wall_start = time.perf_counter()
   workdir = pathlib.Path(workdir)
-  workdir.mkdir(parents=True, exist_ok=True)
+  claim_workdir(workdir, config, restart=restart)
   data = dataset if dataset is not None else load_dataset(config, data_dir)
   num_train = len(data.train_labels)
   spe = steps_per_epoch(config, num_train)
@@ -571,6 +582,8 @@ def train_and_evaluate(config: Config, workdir: os.PathLike, *, data_dir: os.Pat
   latest = ckpt.latest_step()
   if latest is not None:
     state = ckpt.restore(latest, state)
+    print(f"{workdir}: resuming from step {latest} of {total_steps}", file=sys.stderr,
+          flush=True)
   start_step = int(state.step)
   metrics_path = workdir / "metrics.jsonl"
   history = _read_history(metrics_path, start_step // spe)
@@ -620,6 +633,48 @@ def train_and_evaluate(config: Config, workdir: os.PathLike, *, data_dir: os.Pat
     return Outcome(state, None, None, None)
   return _finish(programs, config, state, data, images_dev, labels_dev, history, workdir,
                  wall_seconds=time.perf_counter() - wall_start)
+
+
+_RUN_FILES = ("checkpoints", "metrics.jsonl", "results.json", "eval.json", "eval.md",
+              "accuracy.png", "distance.png")
+
+
+def claim_workdir(workdir: pathlib.Path, config: Config, *, restart: bool = False) -> None:
+  """Makes ``workdir`` this run's: writes ``config.json``, refuses a run of other settings.
+
+  Raises:
+    ValueError: ``workdir`` holds a run (``config.json``, or the config of its
+      ``results.json``) whose settings differ from ``config``; the message
+      names them and the way to start over.
+  """
+  import shutil  # pylint: disable=import-outside-toplevel
+  workdir.mkdir(parents=True, exist_ok=True)
+  recorded = None
+  for name, get in (("config.json", lambda d: d), ("results.json", lambda d: d["config"])):
+    if (workdir / name).exists():
+      with open(workdir / name, encoding="utf-8") as f:
+        recorded = configs.from_dict(get(json.load(f)))
+      break
+  if recorded is None and (workdir / "checkpoints").exists():
+    raise ValueError(f"workdir '{workdir}' holds checkpoints of a run without a config.json; "
+                     "restart it (restart=True, CLI --restart) or use another workdir.")
+  if recorded is not None and recorded != config:
+    if not restart:
+      old, new = configs.to_dict(recorded), configs.to_dict(config)
+      differ = ", ".join(f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in sorted(new)
+                         if old.get(k) != new[k])
+      raise ValueError(f"workdir '{workdir}' holds a run with other settings ({differ}); "
+                       "use another workdir, or restart=True (CLI --restart) to discard it.")
+  if restart:
+    for name in _RUN_FILES:
+      path = workdir / name
+      if path.is_dir():
+        shutil.rmtree(path)
+      elif path.exists():
+        path.unlink()
+  with open(workdir / "config.json", "w", encoding="utf-8") as f:
+    json.dump(configs.to_dict(config), f, indent=1)
+    f.write("\n")
 
 
 def _throughput(history: list[dict[str, Any]]) -> dict[str, Any]:
