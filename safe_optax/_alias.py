@@ -104,9 +104,9 @@ def safe(
     scope, structure, prunable: the sparsity set (see :func:`project_topk`).
     adaptive: ASAM perturbation.
     max_grad_norm: if set, clip the loss gradient (the SAM gradient) to this
-      global norm, before the penalty and weight decay are added. A clip placed
-      *before* the alias in an ``optax.chain`` clips nothing: SAM's gradient
-      replaces its output.
+      global norm, before the penalty and weight decay are added. An optax clip
+      placed *before* the alias in an ``optax.chain`` would clip nothing (SAM's
+      gradient replaces its output), so the first ``update`` raises on it.
     decoupled_penalty: apply the penalty as a plain step after SGD (paper)
       instead of through momentum (official code, default).
     seed: seeds SAFE-Multi draws.

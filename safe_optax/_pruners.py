@@ -391,6 +391,7 @@ def cram(
   def update_fn(updates, state, params=None, *, grad_fn=None, **extra_args):
     del extra_args
     grad_fn = _sam._require_grad_fn(grad_fn, "cram")
+    _sam.check_no_clip_before("cram")
     if params is None:
       raise ValueError("cram needs `params` in update(updates, state, params).")
     perturbed = _sam.ascent_point(params, updates, rho, normalize=normalize, eps=eps)

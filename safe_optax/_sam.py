@@ -19,7 +19,9 @@ gradient go after them, around the rest::
   )
 
 Inside ``optax.MultiSteps``, ``optax.apply_if_finite``, ``optax.masked`` or
-``optax.multi_transform`` they would be silently wrong, so ``init`` raises.
+``optax.multi_transform`` they would be silently wrong, so ``init`` raises;
+after an optax clip in the same chain (which would clip nothing) the first
+``update`` raises.
 """
 
 from __future__ import annotations
@@ -99,6 +101,49 @@ def check_placement(params: Any, name: str) -> None:
     frame = frame.f_back
 
 
+@functools.cache
+def _clip_updates() -> dict[Any, str]:
+  """Code objects of optax's clipping transforms' ``update``, with their names."""
+  makers = {"optax.clip": optax.clip, "optax.clip_by_global_norm": optax.clip_by_global_norm,
+            "optax.clip_by_block_rms": optax.clip_by_block_rms,
+            "optax.adaptive_grad_clip": optax.adaptive_grad_clip}
+  return {make(1.0).update.__code__: name for name, make in makers.items()}
+
+
+def _clip_name(update: Callable[..., Any]) -> Optional[str]:
+  """The clip an ``update`` function is (or wraps, as ``optax.chain`` wraps plain transforms)."""
+  clips = _clip_updates()
+  candidates = [update] + [cell.cell_contents.update for cell in update.__closure__ or ()
+                           if isinstance(cell.cell_contents, optax.GradientTransformation)]
+  for fn in candidates:
+    name = clips.get(getattr(fn, "__code__", None))
+    if name is not None:
+      return name
+  return None
+
+
+def check_no_clip_before(name: str) -> None:
+  """Raises ``ValueError`` when an optax clip ran before this transform in an ``optax.chain``.
+
+  The gradient pass replaces the incoming (clipped) gradient, so such a clip
+  clips nothing. The enclosing chains' ``update`` frames say which of their
+  transforms already ran (``len(new_state)`` of them); read at trace time only.
+  """
+  chain_update = optax.chain(optax.identity()).update.__code__
+  frame = sys._getframe(1)
+  while frame is not None:
+    if frame.f_code is chain_update:
+      done = frame.f_locals.get("update_fns", ())[:len(frame.f_locals.get("new_state", ()))]
+      clip = next(filter(None, map(_clip_name, done)), None)
+      if clip is not None:
+        raise ValueError(
+            f"{clip} placed before {name} in optax.chain clips nothing: {name}'s gradient "
+            "pass replaces its output. Clip after it: optax.chain(safe_optax.sam_perturb(rho), "
+            f"{clip}(...), ...), or pass max_grad_norm= to safe_optax.safe (and the other "
+            "SAM aliases).")
+    frame = frame.f_back
+
+
 def ascent_point(
     params: Any,
     grads: Any,
@@ -164,7 +209,8 @@ def sam_perturb(
     ValueError: at ``init``, inside ``optax.MultiSteps``,
       ``optax.apply_if_finite``, ``optax.masked`` or ``optax.multi_transform``
       (silently wrong there); the message gives the recipe
-      ``optax.chain(sam_perturb(rho), wrapper(safe(..., rho=None)))``.
+      ``optax.chain(sam_perturb(rho), wrapper(safe(..., rho=None)))``. At the
+      first ``update``, after an optax clip earlier in the same chain.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax
@@ -192,6 +238,7 @@ def sam_perturb(
   def update_fn(updates, state, params=None, *, grad_fn=None, **extra_args):
     del extra_args
     grad_fn = _require_grad_fn(grad_fn, "sam_perturb")
+    check_no_clip_before("sam_perturb")
     if params is None:
       raise ValueError("sam_perturb needs `params` in update(updates, state, params).")
     grads = grad_fn(ascent_point(params, updates, rho, adaptive=adaptive, eps=eps), 0)

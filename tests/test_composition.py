@@ -8,7 +8,8 @@ Every wrapper either gives what a plain-JAX reference computes, or refuses at
   ``optax.chain(sam_perturb(rho), wrapper(safe(..., rho=None)))`` works: the
   mean of per-micro-batch SAM gradients, a NaN from SAM's pass is counted;
 * ``masked`` / ``multi_transform`` around ``admm_penalty`` (prune a subset);
-* clipping through ``max_grad_norm`` (or a clip after ``sam_perturb``);
+* clipping through ``max_grad_norm`` (or a clip after ``sam_perturb``); a clip
+  before it would clip nothing and is refused at the first update;
 * ``inject_hyperparams`` values out of range: ignored and counted in the state.
 """
 
@@ -227,6 +228,34 @@ def test_clipping_clips_the_sam_gradient(form):
     expected = jax.tree.map(lambda p, gi: p - LR * gi * (max_norm / norm), params, g)
     params, state = step(params, state, x, y)
     assert_trees_close(params, expected, rtol=1e-5, atol=1e-7)
+
+
+CLIPS = {
+    "optax.clip_by_global_norm": lambda: optax.clip_by_global_norm(0.05),
+    "optax.clip": lambda: optax.clip(0.01),
+    "optax.adaptive_grad_clip": lambda: optax.adaptive_grad_clip(0.01),
+    "optax.clip_by_block_rms": lambda: optax.clip_by_block_rms(0.01),
+}
+
+
+@pytest.mark.parametrize("clip", CLIPS)
+@pytest.mark.parametrize("form", ["alias", "nested_chain", "cram"])
+def test_a_clip_before_the_gradient_pass_is_refused_at_the_first_update(clip, form):
+  """It would clip nothing (the gradient pass replaces its output): refused, not ignored."""
+  if form == "alias":
+    tx, name = optax.chain(CLIPS[clip](), safe_optax.safe(LR, 0.5, penalty=1e-2,
+                                                         total_steps=10)), "sam_perturb"
+  elif form == "nested_chain":
+    tx, name = optax.chain(CLIPS[clip](), optax.chain(optax.identity(),
+                                                      safe_optax.sam_perturb(RHO))), "sam_perturb"
+  else:
+    tx, name = optax.chain(CLIPS[clip](), safe_optax.cram(RHO, 0.5)), "cram"
+  step = make_step(tx)
+  params = init_params()
+  state = tx.init(params)
+  with pytest.raises(ValueError, match=rf"{clip} placed before {name} in optax.chain clips "
+                                       r"nothing.*max_grad_norm="):
+    step(params, state, *batch(0))
 
 
 def test_max_grad_norm_is_checked_at_construction():
