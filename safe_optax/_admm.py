@@ -48,13 +48,15 @@ class ADMMState(NamedTuple):
   u: Any
   """Scaled dual variable; ``optax.MaskedNode()`` on non-prunable leaves."""
   invalid_hyperparams: jax.Array
-  """Number of updates whose ``sparsity`` or ``penalty`` was out of range (int32).
+  """Number of updates with a hyperparameter out of range (int32).
 
   Python values are checked at construction; traced ones (from
   ``optax.inject_hyperparams`` or a schedule) can only be checked here, so an
-  out-of-range value is ignored for that update (an invalid sparsity skips the
-  dual update, keeping ``z`` and ``u``; an invalid penalty counts as 0) and
-  counted. Check it is 0 after training.
+  out-of-range value is ignored for that update and counted: a ``sparsity``
+  outside ``[0, 1)`` (or NaN) or a ``dual_every < 1`` skips the dual update,
+  keeping ``z`` and ``u``; a ``penalty`` (times the decoupled
+  ``learning_rate``) that is negative or not finite counts as 0. Check it is
+  0 after training.
   """
 
 
@@ -291,7 +293,11 @@ def admm_penalty(
     sparsity_now = get_sparsity(count, key)
     sparsity_ok = _in_unit_interval(sparsity_now)
     lam = lam_fn(count)
+    if learning_rate is not None:  # the decoupled step's rate scales the penalty
+      lam = lam * (learning_rate(count) if callable(learning_rate) else learning_rate)
     penalty_ok = jnp.isfinite(lam) & (lam >= 0)
+    # A traced dual_every < 1 (inject_hyperparams) would divide by zero below.
+    every_ok = jnp.asarray(dual_every) >= 1
 
     def run_dual(z, u):
       scores_now = None
@@ -307,15 +313,14 @@ def admm_penalty(
           scope=scope, structure=structure, scores=scores_now,
       )
 
-    due = (count % dual_every == 0) & sparsity_ok
+    due = (count % jnp.maximum(dual_every, 1) == 0) & sparsity_ok & every_ok
     if isinstance(due, jax.core.Tracer):
       z, u = lax.cond(due, run_dual, lambda z, u: (list(z), list(u)), z, u)
     elif due:
       # Called eagerly: branch in Python, since an eager lax.cond recompiles every call.
       z, u = run_dual(z, u)
     lam = jnp.where(penalty_ok, lam, jnp.zeros_like(lam))
-    scale = lam if learning_rate is None else -lam * (
-        learning_rate(count) if callable(learning_rate) else learning_rate)
+    scale = lam if learning_rate is None else -lam
     it = iter(zip(_prunable_leaves(params, flags), z, u))
     new_updates = []
     for g, flag in zip(jax.tree.leaves(updates, is_leaf=_is_masked), flags):
@@ -323,7 +328,7 @@ def admm_penalty(
         xi, zi, ui = next(it)
         g = (g + scale * (xi - zi + ui)).astype(g.dtype)
       new_updates.append(g)
-    valid = jnp.logical_and(sparsity_ok, penalty_ok)
+    valid = sparsity_ok & penalty_ok & every_ok
     new_state = ADMMState(
         count=optax.safe_increment(count),
         z=_masked_tree(params, flags, z),

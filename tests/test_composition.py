@@ -334,7 +334,7 @@ def _inject_run(hyperparams_per_step):
   records = []
   for t, overrides in enumerate(hyperparams_per_step):
     for name, value in overrides.items():
-      state.hyperparams[name] = jnp.asarray(value, state.hyperparams[name].dtype)
+      state.hyperparams[name] = jnp.full_like(state.hyperparams[name], value)  # keeps weak type
     x, y = batch(t)
     new_params, new_state = step(params, state, x, y)
     records.append((params, state, new_params, new_state))
@@ -356,6 +356,21 @@ def test_inject_hyperparams_invalid_sparsity_skips_the_dual_update_and_is_counte
       assert_trees_close(admm_out.z, admm_in.z, rtol=0, atol=0)  # z and u kept
       assert_trees_close(admm_out.u, admm_in.u, rtol=0, atol=0)
     assert int(admm_out.invalid_hyperparams) == min(t, 2)
+
+
+@pytest.mark.parametrize("bad", [0, -3])
+def test_inject_hyperparams_invalid_dual_every_skips_the_dual_update_and_is_counted(bad):
+  records = _inject_run([{}, {"dual_every": bad}, {"dual_every": 1}])
+  (_, state_in, params_out, state_out) = records[1]
+  admm_in, admm_out = (safe_optax.find_admm_state(s) for s in (state_in, state_out))
+  assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(params_out))
+  assert_trees_close(admm_out.z, admm_in.z, rtol=0, atol=0)
+  assert_trees_close(admm_out.u, admm_in.u, rtol=0, atol=0)
+  assert int(admm_out.invalid_hyperparams) == 1
+  last_in, last_out = (safe_optax.find_admm_state(s) for s in records[2][1::2])
+  assert int(last_out.invalid_hyperparams) == 1
+  assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(last_in.u),
+                                                      jax.tree.leaves(last_out.u)))
 
 
 @pytest.mark.parametrize("bad", [float("nan"), -1.0, float("inf")])
