@@ -234,7 +234,7 @@ def config_has_admm(opt_state) -> bool:
       opt_state, is_leaf=lambda s: isinstance(s, safe_optax.ADMMState)))
 
 
-def _train_runs(method: str, penalty: Optional[float], config: Config, data: dict[str, Any],
+def train_runs(method: str, penalty: Optional[float], config: Config, data: dict[str, Any],
                 seeds: list[int], model) -> list[tuple[int, Any, Any, Any, float]]:
   n_train = int(data["x_train"].shape[0])
   train_fn = make_train_fn(method, config, penalty, n_train, model)
@@ -262,7 +262,7 @@ def select(config: Config, data: dict[str, Any], model, progress) -> dict[str, A
     table[method] = []
     for penalty in grids[method]:
       accs, dists, losses = [], [], []
-      for _, trained, opt_state, epoch_losses, _ in _train_runs(
+      for _, trained, opt_state, epoch_losses, _ in train_runs(
           method, penalty, config, split, list(range(config.select_seeds)), model):
         final, _ = safe_optax.finalize(trained, config.sparsity)
         accs.append(accuracy(model, final, split["x_test"], split["y_test"]))
@@ -309,7 +309,7 @@ def run(config: Config, progress: bool = True) -> tuple[dict[str, Any], dict[str
   bar = tqdm(total=len(METHODS) * config.seeds, desc="runs", disable=not progress,
              file=sys.stderr)
   for method in METHODS:
-    for seed, trained, opt_state, losses, train_s in _train_runs(
+    for seed, trained, opt_state, losses, train_s in train_runs(
         method, penalties[method], config, data, list(range(config.seeds)), model):
       if method == "dense":
         final, support = trained, None  # all weights

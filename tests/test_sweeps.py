@@ -175,3 +175,24 @@ def test_cli_sweep_refuses_stale_results_and_train_reports_the_validation_split(
   assert "['learning_rate']" in capsys.readouterr().err
   with open(tmp_path / "sweep.json", encoding="utf-8") as f:
     assert json.load(f)["config"]["learning_rate"] == 0.1
+
+
+def test_a_diverging_lambda_loses_the_selection_instead_of_crashing_it(monkeypatch, tmp_path):
+  def fake_run(config, workdir, *, data, data_dir, progress):
+    if config.penalty >= 1.0:
+      raise train_lib.TrainingDiverged(str(workdir), 40, 2.3, 1)
+    return _results(config, 0.5 + config.penalty)
+
+  monkeypatch.setattr(sweeps, "run_or_load", fake_run)
+  monkeypatch.setattr(train_lib, "load_dataset", lambda config, data_dir: None)
+  selection = sweeps.select_penalty(configs.get_config("mlp-mnist"), ["safe"], [0.99],
+                                    {"safe": [0.01, 0.1, 1.0]}, validation=10, seeds=[0],
+                                    root=tmp_path, data_dir="/")
+  assert selection["chosen"] == {"safe@0.99": 0.1}
+  lost = [r for r in selection["grid"] if r["penalty"] == 1.0][0]
+  assert lost["diverged"] and lost["validation_accuracy_mean"] is None
+  assert lost["runs"][0]["diverged"] == {"step": 40, "last_finite_loss": 2.3}
+  with pytest.raises(ValueError, match=r"every lambda of \[1.0, 2.0\] diverged for safe"):
+    sweeps.select_penalty(configs.get_config("mlp-mnist"), ["safe"], [0.99],
+                          {"safe": [1.0, 2.0]}, validation=10, seeds=[0], root=tmp_path,
+                          data_dir="/")

@@ -367,3 +367,18 @@ def test_a_workdir_is_one_run(full_run, full_dir, tmp_path, capsys):
                                    dataset=data, restart=True)
   assert fresh.results["config"]["method"] == "admm"
   assert [r["epoch"] for r in fresh.results["history"]] == list(range(EPOCHS))
+
+
+def test_divergence_stops_at_once_with_the_step_and_the_last_finite_loss(tmp_path):
+  data = tiny_dataset()
+  config = tiny_config(learning_rate=1e30, warmup_epochs=0, epochs=20)
+  with pytest.raises(train.TrainingDiverged, match="not finite at step 7 ") as info:
+    train.train_and_evaluate(config, tmp_path, data_dir=None, dataset=data)
+  assert info.value.step == 7  # the end of the first epoch, not of the 20th
+  with open(tmp_path / "metrics.jsonl", encoding="utf-8") as f:
+    assert len(f.readlines()) == 1
+  # A rerun of the same settings reports it again without training.
+  with pytest.raises(train.TrainingDiverged, match="step 7"):
+    train.train_and_evaluate(config, tmp_path, data_dir=None, dataset=data,
+                             on_step=lambda step: pytest.fail("trained again"))
+  assert not (tmp_path / "results.json").exists()

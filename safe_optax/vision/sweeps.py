@@ -159,7 +159,9 @@ def select_penalty(base: configs.Config, methods: Sequence[str], sparsities: Seq
   minus ``validation`` held-out examples (``base.replace(validation=...)``;
   label noise, if ``base`` has it, is on the held-out labels too) and scored by
   the validation accuracy of its final sparse model; the lambda with the best
-  mean over ``seeds`` wins (the smaller lambda on a tie).
+  mean over ``seeds`` wins (the smaller lambda on a tie). A lambda whose
+  training diverges (:class:`~safe_optax.vision.train.TrainingDiverged`) is
+  recorded as such and cannot win.
 
   Args:
     base: the configuration every run starts from.
@@ -191,13 +193,24 @@ def select_penalty(base: configs.Config, methods: Sequence[str], sparsities: Seq
         for seed in seeds:
           config = val_base.replace(method=method, sparsity=s, seed=seed,
                                     **{penalty_field(method): lam})
-          results = run_or_load(config, run_dir(root, config), data=data, data_dir=data_dir,
-                                progress=progress)
+          try:
+            results = run_or_load(config, run_dir(root, config), data=data, data_dir=data_dir,
+                                  progress=progress)
+          except train_lib.TrainingDiverged as err:
+            # A lambda that makes training diverge is a grid point that lost, not a crash.
+            runs.append({"method": method, "sparsity": s, "seed": seed, "penalty": lam,
+                         "diverged": {"step": err.step, "last_finite_loss": err.last_finite_loss}})
+            continue
           runs.append(record(config, results))
-        mean = float(np.mean([r["accuracy"] for r in runs]))
+        diverged = any("diverged" in r for r in runs)
+        mean = None if diverged else float(np.mean([r["accuracy"] for r in runs]))
         rows.append({"method": method, "sparsity": s, "penalty": lam,
-                     "validation_accuracy_mean": mean, "runs": runs})
-        scored.append((mean, -lam))
+                     "validation_accuracy_mean": mean, "diverged": diverged, "runs": runs})
+        if not diverged:
+          scored.append((mean, -lam))
+      if not scored:
+        raise ValueError(f"every lambda of {sorted(grids[method])} diverged for {method} at "
+                         f"sparsity {s:g}; extend the grid downwards.")
       chosen[key(method, s)] = -max(scored)[1]
   return {"validation_examples": validation, "seeds": list(seeds),
           "criterion": "mean validation accuracy of the final sparse model",

@@ -565,6 +565,8 @@ def train_and_evaluate(config: Config, workdir: os.PathLike, *, data_dir: os.Pat
 
   Raises:
     ValueError: ``workdir`` holds a run of other settings.
+    TrainingDiverged: the training loss of an epoch was not finite (training
+      stops at the end of that epoch; ``diverged.json`` records where).
   """
   wall_start = time.perf_counter()
   workdir = pathlib.Path(workdir)
@@ -579,6 +581,9 @@ def train_and_evaluate(config: Config, workdir: os.PathLike, *, data_dir: os.Pat
 
   state = programs.init(jax.random.PRNGKey(config.seed))
   ckpt = checkpoint_lib.Checkpointer(workdir / "checkpoints")
+  if (workdir / DIVERGED_FILE).exists():
+    with open(workdir / DIVERGED_FILE, encoding="utf-8") as f:
+      raise TrainingDiverged(**json.load(f))
   latest = ckpt.latest_step()
   if latest is not None:
     state = ckpt.restore(latest, state)
@@ -617,6 +622,8 @@ def train_and_evaluate(config: Config, workdir: os.PathLike, *, data_dir: os.Pat
       bar.set_postfix_str(f"loss {record['train_loss']:.3f} test {record.get('test_accuracy', 0):.3f}")
       with open(metrics_path, "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
+      if not np.isfinite(record["train_loss"]):
+        _diverged(workdir, history, int(state.step))
       state = state._replace(metrics=jax.device_put(_zero_metrics(), programs.replicated))
       if (epoch + 1) % config.checkpoint_every == 0 or epoch + 1 == config.epochs:
         ckpt.save(int(state.step), state)
@@ -624,6 +631,10 @@ def train_and_evaluate(config: Config, workdir: os.PathLike, *, data_dir: os.Pat
   except KeyboardInterrupt:
     if int(state.step) != last_saved:
       ckpt.save(int(state.step), state)
+    bar.close()
+    ckpt.close()
+    raise
+  except TrainingDiverged:
     bar.close()
     ckpt.close()
     raise
@@ -635,8 +646,41 @@ def train_and_evaluate(config: Config, workdir: os.PathLike, *, data_dir: os.Pat
                  wall_seconds=time.perf_counter() - wall_start)
 
 
+DIVERGED_FILE = "diverged.json"
 _RUN_FILES = ("checkpoints", "metrics.jsonl", "results.json", "eval.json", "eval.md",
-              "accuracy.png", "distance.png")
+              "accuracy.png", "distance.png", DIVERGED_FILE)
+
+
+class TrainingDiverged(RuntimeError):
+  """The training loss stopped being finite; the run is stopped at the end of that epoch.
+
+  Attributes:
+    workdir: the run's folder (it keeps ``diverged.json``, so a rerun of the
+      same settings reports the divergence again instead of retraining).
+    step: the step count at the end of the epoch whose loss was not finite.
+    last_finite_loss: the mean training loss of the last finite epoch
+      (``None`` if the first epoch already diverged).
+    last_finite_epoch: that epoch (``None`` likewise).
+  """
+
+  def __init__(self, workdir: str, step: int, last_finite_loss: Optional[float],
+               last_finite_epoch: Optional[int]):
+    self.workdir, self.step = workdir, step
+    self.last_finite_loss, self.last_finite_epoch = last_finite_loss, last_finite_epoch
+    last = ("no epoch had a finite loss" if last_finite_loss is None else
+            f"last finite loss {last_finite_loss:.4g} in epoch {last_finite_epoch}")
+    super().__init__(f"training diverged in '{workdir}': the training loss is not finite at "
+                     f"step {step} ({last}); lower the learning rate or the penalty.")
+
+
+def _diverged(workdir: pathlib.Path, history: list[dict[str, Any]], step: int) -> None:
+  finite = [r for r in history if np.isfinite(r["train_loss"])]
+  info = {"workdir": str(workdir), "step": step,
+          "last_finite_loss": finite[-1]["train_loss"] if finite else None,
+          "last_finite_epoch": finite[-1]["epoch"] if finite else None}
+  with open(workdir / DIVERGED_FILE, "w", encoding="utf-8") as f:
+    json.dump(info, f)
+  raise TrainingDiverged(**info)
 
 
 def claim_workdir(workdir: pathlib.Path, config: Config, *, restart: bool = False) -> None:
