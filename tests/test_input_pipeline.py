@@ -193,3 +193,53 @@ def test_sample_indices_everything_draws_nothing(size):
 def test_sample_indices_rejects_a_negative_size():
   with pytest.raises(ValueError, match="non-negative"):
     ip.sample_indices(5, -1, np.random.default_rng(0))
+
+
+def _image_archive(tmp_path):
+  tree = _image_tree(np.random.default_rng(6))
+  archive = tmp_path / "images.tar.gz"
+  with tarfile.open(archive, "w:gz") as tar:
+    for split, items in tree.items():
+      for cls, name, image in items:
+        data = _png(image)
+        info = tarfile.TarInfo(f"{split}/{cls}/{name}")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+  return archive
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.95])
+def test_a_truncated_tar_gz_names_the_file_and_says_truncated(tmp_path, keep):
+  archive = _image_archive(tmp_path)
+  data = archive.read_bytes()
+  archive.write_bytes(data[:int(keep * len(data))])
+  with pytest.raises(ValueError, match=r"truncated or corrupt") as err:
+    ip.load_cifar(archive, cache_dir=tmp_path / "cache")
+  assert str(archive) in str(err.value)
+  assert not list((tmp_path / "cache").glob("*.npz"))  # nothing cached from a broken archive
+
+
+def test_truncated_mnist_idx_and_cifar_pickles_name_the_file(tmp_path):
+  rng = np.random.default_rng(7)
+  images = rng.integers(0, 256, (30, 28, 28), dtype=np.uint8)
+  labels = rng.integers(0, 10, 30).astype(np.uint8)
+  _write_idx(tmp_path / "t10k-images-idx3-ubyte", images)
+  _write_idx(tmp_path / "t10k-labels-idx1-ubyte", labels, gz=False)
+  gz = tmp_path / "t10k-images-idx3-ubyte.gz"
+  gz.write_bytes(gz.read_bytes()[:-40])  # a cut gzip stream: EOFError inside gzip
+  with pytest.raises(ValueError, match="truncated or corrupt") as err:
+    ip.load_mnist(tmp_path, test_only_split=(20, 10))
+  assert str(gz) in str(err.value)
+  _write_idx(tmp_path / "t10k-images-idx3-ubyte", images)
+  raw = tmp_path / "t10k-labels-idx1-ubyte"
+  raw.write_bytes(raw.read_bytes()[:-5])  # whole stream, fewer labels than the header says
+  with pytest.raises(ValueError, match="truncated or corrupt") as err:
+    ip.load_mnist(tmp_path, test_only_split=(20, 10))
+  assert str(raw) in str(err.value)
+  cifar = tmp_path / "cifar"
+  _write_cifar10_pickles(cifar, rng)
+  batch = cifar / "data_batch_3"
+  batch.write_bytes(batch.read_bytes()[:100])
+  with pytest.raises(ValueError, match="truncated or corrupt") as err:
+    ip.load_cifar(cifar)
+  assert str(batch) in str(err.value)

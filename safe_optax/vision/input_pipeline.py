@@ -18,10 +18,12 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
+import math
 import os
 import pathlib
 import pickle
 import tarfile
+import zlib
 from typing import NamedTuple, Optional
 
 import jax
@@ -55,10 +57,23 @@ def _missing(path: pathlib.Path, expected: str) -> FileNotFoundError:
   return FileNotFoundError(f"no data set at '{path}': expected {expected}.")
 
 
+# What the standard library raises on a cut or damaged archive, gzip stream or
+# pickle (a bare ``EOFError`` names no file).
+_DAMAGED = (EOFError, tarfile.ReadError, zlib.error, gzip.BadGzipFile, pickle.UnpicklingError)
+
+
+def _corrupt(file: pathlib.Path, err: BaseException) -> ValueError:
+  return ValueError(f"'{file}' is truncated or corrupt ({type(err).__name__}: {err}); "
+                    "download or extract it again.")
+
+
 def _cifar_pickles(path: pathlib.Path) -> Dataset:
   def read(name):
-    with open(path / name, "rb") as f:
-      return pickle.load(f, encoding="latin1")
+    try:
+      with open(path / name, "rb") as f:
+        return pickle.load(f, encoding="latin1")
+    except _DAMAGED as err:
+      raise _corrupt(path / name, err) from err
 
   def images(batch):
     return np.asarray(batch["data"], np.uint8).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
@@ -92,12 +107,15 @@ def _image_folder(path: pathlib.Path) -> Dataset:
       if split in entries and file.suffix.lower() in _IMAGE_SUFFIXES:
         entries[split].append((label, file.name, file.read_bytes()))
   else:
-    with tarfile.open(path) as archive:
-      for member in archive:
-        parts = pathlib.PurePosixPath(member.name).parts
-        if (member.isfile() and len(parts) >= 3 and parts[-3] in entries
-            and pathlib.PurePosixPath(member.name).suffix.lower() in _IMAGE_SUFFIXES):
-          entries[parts[-3]].append((parts[-2], parts[-1], archive.extractfile(member).read()))
+    try:
+      with tarfile.open(path) as archive:
+        for member in archive:
+          parts = pathlib.PurePosixPath(member.name).parts
+          if (member.isfile() and len(parts) >= 3 and parts[-3] in entries
+              and pathlib.PurePosixPath(member.name).suffix.lower() in _IMAGE_SUFFIXES):
+            entries[parts[-3]].append((parts[-2], parts[-1], archive.extractfile(member).read()))
+    except _DAMAGED as err:
+      raise _corrupt(path, err) from err
   if not entries["train"] or not entries["test"]:
     raise _missing(path, "train/<class>/*.jpg|png and test/<class>/*.jpg|png images")
   classes = tuple(sorted({label for label, _, _ in entries["train"]}))
@@ -167,13 +185,20 @@ def load_cifar(path: os.PathLike, *, cache_dir: Optional[os.PathLike] = None) ->
 
 def _read_idx(file: pathlib.Path) -> np.ndarray:
   opener = gzip.open if file.suffix == ".gz" else open
-  with opener(file, "rb") as f:
-    data = f.read()
+  try:
+    with opener(file, "rb") as f:
+      data = f.read()
+  except _DAMAGED as err:
+    raise _corrupt(file, err) from err
   magic = int.from_bytes(data[:4], "big")
   if magic >> 8 != 0x08:
     raise ValueError(f"'{file}' is not an idx file of uint8 (magic {magic:#x}).")
   ndim = magic & 0xFF
   shape = tuple(int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim))
+  payload = len(data) - (4 + 4 * ndim)
+  if payload != math.prod(shape):
+    raise ValueError(f"'{file}' is truncated or corrupt: its header promises shape {shape} "
+                     f"({math.prod(shape)} bytes) but {payload} bytes follow; download it again.")
   return np.frombuffer(data, np.uint8, offset=4 + 4 * ndim).reshape(shape)
 
 
