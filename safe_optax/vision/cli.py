@@ -133,6 +133,13 @@ def _load(parser: argparse.ArgumentParser, config: configs.Config, data_dir: str
     raise
 
 
+def _interrupted(parser: argparse.ArgumentParser, err: KeyboardInterrupt) -> None:
+  """Ctrl-C: one line instead of a traceback, exit status 130 (128 + SIGINT)."""
+  from safe_optax.vision import checkpoint  # pylint: disable=import-outside-toplevel
+  done = str(err) if isinstance(err, checkpoint.Interrupted) else "interrupted"
+  parser.exit(130, f"{parser.prog}: {done}; rerun the same command to resume\n")
+
+
 def train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
   """``train``: one run in ``--workdir``; prints the final accuracies and sparsity."""
   from safe_optax.vision import train as train_lib  # pylint: disable=import-outside-toplevel
@@ -143,6 +150,9 @@ def train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     outcome = train_lib.train_and_evaluate(config, args.workdir, data_dir=args.data_dir,
                                            dataset=data, progress=not args.no_progress,
                                            restart=args.restart)
+  except KeyboardInterrupt as err:
+    _interrupted(parser, err)
+    raise
   except ValueError as err:
     if "holds a run" not in str(err) and "holds checkpoints" not in str(err):
       raise
@@ -239,6 +249,9 @@ def sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
       results = sweeps.run_or_load(config, run_dir, data=data, data_dir=args.data_dir,
                                    progress=not args.no_progress)
+    except KeyboardInterrupt as err:
+      _interrupted(parser, err)
+      raise
     except ValueError as err:
       parser.exit(2, f"{parser.prog}: error: {err}\n")
       raise

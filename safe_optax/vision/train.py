@@ -629,11 +629,16 @@ def train_and_evaluate(config: Config, workdir: os.PathLike, *, data_dir: os.Pat
         ckpt.save(int(state.step), state)
         last_saved = int(state.step)
   except KeyboardInterrupt:
-    if int(state.step) != last_saved:
+    # An interrupt held back by ckpt.save arrives after that save committed
+    # (before last_saved was updated): the checkpoint is already there.
+    if int(state.step) != last_saved and ckpt.latest_step() != int(state.step):
       ckpt.save(int(state.step), state)
+    saved = ckpt.latest_step()
     bar.close()
     ckpt.close()
-    raise
+    if saved is None:
+      raise
+    raise checkpoint_lib.Interrupted(saved, workdir / "checkpoints") from None
   except TrainingDiverged:
     bar.close()
     ckpt.close()
