@@ -2,11 +2,13 @@
 
 ``python -m build`` builds the sdist, then the wheel from the unpacked sdist
 (so a file missing from the sdist breaks the wheel too). The wheel goes into
-a fresh virtual environment that borrows the system site-packages only for
-jax / optax / numpy (no download); the import must come from the wheel.
+a fresh virtual environment that borrows the packages of the interpreter
+running the tests (system Python or a venv) only for jax / optax / numpy (no
+download); the import must come from the wheel.
 """
 
 import importlib.metadata
+import json
 import pathlib
 import re
 import subprocess
@@ -85,14 +87,68 @@ def test_build_produces_wheel_and_sdist(dist):
   assert {"pyproject.toml", "README.md", "safe_optax/__init__.py"} <= members
 
 
+def fresh_venv(venv: pathlib.Path) -> pathlib.Path:
+  """A new venv at ``venv`` that borrows this interpreter's packages; returns its python.
+
+  ``--system-site-packages`` would borrow the *base* Python's packages: run
+  from a venv holding jax (the README's set-up), the new venv would not see
+  it. Instead a ``.pth`` file adds this interpreter's ``sys.path`` entries as
+  site directories (their own ``.pth`` files processed), after the venv's own
+  site-packages, so what is installed into the venv is imported first. The
+  checkout is left out, so ``safe_optax`` can only come from what is installed.
+  """
+  subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                 timeout=120)
+  (site_dir,) = venv.glob("lib/python*/site-packages")
+  borrowed = []
+  for entry in sys.path:
+    path = pathlib.Path(entry or ".").resolve()
+    if path.is_dir() and path != ROOT and ROOT not in path.parents and str(path) not in borrowed:
+      borrowed.append(str(path))
+  # A .pth line starting with "import" is executed; it must be one line.
+  (site_dir / "_borrowed_site_packages.pth").write_text(
+      "import site; " + "; ".join(f"site.addsitedir({p!r})" for p in borrowed) + "\n")
+  return venv / "bin" / "python"
+
+
+_NESTED = textwrap.dedent("""
+    import pathlib, sys
+    sys.path.insert(0, {tests!r})
+    import test_packaging
+    print(test_packaging.fresh_venv(pathlib.Path({inner!r})))
+""")
+
+
+def test_fresh_venv_sees_the_packages_of_the_environment_running_the_tests(tmp_path):
+  """Run from inside a venv, the test venv sees that venv's packages, not only the base's.
+
+  The outer venv stands for a user's ``python -m venv`` + ``pip install -e
+  .[dev]``: a package that only it holds (``only_in_outer_venv``) must be
+  importable in the venv the wheel test builds, as jax is.
+  """
+  outer_python = fresh_venv(tmp_path / "outer")
+  (outer_site,) = (tmp_path / "outer").glob("lib/python*/site-packages")
+  (outer_site / "only_in_outer_venv.py").write_text("MARK = 42\n")
+  script = _NESTED.format(tests=str(ROOT / "tests"), inner=str(tmp_path / "inner"))
+  proc = subprocess.run([str(outer_python), "-c", script], capture_output=True, text=True,
+                        cwd=tmp_path, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  inner_python = proc.stdout.strip().splitlines()[-1]
+  check = ("import json, jax, only_in_outer_venv, sys; "
+           "print(json.dumps([only_in_outer_venv.MARK, sys.prefix]))")
+  proc = subprocess.run([inner_python, "-c", check], capture_output=True, text=True,
+                        cwd=tmp_path, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  mark, prefix = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert mark == 42 and pathlib.Path(prefix).resolve() == (tmp_path / "inner").resolve()
+
+
 def test_wheel_installs_and_imports_in_a_fresh_venv(dist, tmp_path):
   (wheel,) = dist.glob("*.whl")
   venv = tmp_path / "venv"
-  subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip",
-                  str(venv)], check=True, timeout=120)
-  python = venv / "bin" / "python"
+  python = fresh_venv(venv)
   # The outer pip installs into the venv (--python); --no-deps/--no-index: the
-  # dependencies come from the borrowed system site-packages, nothing is fetched.
+  # dependencies come from the borrowed site-packages, nothing is fetched.
   proc = subprocess.run(
       [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
        "--no-index", "--force-reinstall", "--no-warn-conflicts", str(wheel)],
@@ -118,8 +174,6 @@ def test_wheel_installs_and_imports_in_a_fresh_venv(dist, tmp_path):
   proc = subprocess.run([str(python), "-c", smoke], capture_output=True, text=True,
                         cwd=tmp_path, timeout=300, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  import json  # pylint: disable=import-outside-toplevel
-
   info = json.loads(proc.stdout.strip().splitlines()[-1])
   site = pathlib.Path(info["file"]).resolve()
   assert pathlib.Path(info["prefix"]).resolve() == venv.resolve()
