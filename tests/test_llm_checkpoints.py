@@ -175,3 +175,119 @@ def test_bad_paths_and_mismatched_config(tmp_path):
     checkpoints.load_safetensors(folder)
   with pytest.raises(FileNotFoundError, match="tokenizer.json"):
     checkpoints.load_tokenizer(folder)
+
+
+@pytest.mark.parametrize("keep", [0.6, 0.995])
+def test_truncated_gguf_names_the_file_and_says_truncated(tmp_path, keep):
+  tokens, merges = _byte_vocab()
+  cfg = dataclasses.replace(CFG, vocab_size=len(tokens), rope_layout="interleaved")
+  path = tmp_path / "tiny.gguf"
+  _write_gguf(path, cfg, _params(cfg), tokens, merges)
+  data = path.read_bytes()
+  path.write_bytes(data[:int(keep * len(data))])
+  for load in (checkpoints.load_model, checkpoints.load_tokenizer, checkpoints.source_dtype):
+    with pytest.raises(ValueError, match="truncated or corrupt") as err:
+      load(path)
+    assert str(path) in str(err.value), load
+
+
+def _safetensors_dtypes(file):
+  """The dtype names in a safetensors header (what is on disk, not what numpy makes of it)."""
+  with open(file, "rb") as f:
+    header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+  return {v["dtype"] for k, v in header.items() if k != "__metadata__"}
+
+
+@pytest.mark.parametrize("dtype, on_disk", [("bfloat16", "BF16"), ("float16", "F16"),
+                                            ("float32", "F32")])
+def test_export_keeps_the_requested_dtype_and_reloads(tmp_path, dtype, on_disk):
+  import ml_dtypes
+  params = _params(CFG)
+  folder = checkpoints.save_safetensors(tmp_path / dtype, CFG, params, dtype=dtype)
+  assert _safetensors_dtypes(folder / "model.safetensors") == {on_disk}
+  assert json.loads((folder / "config.json").read_text())["torch_dtype"] == dtype
+  assert checkpoints.source_dtype(folder) == dtype
+  loaded_cfg, loaded = checkpoints.load_model(folder)
+  assert loaded_cfg == CFG
+  np_dtype = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}[dtype]
+  jax.tree.map(lambda got, want: np.testing.assert_array_equal(
+      got, np.asarray(want, np.float32).astype(np_dtype).astype(np.float32)), loaded, params)
+  size = (folder / "model.safetensors").stat().st_size
+  n = sum(np.asarray(a).size for a in jax.tree.leaves(params))
+  assert abs(size - n * np.dtype(np_dtype).itemsize) < 4096  # the header is all that is extra
+  with pytest.raises(ValueError, match="dtype must be one of"):
+    checkpoints.save_safetensors(tmp_path / "bad", CFG, params, dtype="int8")
+
+
+def test_gguf_source_dtype_is_its_matrices_type(tmp_path):
+  """F32 matrices -> float32; F16 -> float16; quantised (Q8_0) -> float16 (documented)."""
+  tokens, merges = _byte_vocab()
+  cfg = dataclasses.replace(CFG, vocab_size=len(tokens), hidden_size=32, num_heads=4,
+                            num_kv_heads=4, intermediate_size=32, num_layers=1)
+  path = tmp_path / "f32.gguf"
+  _write_gguf(path, cfg, _params(cfg), tokens, merges)
+  assert checkpoints.source_dtype(path) == "float32"
+  reader = gguf.GGUFReader(str(path))
+  for name, quantise in (("f16", lambda a: (a.astype(np.float16), None)),
+                         ("q8", lambda a: (gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0),
+                                           gguf.GGMLQuantizationType.Q8_0))):
+    writer = gguf.GGUFWriter(str(tmp_path / f"{name}.gguf"), "llama")
+    for key, field in reader.fields.items():
+      if key.startswith("GGUF.") or key == "general.architecture":
+        continue
+      value = field.contents()
+      if isinstance(value, list):
+        writer.add_array(key, value)
+      else:
+        writer.add_key_value(key, value, field.types[0])
+    for tensor in reader.tensors:
+      data = np.asarray(tensor.data)
+      if data.ndim == 2:  # llama.cpp keeps the 1-D norms in F32 whatever the matrices are
+        stored, raw = quantise(np.ascontiguousarray(data))
+        writer.add_tensor(tensor.name, stored, raw_shape=stored.shape if raw else None,
+                          raw_dtype=raw)
+      else:
+        writer.add_tensor(tensor.name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert checkpoints.source_dtype(tmp_path / f"{name}.gguf") == "float16", name
+
+
+def _tiny_prune_argv(folder, text, out, *extra):
+  return ["prune", "--model", str(folder), "--method", "wanda", "--calib", str(text),
+          "--nsamples", "2", "--seqlen", "16", "--out", str(out), "--quiet", *extra]
+
+
+def test_prune_exports_in_the_source_dtype_unless_asked(tmp_path, capsys):
+  from safe_optax.llm import cli
+  params = _params(CFG)
+  folder = checkpoints.save_safetensors(tmp_path / "bf16", CFG, params, dtype="bfloat16")
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+  vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet())[:CFG.vocab_size])}
+  tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tokenizer.decoder = decoders.ByteLevel()
+  tokenizer.save(str(folder / "tokenizer.json"))
+  text = tmp_path / "calib.txt"
+  text.write_text("the quick brown fox jumps over the lazy dog. " * 20)
+  assert cli.main(_tiny_prune_argv(folder, text, tmp_path / "kept")) == 0
+  assert _safetensors_dtypes(tmp_path / "kept" / "model.safetensors") == {"BF16"}
+  report = json.loads((tmp_path / "kept" / "report.json").read_text())
+  assert report["export_dtype"] == "bfloat16"
+  kept_cfg, kept = checkpoints.load_model(tmp_path / "kept")
+  assert kept_cfg == CFG
+  w = kept["layers_0"]["mlp"]["up_proj"]["kernel"]
+  assert (np.asarray(w) == 0).mean() == 0.5
+  assert cli.main(_tiny_prune_argv(folder, text, tmp_path / "f32",
+                                   "--export-dtype", "float32")) == 0
+  assert _safetensors_dtypes(tmp_path / "f32" / "model.safetensors") == {"F32"}
+  _, wide = checkpoints.load_model(tmp_path / "f32")
+  # Same pruning; only the file's precision differs.
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(
+      (np.asarray(a) == 0), (np.asarray(b) == 0)), kept, wide)
+  capsys.readouterr()
+  with pytest.raises(SystemExit):
+    cli.main(_tiny_prune_argv(folder, text, tmp_path / "x", "--export-dtype", "int8"))
+  assert "--export-dtype" in capsys.readouterr().err

@@ -7,9 +7,18 @@
 * A GGUF file (llama.cpp), dequantised to float32 by PyPI ``gguf``. GGUF
   permutes the Q/K rows of each head for the interleaved-pair RoPE, so the
   model is built with ``rope_layout="interleaved"`` and the weights are used
-  as stored. The tokenizer is rebuilt from the file's BPE metadata.
+  as stored. The tokenizer is rebuilt from the file's BPE metadata. A cut or
+  damaged file raises ``ValueError`` naming it.
 * :func:`save_safetensors` writes a Hugging Face folder (``"half"`` layout,
-  Q/K rows un-permuted if needed) that :func:`load_safetensors` reads back.
+  Q/K rows un-permuted if needed) that :func:`load_safetensors` reads back,
+  in ``float32``, ``bfloat16`` or ``float16``.
+
+Parameters are float32 in memory whatever the source. :func:`source_dtype`
+says what precision the source holds, so an export can keep it (a bf16 model
+is not written at twice its size). A GGUF's quantised matrices (Q4_1, Q8_0,
+...) count as ``float16``: a dequantised block is an fp16 scale times small
+integers, which float16 holds to within 2^-11 relative error, far below the
+quantisation step, at half the size of float32.
 """
 
 from __future__ import annotations
@@ -18,6 +27,8 @@ import json
 import os
 import pathlib
 from typing import Any, Optional
+
+import ml_dtypes
 
 import jax
 import numpy as np
@@ -43,6 +54,11 @@ _GGUF_LINEARS = {
     "ffn_down": ("mlp", "down_proj"),
 }
 _GGUF_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+
+EXPORT_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
+                 "float16": np.dtype(np.float16)}
+"""Precisions :func:`save_safetensors` writes, by name."""
+_SAFETENSORS_DTYPES = {"F64": "float32", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
 def _missing(path: pathlib.Path, what: str) -> FileNotFoundError:
@@ -104,6 +120,9 @@ def _flatten(tree: dict[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple[s
 def load_safetensors(path: os.PathLike) -> tuple[model_lib.LlamaConfig, dict[str, Any]]:
   """Reads a Hugging Face LLaMA-family folder into ``(config, params)`` (float32).
 
+  bf16 / fp16 tensors are widened exactly; :func:`source_dtype` tells which
+  the folder holds.
+
   Args:
     path: folder with ``config.json`` and one or more ``*.safetensors`` files.
 
@@ -154,6 +173,54 @@ def load_safetensors(path: os.PathLike) -> tuple[model_lib.LlamaConfig, dict[str
   return config, params
 
 
+def _gguf_reader(path: pathlib.Path) -> Any:
+  """``gguf.GGUFReader`` of ``path``; a cut or damaged file is named, not a reshape error."""
+  import gguf  # pylint: disable=import-outside-toplevel
+  try:
+    return gguf.GGUFReader(str(path))
+  except (ValueError, IndexError, EOFError) as err:
+    raise ValueError(f"'{path}' is truncated or corrupt, or not a GGUF file (gguf says: {err}); "
+                     "download it again.") from err
+
+
+def _widest(dtypes: set[str]) -> str:
+  """One precision holding every one of ``dtypes`` exactly (bf16 + fp16 need float32)."""
+  return dtypes.pop() if len(dtypes) == 1 else "float32"
+
+
+def source_dtype(path: os.PathLike) -> str:
+  """The precision of a checkpoint's weights: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+
+  Read from the file headers, without loading the weights. A safetensors
+  folder: the floating dtype of its tensors (float32 when they mix bf16 and
+  fp16). A GGUF file: the type of its matrices (llama.cpp keeps 1-D norms in
+  F32 whatever the matrices are); quantised matrices count as ``float16``
+  (see the module docstring).
+  """
+  import gguf  # pylint: disable=import-outside-toplevel
+
+  path = pathlib.Path(path)
+  found: set[str] = set()
+  if path.is_dir():
+    for file in sorted(path.glob("*.safetensors")):
+      with open(file, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+      found |= {_SAFETENSORS_DTYPES[v["dtype"]] for k, v in header.items()
+                if k != "__metadata__" and v["dtype"] in _SAFETENSORS_DTYPES}
+    if not found:
+      raise _missing(path / "*.safetensors", "floating-point safetensors weights")
+    return _widest(found)
+  if not (path.is_file() and path.suffix == ".gguf"):
+    raise _missing(path, "model (a safetensors folder or a .gguf file)")
+  kinds = gguf.GGMLQuantizationType
+  named = {kinds.F32: "float32", kinds.F64: "float32", kinds.BF16: "bfloat16",
+           kinds.F16: "float16"}
+  for tensor in _gguf_reader(path).tensors:
+    if len(tensor.shape) == 2:
+      found.add(named.get(tensor.tensor_type, "float16"))
+  return _widest(found) if found else "float32"
+
+
 def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
   field = reader.fields.get(key)
   if field is None:
@@ -172,7 +239,7 @@ def load_gguf(path: os.PathLike) -> tuple[model_lib.LlamaConfig, dict[str, Any]]
   path = pathlib.Path(path)
   if not path.is_file():
     raise _missing(path, "GGUF file")
-  reader = gguf.GGUFReader(str(path))
+  reader = _gguf_reader(path)
   arch = _gguf_field(reader, "general.architecture")
   if arch != "llama":
     raise ValueError(f"'{path}': general.architecture is {arch!r}; only 'llama' is supported.")
@@ -237,10 +304,9 @@ def load_model(path: os.PathLike) -> tuple[model_lib.LlamaConfig, dict[str, Any]
 
 def tokenizer_from_gguf(path: os.PathLike) -> Any:
   """Rebuilds the byte-level BPE tokenizer stored in a GGUF file's metadata."""
-  import gguf  # pylint: disable=import-outside-toplevel
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # pylint: disable=import-outside-toplevel
 
-  reader = gguf.GGUFReader(str(path))
+  reader = _gguf_reader(pathlib.Path(path))
   kind = _gguf_field(reader, "tokenizer.ggml.model")
   if kind != "gpt2":
     raise ValueError(f"'{path}': tokenizer.ggml.model is {kind!r}; only byte-level BPE "
@@ -302,6 +368,7 @@ def save_safetensors(
     config: model_lib.LlamaConfig,
     params: dict[str, Any],
     tokenizer: Optional[Any] = None,
+    dtype: str = "float32",
 ) -> pathlib.Path:
   """Writes a Hugging Face LLaMA folder: ``config.json``, ``model.safetensors``, tokenizer.
 
@@ -309,11 +376,26 @@ def save_safetensors(
   (a row permutation, so sparsity and N:M groups along the input dimension
   are unchanged).
 
+  Args:
+    path: the folder (created).
+    config: the model's configuration.
+    params: its Flax parameters.
+    tokenizer: a ``tokenizers.Tokenizer`` saved as ``tokenizer.json``.
+    dtype: precision of the written tensors, one of :data:`EXPORT_DTYPES`
+      (``config.json``'s ``torch_dtype`` says which); use
+      :func:`source_dtype` to keep the source's. Zeros stay zeros.
+
   Returns:
     The folder.
+
+  Raises:
+    ValueError: ``dtype`` is not one of :data:`EXPORT_DTYPES`.
   """
   from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
 
+  if dtype not in EXPORT_DTYPES:
+    raise ValueError(f"save_safetensors dtype must be one of {tuple(EXPORT_DTYPES)}, "
+                     f"got {dtype!r}.")
   path = pathlib.Path(path)
   path.mkdir(parents=True, exist_ok=True)
   tensors = {
@@ -334,7 +416,8 @@ def save_safetensors(
       tensors[f"model.layers.{i}.{hf}.weight"] = np.ascontiguousarray(kernel.T)
     for hf, name in _HF_NORMS.items():
       tensors[f"model.layers.{i}.{hf}.weight"] = np.asarray(block[name]["scale"], np.float32)
-  save_file(tensors, str(path / "model.safetensors"))
+  save_file({name: value.astype(EXPORT_DTYPES[dtype]) for name, value in tensors.items()},
+            str(path / "model.safetensors"))
   hf_config = {
       "architectures": ["LlamaForCausalLM"], "model_type": "llama",
       "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
@@ -342,7 +425,7 @@ def save_safetensors(
       "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
       "head_dim": config.dim_per_head, "rope_theta": config.rope_base,
       "rms_norm_eps": config.rms_eps, "tie_word_embeddings": config.tie_embeddings,
-      "hidden_act": "silu", "torch_dtype": "float32",
+      "hidden_act": "silu", "torch_dtype": dtype,
   }
   (path / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
   if tokenizer is not None:

@@ -10,6 +10,8 @@
 ``tokenizer.json``) or a ``.gguf`` file. ``prune`` writes ``DIR`` as a
 safetensors folder plus ``report.json`` (arguments, per-block seconds and
 reconstruction errors, sparsity report, perplexities, package versions).
+The safetensors keep the source's precision (bf16 stays bf16; a quantised
+GGUF is written as float16) unless ``--export-dtype`` says otherwise.
 
 ``prune`` is resumable: each pruned block and the stream state go to
 ``DIR/prune_state`` as it works, so rerunning an interrupted command (Ctrl-C,
@@ -127,7 +129,8 @@ def _prune(args: argparse.Namespace) -> dict[str, Any]:
   # Only the blocks' matrices are pruned; the embedding (and untied head) stay dense.
   sparsity = safe_optax.sparsity_report(
       pruned, prunable=lambda path, leaf: "layers_" in path_str(path) and leaf.ndim == 2)
-  out = checkpoints.save_safetensors(args.out, config, pruned, tokenizer)
+  export_dtype = args.export_dtype or checkpoints.source_dtype(args.model)
+  out = checkpoints.save_safetensors(args.out, config, pruned, tokenizer, dtype=export_dtype)
   report = {
       "command": args.command_line,
       "args": {k: v for k, v in vars(args).items() if k not in ("func", "command_line")},
@@ -135,7 +138,7 @@ def _prune(args: argparse.Namespace) -> dict[str, Any]:
       "calibration": {"text": str(args.calib), "nsamples": args.nsamples,
                       "seqlen": args.seqlen, "seed": args.seed},
       # Wall time of this process only; a resumed run's earlier blocks are in "blocks".
-      "seconds_total": total, **prune_report,
+      "seconds_total": total, "export_dtype": export_dtype, **prune_report,
       "sparsity": {"prunable": sparsity.sparsity, "overall": sparsity.overall_sparsity},
       "eval": [evaluate(config, pruned, tokenizer, text, args.eval_seqlen, args.eval_tokens)
                for text in args.eval or []],
@@ -185,7 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--penalty", type=float, default=1e-3)
   p.add_argument("--dual-every", type=int, default=32)
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--dtype", choices=tuple(model_lib.DTYPES), default=None)
+  p.add_argument("--dtype", choices=tuple(model_lib.DTYPES), default=None,
+                 help="computation dtype while pruning and evaluating (default float32)")
+  p.add_argument("--export-dtype", choices=tuple(checkpoints.EXPORT_DTYPES), default=None,
+                 help="precision of the written safetensors (default: the source's; a "
+                      "quantised GGUF counts as float16)")
   p.add_argument("--eval", action="append", help="text to report perplexity on (repeatable)")
   p.add_argument("--eval-seqlen", type=int, default=512)
   p.add_argument("--eval-tokens", type=int, default=None)
