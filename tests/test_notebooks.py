@@ -11,6 +11,8 @@ import json
 import math
 import os
 import pathlib
+import re
+import sys
 
 import pytest
 
@@ -201,3 +203,77 @@ def test_llm_pruning_outputs(executed):
   # The GGUF's interleaved Q/K rows are written in the Hugging Face layout and read back.
   assert export["rope_layout"] == "half" and export["same_tokens"]
   assert export["perplexity"] == pytest.approx(rows["safe-plus"]["perplexity"], rel=1e-4)
+
+
+# The install cell's logic, outside a checkout (Colab) and inside one, with pip and the
+# import system mocked: which command runs, or which single sentence stops the notebook.
+_MAYBE_MISSING = {"safe_optax", "flax", "orbax", "tqdm", "matplotlib", "PIL", "sklearn",
+                  "safetensors", "gguf", "tokenizers"}
+# Importable wherever a notebook runs: Jupyter / Colab (IPython), safe_optax's own dependencies
+# (jax, optax, numpy), and datasets, which llm_pruning imports only on Colab (preinstalled there)
+# when the WikiText-2 copies beside the checkout are absent.
+_PROVIDED = {"IPython", "jax", "optax", "numpy", "safe_optax", "datasets"}
+
+
+def _install_cell(path):
+  code = next(c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code")
+  head, sep, _ = code.source.partition("\nimport jax\n")
+  assert sep, f"{path.name}: the install logic comes before 'import jax'"
+  return head
+
+
+def _run_install_cell(path, monkeypatch, cwd, missing, source=None):
+  """Executes the cell's install part; returns (pip commands run, the cell's namespace)."""
+  import importlib.util
+  import subprocess
+  calls = []
+  real_find_spec = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: (
+      None if name in missing else real_find_spec(name, *args)))
+  monkeypatch.setattr(subprocess, "run", lambda command, **kwargs: calls.append(command))
+  monkeypatch.chdir(cwd)
+  if source is None:
+    monkeypatch.delenv("SAFE_OPTAX_SOURCE", raising=False)
+  else:
+    monkeypatch.setenv("SAFE_OPTAX_SOURCE", source)
+  namespace = {"__name__": "__main__"}
+  try:
+    exec(compile(_install_cell(path), str(path), "exec"), namespace)  # pylint: disable=exec-used
+  finally:
+    monkeypatch.undo()
+  return calls, namespace
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_install_cell_outside_a_checkout_asks_for_safe_optax_source(path, tmp_path, monkeypatch):
+  with pytest.raises(RuntimeError) as err:
+    _run_install_cell(path, monkeypatch, tmp_path, missing={"safe_optax"})
+  message = str(err.value)
+  assert "SAFE_OPTAX_SOURCE" in message and "git+https://" in message
+  assert "\n" not in message and message.count(". ") == 0  # one sentence
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_install_cell_installs_the_source_and_only_what_the_notebook_imports(path, tmp_path,
+                                                                             monkeypatch):
+  source = "git+https://example.invalid/someone/safe_optax.git"
+  calls, namespace = _run_install_cell(path, monkeypatch, tmp_path, _MAYBE_MISSING, source)
+  needs = namespace["NEEDS"]
+  assert calls == [[sys.executable, "-m", "pip", "install", "-q", source, *needs.values()]]
+  assert not any("jupyter" in part or "[" in part for part in calls[0])  # no extras, no Jupyter
+  # Every third-party module the notebook imports is either provided or in NEEDS.
+  nb = nbformat.read(path, as_version=4)
+  imported = {m.split(".")[0] for c in nb.cells if c.cell_type == "code"
+              for m in re.findall(r"^\s*(?:from|import)\s+([\w.]+)", c.source, flags=re.M)}
+  third_party = imported - set(sys.stdlib_module_names) - _PROVIDED
+  assert third_party <= set(needs), third_party - set(needs)
+  # With everything installed, the cell runs no pip at all.
+  calls, namespace = _run_install_cell(path, monkeypatch, tmp_path, missing=set())
+  assert calls == [] and namespace["command"] is None
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_install_cell_in_a_checkout_installs_it_editable(path, monkeypatch):
+  calls, _ = _run_install_cell(path, monkeypatch, ROOT / "notebooks", {"safe_optax", "flax"})
+  expected = ["-e", str(ROOT)] + (["flax>=0.10"] if path.name != "quickstart.ipynb" else [])
+  assert calls == [[sys.executable, "-m", "pip", "install", "-q", *expected]]
