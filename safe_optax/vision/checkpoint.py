@@ -36,9 +36,12 @@ class Interrupted(KeyboardInterrupt):
   """
 
   def __init__(self, step: int, directory: os.PathLike):
-    super().__init__(f"interrupted at step {step}; checkpoint saved in {directory}")
+    super().__init__(step, str(directory))  # the constructor's arguments: picklable
     self.step = step
     self.directory = pathlib.Path(directory)
+
+  def __str__(self) -> str:
+    return f"interrupted at step {self.step}; checkpoint saved in {self.directory}"
 
 
 @contextlib.contextmanager
