@@ -116,3 +116,32 @@ def test_checkpointer_defers_sigint_until_the_save_is_committed(tmp_path, monkey
   fresh = checkpoint_lib.Checkpointer(tmp_path)
   assert fresh.latest_step() == 5
   np.testing.assert_array_equal(fresh.restore(5, {"w": jnp.zeros(4)})["w"], np.arange(4.0))
+
+
+@pytest.mark.parametrize("command", ["train", "sweep"])
+@pytest.mark.parametrize("raised, said", [
+    (checkpoint_lib.Interrupted(7, "/runs/x/checkpoints"),
+     "interrupted at step 7; checkpoint saved in /runs/x/checkpoints; "
+     "rerun the same command to resume"),
+    (KeyboardInterrupt(), "interrupted; rerun the same command to resume"),  # before any save
+])
+def test_cli_turns_ctrl_c_into_one_line_and_exit_130(tmp_path, monkeypatch, capsys, command,
+                                                     raised, said):
+  from safe_optax.vision import cli
+  from safe_optax.vision import train as train_lib
+
+  def interrupted(*args, **kwargs):
+    raise raised
+
+  monkeypatch.setattr(train_lib, "train_and_evaluate", interrupted)
+  _write_tiny_mnist(tmp_path)
+  argv = [command, "--preset", "mlp-mnist", "--data-dir", str(tmp_path), "--workdir",
+          str(tmp_path / "run"), "--test-only-split", "48", "24", "--no-progress"]
+  argv += ["--methods", "safe", "--sparsities", "0.5", "--seeds", "0"] if command == "sweep" else []
+  with pytest.raises(SystemExit) as exit_info:
+    cli.main(argv)
+  err = capsys.readouterr().err
+  assert exit_info.value.code == 130
+  assert err.splitlines()[-1] == f"safe-optax-vision {command}: {said}"
+  # The sweep announces each run on stderr before it starts (two lines).
+  assert "Traceback" not in err and len(err.splitlines()) <= 3, err
