@@ -561,7 +561,9 @@ def train_and_evaluate(config: Config, workdir: os.PathLike, *, data_dir: os.Pat
 
   Returns:
     An :class:`Outcome`. On ``KeyboardInterrupt`` a checkpoint of the last
-    completed step is written and the exception re-raised.
+    completed step is written and
+    :class:`~safe_optax.vision.checkpoint.Interrupted` (a ``KeyboardInterrupt``
+    naming the step and the checkpoint folder) is raised.
 
   Raises:
     ValueError: ``workdir`` holds a run of other settings.
