@@ -18,6 +18,8 @@ Stages (each run is appended to the JSON as it finishes; a rerun skips done runs
   (64 windows at 60 steps), a per-matrix relative learning rate
   (``lr_scale="rms"``).
 * ``edge``: lr 1e-2 at 60 steps (the grid's best lr was its largest).
+* ``extra``: the limits at 250 steps (relative lr, 64 windows), relative lr
+  0.1, SAFE at 250 steps, SAFE+ 2:4 at 250 steps.
 
   python benchmarks/llm_block_selection.py [--block 0] [--stages grid long nm limits]
   python benchmarks/llm_block_selection.py --figure-only
@@ -144,7 +146,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--block", type=int, default=0)
   parser.add_argument("--stages", nargs="*", default=["grid", "long", "nm", "limits"],
-                      choices=["grid", "long", "nm", "limits", "edge"])
+                      choices=["grid", "long", "nm", "limits", "edge", "extra"])
   parser.add_argument("--figure-only", action="store_true")
   args = parser.parse_args()
   path = OUT / f"block_selection_block{args.block}.json"
@@ -228,10 +230,24 @@ def collect(args, path, record):
     for method in safe_methods:
       top = best(runs, method, "50%", SHORT)[0]
       do(method, "50%", SHORT, 1e-2, top["penalty"])
-  record["selected"] = {
-      f"{m}|{s}": {k: best(runs, m, s)[0][k] for k in ("lr", "penalty", "steps_requested",
-                                                     "held_out_error")}
-      for m in safe_methods for s in STRUCTURES if best(runs, m, s)}
+  if "extra" in args.stages:
+    top = best(runs, "safe-plus", "50%", SHORT)[0]
+    do("safe-plus", "50%", SHORT, 1e-1, top["penalty"], lr_scale="rms")
+    do("safe-plus", "50%", LONG, 3e-2, top["penalty"], lr_scale="rms")
+    do("safe-plus", "50%", LONG, top["lr"], top["penalty"], n=64)
+    do("safe-plus", "2:4", LONG, top["lr"], top["penalty"])
+    safe_top = best(runs, "safe", "50%", SHORT)[0]
+    do("safe", "50%", LONG, safe_top["lr"], safe_top["penalty"])
+  # The best (lr, lambda) per method, structure and step budget, on held-out error only
+  # (absolute lr, 16 calibration windows: the settings the full-model runs can use).
+  record["selected"] = {}
+  for m in safe_methods:
+    for s in STRUCTURES:
+      for steps in sorted({r["steps_requested"] for r in runs.values() if r["method"] == m}):
+        top = best(runs, m, s, steps)
+        if top:
+          record["selected"][f"{m}|{s}|steps{steps}"] = {
+              k: top[0][k] for k in ("lr", "penalty", "held_out_error")}
   save()
 
 
@@ -246,13 +262,19 @@ def figure(record, png):
       key = _key(method, structure)
       if key in runs:
         ax.axhline(runs[key]["held_out_error"], color=color, ls="--", label=method)
-    for method, color in (("safe-plus", "C0"), ("safe", "C3")):
+    series = (("safe-plus", CALIB_WINDOWS, "none", "C0", "o-", "safe-plus (best lr, lambda)"),
+              ("safe", CALIB_WINDOWS, "none", "C3", "o-", "safe (best lr, lambda)"),
+              ("safe-plus", CALIB_WINDOWS, "rms", "C9", "s:", "safe-plus, relative lr"),
+              ("safe-plus", 64, "none", "C4", "^:", "safe-plus, 64 windows"))
+    for method, n, scale, color, style, label in series:
       steps = sorted({r["steps_requested"] for r in runs.values()
                       if r["method"] == method and r["structure"] == structure
-                      and r["n"] == CALIB_WINDOWS and r["lr_scale"] == "none"})
-      errs = [best(runs, method, structure, s)[0]["held_out_error"] for s in steps]
+                      and r["n"] == n and r["lr_scale"] == scale})
+      errs = [best(runs, method, structure, s, n=n, lr_scale=scale)[0]["held_out_error"]
+              for s in steps]
       if steps:
-        ax.plot(steps, errs, "o-", color=color, label=f"{method} (best lr, lambda)")
+        ax.plot(steps, errs, style, color=color, label=label)
+    ax.set_xlim(0, 270)
     ax.set_yscale("log")
     ax.set_xlabel("SAFE steps per block (batch 8)")
     ax.set_title(f"block {record.get('block', 0)}, {structure}")
