@@ -190,11 +190,15 @@ Does the paper's ordering hold (SAFE+ < SparseGPT <= Wanda << magnitude; SAFE fa
   block) reaches 0.0231. Then steps: 120 / 250 steps give 0.0220 / 0.0206, and at 250 steps
   the relative step gives the same (0.0203). Then calibration size: at 250 steps the
   calibration error is 0.0045 against 0.0206 held out (over-fitting 16 x 128 tokens), and 64
-  windows give 0.0160 (SparseGPT with 64 windows: 0.0254). lambda (1e-3 vs 1e-2) matters little
+  windows give 0.0160 at 248 steps (SparseGPT with 64 windows: 0.0254). lambda (1e-3 vs 1e-2) matters little
   for SAFE+ (0.0289 vs 0.0290) and favours 1e-2 for SAFE (0.0544 vs 0.0614).
-- Block 11 of SmolLM2 is where the Wanda score does badly: Wanda and SAFE+ (which projects with
-  Wanda's scores) leave 0.063-0.066 of its output energy (in-sample), magnitude 0.006, SAFE
-  0.004, SparseGPT 0.0001; SAFE+'s 60 steps do not repair it.
+- Block 11 of SmolLM2 is where the Wanda score does badly: in the full runs Wanda and SAFE+
+  (which projects with Wanda's scores, per output row) leave 0.063-0.066 of its output energy
+  (in-sample), magnitude 0.006, SAFE 0.004, SparseGPT 0.0001. The block-11 study (inputs from
+  the dense stream, `block_selection_block11.json`) agrees on held-out windows: Wanda 0.0697,
+  SAFE+ 0.069-0.073 at every lr and lambda of the 60-step grid, magnitude 0.0055, SAFE
+  0.0045-0.0055, SparseGPT 0.0001. There the paper's ordering fails for SAFE+ (its projection,
+  not its steps); a per-matrix grouping (`--grouping per_matrix`) was not tried.
 """
 
 
