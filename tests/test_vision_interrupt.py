@@ -44,6 +44,21 @@ _CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.fixture(autouse=True)
+def _python_sigint_handler():
+  """Ctrl-C as in a terminal, whatever an earlier test left behind.
+
+  Some other test in the suite (a kernel or subprocess launcher) leaves SIGINT
+  ignored in the pytest process; an ignored SIGINT is inherited by children
+  and keeps Python from installing its KeyboardInterrupt handler. Setting
+  Python's handler here gives this test and its subprocesses (where it becomes
+  the default disposition on exec) the terminal's behaviour.
+  """
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+  yield
+  signal.signal(signal.SIGINT, previous)
+
+
 def _write_tiny_mnist(directory: pathlib.Path) -> None:
   rng = np.random.default_rng(0)
   labels = rng.integers(0, 10, 72).astype(np.uint8)

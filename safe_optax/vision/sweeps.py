@@ -71,7 +71,7 @@ def differing_settings(recorded: configs.Config, requested: configs.Config) -> l
 
   Examples:
     >>> a = configs.get_config("mlp-mnist")
-    >>> differing_settings(a, a.replace(epochs=3, learning_rate=0.05))
+    >>> differing_settings(a, a.replace(epochs=30, learning_rate=0.05))
     ['epochs', 'learning_rate']
   """
   old, new = configs.to_dict(recorded), configs.to_dict(requested)
