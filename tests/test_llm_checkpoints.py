@@ -28,6 +28,20 @@ def _logits(cfg, params):
   return np.asarray(jax.jit(model_lib.Llama(cfg).apply)({"params": params}, TOKENS))
 
 
+def _writer_with_fields(reader, path):
+  """A GGUF writer at ``path`` holding every metadata field of ``reader`` (tensors to add)."""
+  writer = gguf.GGUFWriter(str(path), "llama")
+  for key, field in reader.fields.items():
+    if key.startswith("GGUF.") or key == "general.architecture":
+      continue
+    value = field.contents()
+    if isinstance(value, list):
+      writer.add_array(key, value)
+    else:
+      writer.add_key_value(key, value, field.types[0])
+  return writer
+
+
 @pytest.mark.parametrize("tie", [True, False])
 def test_safetensors_round_trip(tmp_path, tie):
   cfg = dataclasses.replace(CFG, tie_embeddings=tie)
@@ -124,15 +138,7 @@ def test_gguf_quantized_tensor_dequantised(tmp_path):
   reader = gguf.GGUFReader(str(path))
   up = np.asarray(params["layers_0"]["mlp"]["up_proj"]["kernel"], np.float32).T.copy()
   quantised = gguf.quants.quantize(up, gguf.GGMLQuantizationType.Q8_0)
-  writer = gguf.GGUFWriter(str(tmp_path / "q8b.gguf"), "llama")
-  for key, field in reader.fields.items():
-    if key.startswith("GGUF.") or key == "general.architecture":
-      continue
-    value = field.contents()
-    if isinstance(value, list):
-      writer.add_array(key, value)
-    else:
-      writer.add_key_value(key, value, field.types[0])
+  writer = _writer_with_fields(reader, tmp_path / "q8b.gguf")
   for tensor in reader.tensors:
     if tensor.name == "blk.0.ffn_up.weight":
       writer.add_tensor(tensor.name, quantised, raw_shape=quantised.shape,
@@ -231,15 +237,7 @@ def test_gguf_source_dtype_is_its_matrices_type(tmp_path):
   for name, quantise in (("f16", lambda a: (a.astype(np.float16), None)),
                          ("q8", lambda a: (gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0),
                                            gguf.GGMLQuantizationType.Q8_0))):
-    writer = gguf.GGUFWriter(str(tmp_path / f"{name}.gguf"), "llama")
-    for key, field in reader.fields.items():
-      if key.startswith("GGUF.") or key == "general.architecture":
-        continue
-      value = field.contents()
-      if isinstance(value, list):
-        writer.add_array(key, value)
-      else:
-        writer.add_key_value(key, value, field.types[0])
+    writer = _writer_with_fields(reader, tmp_path / f"{name}.gguf")
     for tensor in reader.tensors:
       data = np.asarray(tensor.data)
       if data.ndim == 2:  # llama.cpp keeps the 1-D norms in F32 whatever the matrices are
