@@ -184,6 +184,10 @@ Does the paper's ordering hold (SAFE+ < SparseGPT <= Wanda << magnitude; SAFE fa
   calibration draw (seed 0): gaps of a few percent (Wanda vs SparseGPT) could change with other
   tokens; SAFE+'s 14 % (WikiText-2) and 11 % (Austen) leads are less likely to, but have not
   been checked on more tokens or seeds.
+- Perplexity at 2:4 (SAFE+ only, 60 steps per block): WikiText-2 118.23 vs SparseGPT 113.29,
+  Wanda 191.33, magnitude 3427.84; Austen 130.30 vs SparseGPT 151.97, Wanda 178.03. SAFE+ beats
+  Wanda by far; against SparseGPT it is 4 % worse on WikiText-2 and 14 % better on Austen, so
+  "SAFE+ < SparseGPT" is not shown at 2:4 (SAFE 2:4 at the selected step was not run).
 - What limits convergence (SAFE+, block 0, 50 %, held-out): at 60 steps the step size: lr 2e-4
   / 1e-3 / 3e-3 give 0.0440 / 0.0359 / 0.0289, and 1e-2 overshoots (0.0843); a per-matrix
   relative step (`--lr-scale rms`, lr 3e-2 x each matrix's RMS, which ranges 0.05-0.40 in this
