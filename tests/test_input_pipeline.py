@@ -104,12 +104,17 @@ def _write_idx(path, array, gz=True):
     path.write_bytes(payload)
 
 
-def test_mnist_idx_full_and_test_only_split(tmp_path):
-  rng = np.random.default_rng(3)
+def _write_t10k(directory, rng):
+  """30 random 28x28 t10k images (gzipped idx) and labels (plain idx) in ``directory``."""
   images = rng.integers(0, 256, (30, 28, 28), dtype=np.uint8)
   labels = rng.integers(0, 10, 30).astype(np.uint8)
-  _write_idx(tmp_path / "t10k-images-idx3-ubyte", images)
-  _write_idx(tmp_path / "t10k-labels-idx1-ubyte", labels, gz=False)
+  _write_idx(directory / "t10k-images-idx3-ubyte", images)
+  _write_idx(directory / "t10k-labels-idx1-ubyte", labels, gz=False)
+  return images, labels
+
+
+def test_mnist_idx_full_and_test_only_split(tmp_path):
+  images, labels = _write_t10k(tmp_path, np.random.default_rng(3))
   with pytest.raises(FileNotFoundError, match="train-images-idx3-ubyte"):
     ip.load_mnist(tmp_path)
   split = ip.load_mnist(tmp_path, test_only_split=(20, 10), seed=5)
@@ -221,10 +226,7 @@ def test_a_truncated_tar_gz_names_the_file_and_says_truncated(tmp_path, keep):
 
 def test_truncated_mnist_idx_and_cifar_pickles_name_the_file(tmp_path):
   rng = np.random.default_rng(7)
-  images = rng.integers(0, 256, (30, 28, 28), dtype=np.uint8)
-  labels = rng.integers(0, 10, 30).astype(np.uint8)
-  _write_idx(tmp_path / "t10k-images-idx3-ubyte", images)
-  _write_idx(tmp_path / "t10k-labels-idx1-ubyte", labels, gz=False)
+  images, labels = _write_t10k(tmp_path, rng)
   gz = tmp_path / "t10k-images-idx3-ubyte.gz"
   gz.write_bytes(gz.read_bytes()[:-40])  # a cut gzip stream: EOFError inside gzip
   with pytest.raises(ValueError, match="truncated or corrupt") as err:
