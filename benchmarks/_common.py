@@ -18,14 +18,12 @@ import sys
 import time
 from typing import Any, Callable
 
-import flax
 import jax
-import jaxlib
-import numpy as np
 import optax
 
 import safe_optax
 from safe_optax import flax_utils
+from safe_optax.experiment import cross_entropy, versions
 
 DUAL_EVERY = 32
 METHODS = ("sgd", "sam", "safe", "admm", "safe_nodual")
@@ -57,19 +55,15 @@ def make_tx(method: str) -> tuple[optax.GradientTransformation, bool]:
   raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
 
 
-def loss_fn(logits: jax.Array, labels: jax.Array) -> jax.Array:
-  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
-
 def make_step(apply_fn: Callable[..., Any], tx: optax.GradientTransformation,
               needs_grad_fn: bool) -> Callable[..., Any]:
   """``step(params, model_state, opt_state, batch) -> (params, model_state, opt_state, loss)``,
   jitted with the three states donated."""
   def step(params, model_state, opt_state, batch):
     (loss, (_, new_model_state)), grads = flax_utils.loss_and_grad_with_state(
-        apply_fn, params, model_state, batch, loss_fn)
+        apply_fn, params, model_state, batch, cross_entropy)
     if needs_grad_fn:
-      grad_fn = flax_utils.sam_grad_fn(apply_fn, model_state, batch, loss_fn)
+      grad_fn = flax_utils.sam_grad_fn(apply_fn, model_state, batch, cross_entropy)
       updates, opt_state = tx.update(grads, opt_state, params, grad_fn=grad_fn)
     else:
       updates, opt_state = tx.update(grads, opt_state, params)
@@ -106,10 +100,7 @@ def run_record() -> dict[str, Any]:
   return {
       "command": shlex.join([sys.executable] + sys.argv),
       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-      "versions": {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
-                   "flax": flax.__version__, "optax": optax.__version__,
-                   "numpy": np.__version__, "python": platform.python_version(),
-                   "safe_optax": safe_optax.__version__},
+      "versions": versions(),
       "cpu": cpu_info(), "backend": jax.default_backend(),
       "devices": [str(d) for d in jax.devices()],
   }

@@ -55,7 +55,7 @@ from jax import lax
 
 import safe_optax
 from safe_optax import flatness
-from safe_optax.demo import batch_order, mean_se, versions
+from safe_optax.experiment import batch_order, cross_entropy, mean_se, steps_per_epoch, versions
 from safe_optax.vision import input_pipeline, models
 from safe_optax.vision import train as vision_train
 
@@ -104,10 +104,6 @@ class Config:
     return self.data_dir or DATA_DIRS[self.dataset]
 
 
-def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
-
 def make_optimizer(method: str, config: Config, penalty: Optional[float], total_steps: int,
                    steps_epoch: int):
   lr = optax.warmup_cosine_decay_schedule(
@@ -125,7 +121,7 @@ def make_optimizer(method: str, config: Config, penalty: Optional[float], total_
 def make_train_fn(method: str, config: Config, penalty: Optional[float], n_train: int,
                   model: models.MLP):
   """``train(params, order, x, y) -> (params, opt_state, epoch_losses)``, one jitted scan."""
-  steps_epoch = n_train // config.batch_size
+  steps_epoch = steps_per_epoch(n_train, config.batch_size)
   total_steps = config.epochs * steps_epoch
   tx = make_optimizer(method, config, penalty, total_steps, steps_epoch)
 
@@ -241,7 +237,8 @@ def train_runs(method: str, penalty: Optional[float], config: Config, data: dict
   runs = []
   for seed in seeds:
     params = model.init(jax.random.PRNGKey(seed), data["x_train"][:1])["params"]
-    order = jnp.asarray(batch_order(seed, config, n_train))
+    order = jnp.asarray(batch_order(seed, n_train, batch_size=config.batch_size,
+                                    epochs=config.epochs))
     t0 = time.perf_counter()
     trained, opt_state, losses = jax.block_until_ready(
         train_fn(params, order, data["x_train"], data["y_train"]))

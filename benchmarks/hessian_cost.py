@@ -26,11 +26,10 @@ from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax import lax
 
 from safe_optax import flatness
-from safe_optax.demo import versions
+from safe_optax.experiment import cross_entropy, versions
 from safe_optax.vision import models
 
 
@@ -48,7 +47,7 @@ def _model_case(name: str, batch: int, num_batches: int):
 
   def loss_fn(p, b):
     logits = model.apply({"params": p, **state}, b[0], train=False)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, b[1]).mean()
+    return cross_entropy(logits, b[1])
 
   batches = [(x[i], y[i]) for i in range(num_batches)]
   return loss_fn, params, batches
@@ -122,7 +121,7 @@ def main(argv: Optional[list[str]] = None) -> int:
   results = {"benchmark": "hessian_cost", "command": "python " + " ".join(sys.argv),
              "versions": versions(), "cases": rows}
   (out / "hessian_cost.json").write_text(json.dumps(results, indent=1))
-  lines = [f"Command: `{results['command']}` ({results['versions']['device']}, shared 2-core "
+  lines = [f"Command: `{results['command']}` ({results['versions']['device_kind']}, shared 2-core "
            "CPU)", "",
            "| model | batches x size | power step (ms) | gradient (ms) | ratio |",
            "|---|---|---|---|---|"]

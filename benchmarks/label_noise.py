@@ -27,7 +27,7 @@ import sys
 import time
 from typing import Any, Optional
 
-from safe_optax.demo import mean_se
+from safe_optax.experiment import mean_se, versions
 from safe_optax.vision import configs
 from safe_optax.vision import sweeps
 from safe_optax.vision import train
@@ -117,7 +117,7 @@ def main(argv: Optional[list[str]] = None) -> int:
   (out / f"{stem}.json").write_text(json.dumps(
       {"command": command, "config": configs.to_dict(base), "selection": selections,
        "runs": runs,
-       "versions": train.versions(), "wall_seconds": time.perf_counter() - start}, indent=1))
+       "versions": versions(), "wall_seconds": time.perf_counter() - start}, indent=1))
   chosen = "".join(f"\n- noise {noise}: " + ", ".join(f"{k} {v:g}" for k, v in sel["chosen"].items())
                    for noise, sel in selections.items())
   lambdas = (f"\n\nLambda chosen per noise ratio on {args.validation} held-out training "

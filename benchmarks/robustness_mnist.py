@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any, Optional
 
-from safe_optax.demo import mean_se
+from safe_optax.experiment import mean_se, versions
 from safe_optax.vision import configs
 from safe_optax.vision import evaluation
 from safe_optax.vision import train
@@ -86,7 +86,7 @@ def main(argv: Optional[list[str]] = None) -> int:
   stem = f"robustness_{args.preset}"
   (out / f"{stem}.json").write_text(json.dumps(
       {"command": command, "config": configs.to_dict(base), "sparsity": args.sparsity,
-       "seeds": args.seeds, "versions": train.versions(), "evals": evals, "wall_seconds": time.perf_counter() - start},
+       "seeds": args.seeds, "versions": versions(), "evals": evals, "wall_seconds": time.perf_counter() - start},
       indent=1))
   (out / f"{stem}.md").write_text(
       f"Command: `{command}`\n\nAccuracy (%) of the sparse model after projection + BNT, "

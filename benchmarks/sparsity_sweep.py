@@ -43,7 +43,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from safe_optax.demo import mean_se
+from safe_optax.experiment import mean_se, versions
 from safe_optax.vision import cli as vision_cli
 from safe_optax.vision import configs
 from safe_optax.vision import sweeps
@@ -175,7 +175,7 @@ def main(argv: Optional[list[str]] = None) -> int:
   plot(runs, args.sparsities, title, out / "accuracy_vs_sparsity.png")
   summary = {"command": "python " + " ".join(sys.argv), "config": configs.to_dict(base),
              "selection": selection, "runs": runs, "table": table["rows"],
-             "convergence": rows, "versions": train_lib.versions(),
+             "convergence": rows, "versions": versions(),
              "wall_seconds": time.perf_counter() - start}
   with open(out / "sweep.json", "w", encoding="utf-8") as f:
     json.dump(summary, f, indent=1)

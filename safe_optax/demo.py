@@ -26,7 +26,6 @@ import argparse
 import dataclasses
 import json
 import math
-import platform
 import sys
 import time
 from collections.abc import Sequence
@@ -39,6 +38,7 @@ import optax
 from jax import lax
 
 import safe_optax
+from safe_optax import experiment
 
 METHODS = ("dense", "magnitude", "admm", "safe")
 LAYERS = (64, 128, 64, 10)
@@ -136,10 +136,6 @@ def accuracy(params, x, y) -> jax.Array:
 # ----------------------------------------------------------------------------- training
 
 
-def steps_per_epoch(config: Config, n_train: int) -> int:
-  return n_train // config.batch_size
-
-
 def make_optimizer(method: str, sparsity: Optional[float], config: Config, total_steps: int,
                    steps_epoch: int) -> optax.GradientTransformation:
   lr = optax.warmup_cosine_decay_schedule(
@@ -162,27 +158,13 @@ def make_optimizer(method: str, sparsity: Optional[float], config: Config, total
   raise ValueError(f"unknown training method {method!r}")
 
 
-def batch_order(seed: int, config: Config, n_train: int) -> np.ndarray:
-  """Minibatch indices of every step, ``(epochs * steps_per_epoch, batch_size)`` int32.
-
-  A fresh permutation of the training set per epoch, drawn on the host from
-  ``seed`` (NumPy's PCG64); the last ``n_train % batch_size`` examples of each
-  permutation are left out of that epoch.
-  """
-  rng = np.random.default_rng(seed)
-  steps_epoch = steps_per_epoch(config, n_train)
-  order = [rng.permutation(n_train)[: steps_epoch * config.batch_size]
-           for _ in range(config.epochs)]
-  return np.concatenate(order).reshape(-1, config.batch_size).astype(np.int32)
-
-
 def make_train_fn(method: str, sparsity: Optional[float], config: Config, n_train: int):
   """Returns ``train(params, order, x_train, y_train) -> (params, epoch_losses)``, jitted whole.
 
-  ``order`` is :func:`batch_order`; the training loop is one ``lax.scan`` over
-  all steps, so a run is a single device call.
+  ``order`` is :func:`safe_optax.experiment.batch_order`; the training loop is one
+  ``lax.scan`` over all steps, so a run is a single device call.
   """
-  steps_epoch = steps_per_epoch(config, n_train)
+  steps_epoch = experiment.steps_per_epoch(n_train, config.batch_size)
   total_steps = config.epochs * steps_epoch
   tx = make_optimizer(method, sparsity, config, total_steps, steps_epoch)
   needs_grad_fn = method == "safe"
@@ -207,80 +189,7 @@ def make_train_fn(method: str, sparsity: Optional[float], config: Config, n_trai
   return jax.jit(train)
 
 
-# ----------------------------------------------------------------------------- statistics
-
-
-def mean_se(values: Sequence[float]) -> tuple[float, Optional[float]]:
-  """Mean and standard error of the mean (``None`` for a single value).
-
-  Examples:
-    >>> mean_se([0.9, 0.8, 1.0])
-    (0.9, 0.0577...)
-    >>> mean_se([0.5])
-    (0.5, None)
-  """
-  arr = np.asarray(values, np.float64)
-  if arr.size < 2:
-    return float(arr.mean()), None
-  return float(arr.mean()), float(arr.std(ddof=1) / math.sqrt(arr.size))
-
-
-def versions() -> dict[str, Optional[str]]:
-  """Library versions and the device, for the JSON record."""
-  import sklearn  # pylint: disable=import-outside-toplevel
-
-  return {
-      "python": platform.python_version(),
-      "jax": jax.__version__,
-      "jaxlib": _dist_version("jaxlib"),
-      "optax": optax.__version__,
-      "safe_optax": safe_optax.__version__,
-      "numpy": np.__version__,
-      "sklearn": sklearn.__version__,
-      "backend": jax.default_backend(),
-      "device": str(jax.devices()[0].device_kind),
-      "platform": platform.platform(),
-  }
-
-
-def _dist_version(name: str) -> Optional[str]:
-  try:
-    from importlib import metadata  # pylint: disable=import-outside-toplevel
-
-    return metadata.version(name)
-  except Exception:  # pylint: disable=broad-except
-    return None
-
-
 # ----------------------------------------------------------------------------- driver
-
-
-def _progress(total: int, enabled: bool):
-  """A tqdm bar if tqdm is installed and ``enabled``, else a no-op/print fallback."""
-  if enabled:
-    try:
-      from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
-
-      return tqdm(total=total, desc="runs", unit="run", leave=False, file=sys.stderr)
-    except ImportError:
-      pass
-
-  class _Plain:
-    def __init__(self):
-      self.n = 0
-
-    def update(self, k=1):
-      self.n += k
-      if enabled:
-        print(f"  run {self.n}/{total}", file=sys.stderr, flush=True)
-
-    def set_postfix_str(self, s):
-      pass
-
-    def close(self):
-      pass
-
-  return _Plain()
 
 
 def _sparsity_entry(params) -> dict[str, Any]:
@@ -297,11 +206,14 @@ def run(config: Config, progress: bool = True) -> dict[str, Any]:
   x_test, y_test = jnp.asarray(data["x_test"]), jnp.asarray(data["y_test"])
   n_train = int(x_train.shape[0])
   seeds = [config.first_seed + i for i in range(config.seeds)]
-  orders = {seed: jnp.asarray(batch_order(seed, config, n_train)) for seed in seeds}
+  orders = {seed: jnp.asarray(experiment.batch_order(seed, n_train, batch_size=config.batch_size,
+                                                       epochs=config.epochs))
+            for seed in seeds}
   inits = {seed: init_mlp(seed, config.layers) for seed in seeds}
 
   jobs = [("dense", None)] + [(m, s) for s in config.sparsities for m in ("admm", "safe")]
-  bar = _progress(len(jobs) * len(seeds), progress)
+  bar = experiment.progress(len(jobs) * len(seeds), desc="runs", unit="run", enabled=progress,
+                            leave=False)
   runs: list[dict[str, Any]] = []
   compile_s: dict[str, float] = {}
   compiler_options = {"xla_backend_optimization_level": 0} if config.fast_compile else None
@@ -345,22 +257,22 @@ def run(config: Config, progress: bool = True) -> dict[str, Any]:
     targets = [0.0] if method == "dense" else list(config.sparsities)
     for s in targets:
       rows = [r for r in runs if r["method"] == method and r["sparsity_target"] == s]
-      acc, acc_se = mean_se([r["test_accuracy"] for r in rows])
+      acc, acc_se = experiment.mean_se([r["test_accuracy"] for r in rows])
       summary.append({
           "method": method, "sparsity_target": s, "seeds": len(rows),
           "test_accuracy_mean": acc, "test_accuracy_se": acc_se,
           "test_accuracy_before_projection_mean": (
-              mean_se([r["test_accuracy_before_projection"] for r in rows])[0]
+              experiment.mean_se([r["test_accuracy_before_projection"] for r in rows])[0]
               if method != "dense" else None),
           "achieved_sparsity": [r["sparsity"] for r in rows],
           "train_seconds_mean": float(np.mean([r["train_seconds"] for r in rows])),
       })
   return {
       "demo": "safe_optax.demo (load_digits MLP 64-128-64-10)",
-      "versions": versions(),
+      "versions": experiment.versions("sklearn"),
       "config": dataclasses.asdict(config),
       "data": {"n_train": n_train, "n_test": int(x_test.shape[0]),
-               "steps_per_epoch": steps_per_epoch(config, n_train)},
+               "steps_per_epoch": experiment.steps_per_epoch(n_train, config.batch_size)},
       "compile_seconds": compile_s,
       "total_seconds": time.perf_counter() - start,
       "summary": summary,

@@ -10,6 +10,7 @@ import safe_optax
 pytest.importorskip("sklearn")
 
 from safe_optax import demo  # pylint: disable=wrong-import-position
+from safe_optax import experiment  # pylint: disable=wrong-import-position
 
 
 @pytest.fixture(scope="module")
@@ -63,15 +64,17 @@ def test_split_and_batch_order_are_deterministic():
   all_counts = test_counts + np.bincount(a["y_train"], minlength=10)
   assert np.abs(test_counts - config.test_fraction * all_counts).max() <= 1
   n = a["x_train"].shape[0]
-  order = demo.batch_order(3, config, n)
-  np.testing.assert_array_equal(order, demo.batch_order(3, config, n))
+  draw = lambda seed: experiment.batch_order(seed, n, batch_size=config.batch_size,
+                                             epochs=config.epochs)
+  order = draw(3)
+  np.testing.assert_array_equal(order, draw(3))
   assert order.shape == (2 * (n // 64), 64)
   assert len(np.unique(order[: n // 64])) == (n // 64) * 64  # one epoch: no repeats
-  assert not np.array_equal(order, demo.batch_order(4, config, n))
+  assert not np.array_equal(order, draw(4))
 
 
 def test_format_table_and_mean_se():
-  mean, se = demo.mean_se([0.5, 0.7])
+  mean, se = experiment.mean_se([0.5, 0.7])
   assert mean == pytest.approx(0.6) and se == pytest.approx(0.1)
   table = demo.format_table({"summary": [{
       "method": "safe", "sparsity_target": 0.9, "test_accuracy_mean": 0.95,

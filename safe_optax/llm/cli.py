@@ -25,10 +25,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import importlib.metadata
 import json
 import pathlib
-import platform
 import shutil
 import sys
 import time
@@ -38,6 +36,7 @@ import jax
 import numpy as np
 
 import safe_optax
+from safe_optax import experiment
 from safe_optax._prunable import path_str
 from safe_optax.llm import checkpoints
 from safe_optax.llm import data
@@ -45,17 +44,13 @@ from safe_optax.llm import model as model_lib
 from safe_optax.llm import prune as prune_lib
 
 
-def versions() -> dict[str, str]:
-  """Versions of the packages a result depends on (installed distributions' metadata)."""
-  out = {"python": platform.python_version(), "safe_optax": safe_optax.__version__,
-         "jax": jax.__version__, "backend": jax.default_backend()}
-  # Not ``module.__version__``: gguf has none.
-  for name in ("jaxlib", "optax", "flax", "numpy", "safetensors", "gguf", "tokenizers"):
-    try:
-      out[name] = importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-      out[name] = "missing"
-  return out
+def versions() -> dict[str, Any]:
+  """Versions of the packages a result depends on, the device and the machine.
+
+  :func:`safe_optax.experiment.versions` with the LLM readers' packages
+  (``None`` for one that is not installed).
+  """
+  return experiment.versions("safetensors", "gguf", "tokenizers")
 
 
 def parse_nm(text: Optional[str]) -> Optional[tuple[int, int]]:

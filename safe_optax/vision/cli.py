@@ -22,7 +22,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from safe_optax.demo import mean_se
+from safe_optax.experiment import mean_se, versions
 from safe_optax.vision import configs
 
 
@@ -228,7 +228,6 @@ def sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
   (:func:`safe_optax.vision.sweeps.run_or_load`). ``dense`` runs once per seed.
   """
   from safe_optax.vision import sweeps  # pylint: disable=import-outside-toplevel
-  from safe_optax.vision import train as train_lib  # pylint: disable=import-outside-toplevel
   for s in args.sparsities:
     if not 0.0 < s < 1.0:
       parser.error(f"--sparsities must lie in (0, 1), got {s}")
@@ -268,7 +267,7 @@ def sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
   table = summarize(runs, args.sparsities)
   command = "safe-optax-vision " + " ".join(sys.argv[1:]) if sys.argv else None
   summary = {"command": command, "config": configs.to_dict(base), "runs": runs,
-             "table": table["rows"], "versions": train_lib.versions()}
+             "table": table["rows"], "versions": versions()}
   workdir.mkdir(parents=True, exist_ok=True)
   with open(workdir / "sweep.json", "w", encoding="utf-8") as f:
     json.dump(summary, f, indent=1)

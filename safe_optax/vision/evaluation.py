@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from safe_optax import experiment
 from safe_optax import flatness
 from safe_optax.vision import configs
 from safe_optax.vision import corruptions
@@ -134,7 +135,7 @@ def evaluate_workdir(
   out: dict[str, Any] = {"workdir": str(workdir), "config": configs.to_dict(config),
                          "suite": list(suite), "num_test": int(len(test_y)),
                          "test_indices": test_indices.tolist(),
-                         "versions": train_lib.versions(),
+                         "versions": experiment.versions(),
                          "sparsity": outcome.results["final"]["sparsity"]}
   if "clean" in suite:
     out["clean"] = float(np.mean(_batched(predict, test_x, batch_size) == test_y))

@@ -38,7 +38,7 @@ Examples:
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import flax.linen as nn

@@ -31,7 +31,6 @@ import functools
 import json
 import os
 import pathlib
-import platform
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -46,7 +45,9 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import safe_optax
+from safe_optax import experiment
 from safe_optax import flax_utils
+from safe_optax.experiment import cross_entropy
 from safe_optax.vision import checkpoint as checkpoint_lib
 from safe_optax.vision import configs
 from safe_optax.vision import input_pipeline
@@ -283,10 +284,6 @@ def make_optimizer(config: Config, num_steps_per_epoch: int) -> optax.GradientTr
 # ----------------------------------------------------------------------------- steps
 
 
-def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
-
 def prepare_images(images: jax.Array, key: Optional[jax.Array], mean: tuple[float, ...],
                    std: tuple[float, ...]) -> jax.Array:
   """uint8 batch -> normalised float32, with pad-crop-flip augmentation when ``key`` is set."""
@@ -451,31 +448,6 @@ def _cached_programs(config: Config, num_train: int, num_classes: int,
   )
 
 
-def versions() -> dict[str, Any]:
-  """Library versions and the devices, for ``results.json``."""
-  from importlib import metadata  # pylint: disable=import-outside-toplevel
-
-  def version(name):
-    try:
-      return metadata.version(name)
-    except metadata.PackageNotFoundError:
-      return None
-
-  devices = jax.devices()
-  return {
-      "python": platform.python_version(),
-      **{name: version(name) for name in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint",
-                                          "numpy")},
-      "safe_optax": safe_optax.__version__,
-      "backend": jax.default_backend(),
-      "device_kind": devices[0].device_kind,
-      "device_count": len(devices),
-      "platform": platform.platform(),
-      "processor": platform.processor() or platform.machine(),
-      "cpu_count": os.cpu_count(),
-  }
-
-
 def _bnt_batches(programs: _Programs, config: Config, images_dev: jax.Array,
                  num_train: int) -> Iterator[jax.Array]:
   """Augmented, normalised training batches covering ``bnt_samples`` examples once."""
@@ -527,12 +499,6 @@ def _recalibrate(programs: _Programs, config: Config, params: Any, model_state: 
                               "safe_optax.flax_utils.recalibrate_batch_stats.")
   return recalibrate(programs.model.apply, params, model_state,
                      _bnt_batches(programs, config, images_dev, num_train))
-
-
-def _progress(total: int, initial: int, desc: str, enabled: bool):
-  from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
-  return tqdm(total=total, initial=initial, desc=desc, unit="step", disable=not enabled,
-              dynamic_ncols=True)
 
 
 def train_and_evaluate(config: Config, workdir: os.PathLike, *, data_dir: os.PathLike,
@@ -598,7 +564,8 @@ def train_and_evaluate(config: Config, workdir: os.PathLike, *, data_dir: os.Pat
 
   epochs_run = 0
   last_saved = start_step
-  bar = _progress(total_steps, start_step, f"{config.method}@{config.sparsity:g}", progress)
+  bar = experiment.progress(total_steps, initial=start_step,
+                            desc=f"{config.method}@{config.sparsity:g}", enabled=progress)
   try:
     for epoch in range(start_step // spe, config.epochs):
       if stop_after_epoch is not None and epoch >= stop_after_epoch:
@@ -827,7 +794,7 @@ def _finish(programs: _Programs, config: Config, state: TrainState,
   final["sparsity"] = report.sparsity
   results = {
       "config": configs.to_dict(config),
-      "versions": versions(),
+      "versions": experiment.versions(),
       "data": {"num_train": num_train, "num_test": len(data.test_labels),
                "evaluated_on": "test" if config.validation is None else "validation",
                "num_classes": data.num_classes, "steps_per_epoch": steps_per_epoch(

@@ -1,0 +1,208 @@
+"""What every experiment shares: versions, mean +- s.e., batch orders, progress bars, the loss.
+
+The experiment layer (the digits demo, :mod:`safe_optax.vision`,
+:mod:`safe_optax.llm`, the benchmarks) writes results that carry the
+library versions and the device (:func:`versions`), summarises seeds as
+mean +- standard error (:func:`mean_se`), shows tqdm bars
+(:func:`progress`) and trains classifiers with the mean softmax cross entropy
+(:func:`cross_entropy`). The fixed-size minibatch orders of the whole-run
+``lax.scan`` trainers (the demo, ``benchmarks/flatness_mlp.py``) are
+:func:`batch_order`.
+
+Nothing here knows a model or a method; nothing below the experiment layer
+imports it.
+
+Examples:
+  >>> from safe_optax import experiment
+  >>> experiment.mean_se([0.9, 0.8, 1.0])
+  (0.9, 0.0577...)
+  >>> experiment.batch_order(0, 10, batch_size=4, epochs=2).shape  # 2 full batches an epoch
+  (4, 4)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import sys
+from collections.abc import Sequence
+from importlib import metadata
+from typing import Any, Optional
+
+import jax
+import numpy as np
+import optax
+
+import safe_optax
+
+_CORE_PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy")
+
+
+def _version(name: str) -> Optional[str]:
+  """The installed version of distribution (or import package) ``name``; ``None`` if absent."""
+  try:
+    return metadata.version(name)
+  except metadata.PackageNotFoundError:
+    pass
+  # An import name whose distribution is called otherwise (sklearn: scikit-learn).
+  for distribution in metadata.packages_distributions().get(name, []):
+    try:
+      return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+      continue
+  return None
+
+
+def versions(*packages: str) -> dict[str, Any]:
+  """Library versions, the devices and the machine, for a results file.
+
+  Args:
+    *packages: further distributions (or import names, e.g. ``"sklearn"``)
+      to record besides jax, jaxlib, flax, optax, orbax-checkpoint and numpy.
+
+  Returns:
+    ``{"python", <package>: version or None, "safe_optax", "backend",
+    "device_kind", "device_count", "platform", "processor", "cpu_count"}``.
+
+  Examples:
+    >>> found = versions("sklearn")
+    >>> found["safe_optax"] == safe_optax.__version__, found["device_count"] >= 1
+    (True, True)
+    >>> versions("no-such-package-here")["no-such-package-here"] is None
+    True
+  """
+  devices = jax.devices()
+  return {
+      "python": platform.python_version(),
+      **{name: _version(name) for name in dict.fromkeys(_CORE_PACKAGES + packages)},
+      "safe_optax": safe_optax.__version__,
+      "backend": jax.default_backend(),
+      "device_kind": devices[0].device_kind,
+      "device_count": len(devices),
+      "platform": platform.platform(),
+      "processor": platform.processor() or platform.machine(),
+      "cpu_count": os.cpu_count(),
+  }
+
+
+def mean_se(values: Sequence[float]) -> tuple[float, Optional[float]]:
+  """Mean and standard error of the mean (``None`` for a single value).
+
+  Args:
+    values: one number per seed.
+
+  Returns:
+    ``(mean, standard error)``; the error is ``std(ddof=1) / sqrt(n)``.
+
+  Examples:
+    >>> mean_se([0.9, 0.8, 1.0])
+    (0.9, 0.0577...)
+    >>> mean_se([0.5])
+    (0.5, None)
+  """
+  arr = np.asarray(values, np.float64)
+  if arr.size == 0:
+    raise ValueError("`values` must hold at least one number, got none.")
+  if arr.size < 2:
+    return float(arr.mean()), None
+  return float(arr.mean()), float(arr.std(ddof=1) / math.sqrt(arr.size))
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+  """Mean softmax cross entropy of integer ``labels``: the classifiers' training loss.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> float(cross_entropy(jnp.zeros((2, 4)), jnp.array([0, 3])))  # log 4
+    1.386...
+  """
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def steps_per_epoch(num_examples: int, batch_size: int) -> int:
+  """Full minibatches in one epoch of :func:`batch_order` (the remainder is left out).
+
+  Examples:
+    >>> steps_per_epoch(1000, 64)
+    15
+  """
+  if batch_size < 1 or num_examples < batch_size:
+    raise ValueError(f"`batch_size` must be in [1, num_examples={num_examples}], "
+                     f"got {batch_size}.")
+  return num_examples // batch_size
+
+
+def batch_order(seed: int, num_examples: int, *, batch_size: int, epochs: int) -> np.ndarray:
+  """Minibatch indices of every step, ``(epochs * steps_per_epoch, batch_size)`` int32.
+
+  A fresh permutation of the examples per epoch, drawn on the host from
+  ``seed`` (NumPy's PCG64); the last ``num_examples % batch_size`` examples of
+  each permutation are left out of that epoch, so every batch has the same
+  shape and a whole run is one ``lax.scan``.
+
+  Args:
+    seed: the run's data-order seed.
+    num_examples: training examples.
+    batch_size: examples per step.
+    epochs: passes over the data.
+
+  Returns:
+    The int32 index array.
+
+  Examples:
+    >>> order = batch_order(3, 10, batch_size=4, epochs=1)
+    >>> order.shape, len(set(order.ravel().tolist()))  # no example twice in an epoch
+    ((2, 4), 8)
+  """
+  rng = np.random.default_rng(seed)
+  steps = steps_per_epoch(num_examples, batch_size)
+  order = [rng.permutation(num_examples)[:steps * batch_size] for _ in range(epochs)]
+  return np.concatenate(order).reshape(-1, batch_size).astype(np.int32)
+
+
+class _Plain:
+  """A progress bar without tqdm: a line per update, or nothing when disabled."""
+
+  def __init__(self, total: int, initial: int, enabled: bool):
+    self.n, self.total, self.enabled = initial, total, enabled
+
+  def update(self, k: int = 1) -> None:
+    self.n += k
+    if self.enabled:
+      print(f"  {self.n}/{self.total}", file=sys.stderr, flush=True)
+
+  def set_postfix_str(self, s: str) -> None:  # pylint: disable=unused-argument
+    """tqdm's method; nothing to show."""
+
+  def close(self) -> None:
+    """tqdm's method; nothing to close."""
+
+
+def progress(total: int, *, initial: int = 0, desc: Optional[str] = None, unit: str = "step",
+             enabled: bool = True, leave: bool = True) -> Any:
+  """A tqdm bar on stderr (a plain line per update if tqdm is missing).
+
+  Args:
+    total: the count at which the work is done.
+    initial: where a resumed run starts.
+    desc: the bar's label.
+    unit: what one update counts.
+    enabled: ``False`` shows nothing.
+    leave: keep the finished bar on screen.
+
+  Returns:
+    An object with tqdm's ``update``, ``set_postfix_str`` and ``close``.
+
+  Examples:
+    >>> bar = progress(3, initial=1, enabled=False)  # a resumed run: 1 of 3 done
+    >>> bar.n
+    1
+    >>> bar.close()
+  """
+  try:
+    from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return _Plain(total, initial, enabled)
+  return tqdm(total=total, initial=initial, desc=desc, unit=unit, disable=not enabled,
+              leave=leave, dynamic_ncols=True, file=sys.stderr)
