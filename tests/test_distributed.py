@@ -1,0 +1,234 @@
+"""Multi-process training on JAX's distributed runtime (gloo collectives on localhost CPU).
+
+The same SAFE run (tests/distributed_worker.py: an MLP, a fixed stream of
+global batches, dual updates every 4 steps) on three layouts: one process with
+one device, one process with two forced host devices, and two processes with
+one device each, each process feeding only its own rows. The parameters and
+the sparse targets must agree; checkpoints written by one layout resume in
+another.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from safe_optax import distributed
+
+WORKER = pathlib.Path(__file__).with_name("distributed_worker.py")
+STEPS = 12
+TIMEOUT = 150  # seconds for a whole launch; a hung peer fails the test instead of CI
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _env() -> dict[str, str]:
+  env = dict(os.environ)
+  root = str(pathlib.Path(__file__).resolve().parents[1])
+  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+  for name in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES,
+               distributed.ENV_PROCESS_ID):
+    env.pop(name, None)
+  return env
+
+
+def launch(num_processes: int, *args: str, timeout: float = TIMEOUT) -> float:
+  """Runs the worker as ``num_processes`` processes; returns the wall time.
+
+  Fails fast: as soon as one process exits with an error, the others are
+  killed and the error is reported (a peer waiting in a collective would
+  otherwise hang); every process is killed on the way out, whatever happens.
+  """
+  start = time.monotonic()
+  if num_processes == 1:
+    commands = [[sys.executable, str(WORKER), *args]]
+  else:
+    port = _free_port()
+    commands = [[sys.executable, str(WORKER), *args, "--coordinator", f"127.0.0.1:{port}",
+                 "--num-processes", str(num_processes), "--process-id", str(i)]
+                for i in range(num_processes)]
+  procs = [subprocess.Popen(c, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True) for c in commands]
+  try:
+    while True:
+      codes = [p.poll() for p in procs]
+      failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
+      if failed:
+        i = failed[0]
+        raise RuntimeError(f"process {i} of {num_processes} exited with {codes[i]}:\n"
+                           f"{procs[i].stdout.read()[-3000:]}")
+      if all(c == 0 for c in codes):
+        return time.monotonic() - start
+      if time.monotonic() - start > timeout:
+        raise TimeoutError(f"{num_processes} processes still running after {timeout} s")
+      time.sleep(0.1)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+      p.wait()
+      p.stdout.close()
+
+
+def _load(path: pathlib.Path) -> dict[str, np.ndarray]:
+  with np.load(path) as f:
+    return {k: f[k] for k in f.files}
+
+
+def _weights(run: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  return {k: v for k, v in run.items() if k not in ("process_count", "device_count")}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, dict[str, np.ndarray]]:
+  """The three layouts, uninterrupted."""
+  root = tmp_path_factory.mktemp("distributed")
+  launch(1, "--out", str(root / "one.npz"), "--steps", str(STEPS))
+  launch(1, "--out", str(root / "two_devices.npz"), "--steps", str(STEPS), "--devices", "2")
+  launch(2, "--out", str(root / "two_processes.npz"), "--steps", str(STEPS))
+  return {name: _load(root / f"{name}.npz")
+          for name in ("one", "two_devices", "two_processes")}
+
+
+def test_two_processes_form_one_global_mesh(runs):
+  assert int(runs["two_processes"]["process_count"]) == 2
+  assert int(runs["two_processes"]["device_count"]) == 2
+  assert int(runs["two_devices"]["process_count"]) == 1
+  assert int(runs["two_devices"]["device_count"]) == 2
+
+
+def test_two_processes_match_one_process_with_two_devices(runs):
+  # The same program over the same mesh shape: the same bits.
+  a, b = _weights(runs["two_processes"]), _weights(runs["two_devices"])
+  assert a.keys() == b.keys()
+  for name in a:
+    np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+def test_two_processes_match_one_device(runs):
+  # One device reduces the batch in another order: equal to float rounding.
+  a, b = _weights(runs["two_processes"]), _weights(runs["one"])
+  for name in a:
+    np.testing.assert_allclose(a[name], b[name], rtol=0, atol=1e-6, err_msg=name)
+    np.testing.assert_array_equal(a[name] != 0, b[name] != 0, err_msg=f"mask of {name}")
+
+
+def test_sparse_target_has_the_requested_sparsity(runs):
+  # Not a trivial agreement: the dual updates ran and z is 75 % sparse over the kernels.
+  z = [v for k, v in _weights(runs["two_processes"]).items() if k.startswith("z/")]
+  total = sum(v.size for v in z)
+  assert sum(int(np.count_nonzero(v)) for v in z) == total - int(0.75 * total)
+
+
+def test_checkpoint_of_two_processes_resumes_in_one(runs, tmp_path):
+  ckpt = tmp_path / "ckpt"
+  launch(2, "--out", str(tmp_path / "unused.npz"), "--steps", str(STEPS), "--save-at", "6",
+         "--checkpoint", str(ckpt))
+  assert sorted(p.name for p in ckpt.iterdir() if p.name.isdigit()) == ["6"]
+  launch(1, "--out", str(tmp_path / "resumed.npz"), "--steps", str(STEPS), "--devices", "2",
+         "--checkpoint", str(ckpt))
+  resumed, straight = _weights(_load(tmp_path / "resumed.npz")), _weights(runs["two_devices"])
+  for name in straight:
+    # Same mesh shape as the uninterrupted run: bit-identical.
+    np.testing.assert_array_equal(resumed[name], straight[name], err_msg=name)
+
+
+def test_checkpoint_of_one_process_resumes_in_two(runs, tmp_path):
+  ckpt = tmp_path / "ckpt"
+  launch(1, "--out", str(tmp_path / "unused.npz"), "--steps", str(STEPS), "--save-at", "6",
+         "--checkpoint", str(ckpt))
+  launch(2, "--out", str(tmp_path / "resumed.npz"), "--steps", str(STEPS),
+         "--checkpoint", str(ckpt))
+  resumed, straight = _weights(_load(tmp_path / "resumed.npz")), _weights(runs["one"])
+  for name in straight:
+    # Steps 7-12 ran on two devices instead of one: equal to float rounding.
+    np.testing.assert_allclose(resumed[name], straight[name], rtol=0, atol=1e-6, err_msg=name)
+
+
+def test_a_dead_peer_fails_the_launch_fast(tmp_path):
+  with pytest.raises(RuntimeError, match=r"exited with 3"):
+    launch(2, "--out", str(tmp_path / "x.npz"), "--steps", str(STEPS), "--die-at", "2",
+           timeout=TIMEOUT)
+
+
+# ---- launch settings (no processes) ----------------------------------------------------------
+
+
+def test_no_settings_means_one_process():
+  assert distributed.resolve_launch(environ={}) is None
+  assert distributed.initialize() == jax.process_count() == 1
+
+
+@pytest.mark.parametrize("environ, cluster", [
+    ({"SLURM_JOB_ID": "1", "SLURM_NTASKS": "8"}, "slurm"),
+    ({"SLURM_JOB_ID": "1", "SLURM_NTASKS": "1"}, None),
+    ({"SLURM_JOB_ID": "1"}, None),
+    ({"OMPI_COMM_WORLD_SIZE": "4"}, "openmpi"),
+    ({"OMPI_COMM_WORLD_SIZE": "1"}, None),
+    ({"TPU_WORKER_HOSTNAMES": "a,b,c,d"}, "tpu"),
+    ({"TPU_WORKER_HOSTNAMES": "localhost"}, None),
+    ({"SLURM_JOB_ID": "1", "SLURM_NTASKS": "many"}, None),
+])
+def test_detected_cluster(environ, cluster):
+  assert distributed.detected_cluster(environ) == cluster
+  launch_ = distributed.resolve_launch(environ=environ)
+  assert (launch_ is None) == (cluster is None)
+  if cluster is not None:
+    assert launch_ == distributed.Launch(None, None, None, cluster)
+
+
+def test_arguments_win_over_environment():
+  env = {distributed.ENV_COORDINATOR: "h:1", distributed.ENV_NUM_PROCESSES: "4",
+         distributed.ENV_PROCESS_ID: "3", "SLURM_JOB_ID": "1", "SLURM_NTASKS": "8"}
+  assert distributed.resolve_launch("c:2", 2, 0, environ=env) == distributed.Launch(
+      "c:2", 2, 0, "arguments")
+  assert distributed.resolve_launch(environ=env) == distributed.Launch(
+      "h:1", 4, 3, "environment")
+
+
+@pytest.mark.parametrize("args, match", [
+    (("127.0.0.1:1234", None, 0), r"\['num_processes'\] is missing"),
+    ((None, 2, None), r"\['coordinator', 'process_id'\] are missing"),
+    (("127.0.0.1", 2, 0), r"coordinator must be 'host:port'"),
+    (("127.0.0.1:99999", 2, 0), r"port in 1..65535"),
+    (("127.0.0.1:1234", 0, 0), r"num_processes must be >= 1"),
+    (("127.0.0.1:1234", 2, -1), r"process_id must lie in \[0, 2\)"),
+    (("127.0.0.1:1234", "two", 0), r"num_processes must be an integer"),
+    (("127.0.0.1:1234", 2.5, 0), r"num_processes must be an integer"),
+])
+def test_bad_launch_settings_name_the_argument(args, match):
+  with pytest.raises(ValueError, match=match):
+    distributed.resolve_launch(*args, environ={})
+
+
+def test_bad_environment_names_the_variable():
+  env = {distributed.ENV_COORDINATOR: "h:1", distributed.ENV_NUM_PROCESSES: "2"}
+  with pytest.raises(ValueError, match=distributed.ENV_PROCESS_ID):
+    distributed.resolve_launch(environ=env)
+
+
+def test_single_process_launch_initializes_nothing():
+  assert distributed.initialize("127.0.0.1:1234", 1, 0) == 1
+  assert not jax.distributed.is_initialized()
+
+
+def test_process_rows_and_global_batch_in_one_process():
+  mesh = distributed.data_mesh()
+  assert distributed.process_rows(mesh, 6) == slice(0, 6)
+  batch = distributed.global_batch(mesh, {"x": np.ones((6, 2)), "y": np.arange(6)})
+  assert batch["x"].shape == (6, 2)
+  np.testing.assert_array_equal(np.asarray(batch["y"]), np.arange(6))
+  with pytest.raises(ValueError, match=r"rows 0..6 of the global batch of 6"):
+    distributed.global_batch(mesh, np.ones((4, 2)), size=6)
