@@ -1,35 +1,39 @@
 """safe_optax: SAFE / SAFE+ sparse and flat training as composable optax transforms.
 
-Layers, bottom up: exact top-k projection kernels (``project_topk``), optax
-transforms (``sam_perturb``, ``admm_penalty``, ``add_projected_gradient``),
-aliases (``safe``, ``safe_plus``, ``admm``, ``safe_sg``, ``safe_multi``), the
-baseline pruners (``magnitude_pruning``, ``polynomial_sparsity``, ``cram``) and
-the final projection (``finalize``, ``sparsity_report``).
+Layers, bottom up: the sparsity set (``Global``, ``PerLeaf``, ``PerOutput``,
+``NM``, ``Projection``), exact top-k projection kernels (``project_topk``),
+optax transforms (``sam_perturb``, ``admm_penalty``, ``decoupled_admm_penalty``,
+``add_projected_gradient``), aliases (``safe``, ``safe_plus``, ``admm``,
+``safe_sg``, ``safe_multi``), the baseline pruners (``magnitude_pruning``,
+``polynomial_sparsity``, ``cram``) and the final projection (``finalize``,
+``sparsity_report``).
 """
 
 from safe_optax._admm import ADMMState
+from safe_optax._admm import DecoupledADMMState
 from safe_optax._admm import admm_penalty
 from safe_optax._admm import constraint_distance
-from safe_optax._admm import dual_update
+from safe_optax._admm import decoupled_admm_penalty
 from safe_optax._admm import find_admm_state
 from safe_optax._alias import admm
 from safe_optax._alias import safe
 from safe_optax._alias import safe_multi
 from safe_optax._alias import safe_plus
 from safe_optax._alias import safe_sg
+from safe_optax._cram import CramState
+from safe_optax._cram import cram
+from safe_optax._dual import dual_update
 from safe_optax._finalize import LeafSparsity
 from safe_optax._finalize import SparsityReport
 from safe_optax._finalize import finalize
 from safe_optax._finalize import sparsity_report
-from safe_optax._projection import NM
-from safe_optax._projection import PerOutput
 from safe_optax._projection import project_topk
 from safe_optax._pruners import MagnitudePruningState
-from safe_optax._pruners import cram
 from safe_optax._pruners import magnitude_pruning
 from safe_optax._pruners import polynomial_sparsity
 from safe_optax._prunable import default_prunable
 from safe_optax._prunable import prunable_mask
+from safe_optax._sam import AddProjectedGradientState
 from safe_optax._sam import add_projected_gradient
 from safe_optax._sam import sam_perturb
 from safe_optax._schedules import penalty_schedule
@@ -42,15 +46,26 @@ from safe_optax._scores import snip_scores
 from safe_optax._scores import wanda_saliency
 from safe_optax._scores import wanda_scores
 from safe_optax._select import num_keep
+from safe_optax._structures import NM
+from safe_optax._structures import Global
+from safe_optax._structures import PerLeaf
+from safe_optax._structures import PerOutput
+from safe_optax._structures import Projection
 
 __version__ = "0.1.0.dev0"
 
 __all__ = (
     "ADMMState",
+    "AddProjectedGradientState",
+    "CramState",
+    "DecoupledADMMState",
+    "Global",
     "LeafSparsity",
     "MagnitudePruningState",
     "NM",
+    "PerLeaf",
     "PerOutput",
+    "Projection",
     "SaliencyInputs",
     "SparsityReport",
     "add_projected_gradient",
@@ -58,6 +73,7 @@ __all__ = (
     "admm_penalty",
     "constraint_distance",
     "cram",
+    "decoupled_admm_penalty",
     "default_prunable",
     "dual_update",
     "finalize",

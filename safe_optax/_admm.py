@@ -17,12 +17,13 @@ on the current params (the same iterate), so it needs no call outside
 Place :func:`admm_penalty` *before* the base optimizer (default, as the
 official code: the penalty goes through momentum / Adam), or *after* it with
 ``learning_rate`` set for the paper's decoupled step
-``x -= eta_t * lambda_t * (x - z + u)``.
+``x -= eta_t * lambda_t * (x - z + u)``; :func:`decoupled_admm_penalty` wraps
+the base optimizer for that step, so SAFE+'s scores still see the gradient.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple, Optional, Union
 
 import jax
@@ -30,12 +31,16 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from safe_optax import _dual
 from safe_optax import _projection
 from safe_optax import _prunable
 from safe_optax import _scores
 from safe_optax import _schedules
+from safe_optax import _structures
+from safe_optax._structures import Global
+from safe_optax._structures import Structure
 
-SparsityArg = Union[float, Sequence[float], optax.Schedule, None]
+SparsityArg = _dual.SparsityArg
 
 
 class ADMMState(NamedTuple):
@@ -60,135 +65,118 @@ class ADMMState(NamedTuple):
   """
 
 
-def sparsity_fn(sparsity: SparsityArg, scope: Optional[str], structure: _projection.Structure):
-  """Validates the projection config and returns ``(count, key) -> sparsity``.
+class DecoupledADMMState(NamedTuple):
+  """State of :func:`decoupled_admm_penalty`."""
 
-  A number (or traced scalar) is constant; a sequence is SAFE-Multi's set,
-  drawn uniformly at random at each dual update; a callable is a schedule.
+  inner: Any
+  """State of the wrapped base optimizer."""
+  admm: ADMMState
+  """State of the penalty and dual update."""
+
+
+class _Core(NamedTuple):
+  """What :func:`admm_penalty` and :func:`decoupled_admm_penalty` share."""
+
+  init: Callable[[Any], ADMMState]
+  step: Callable[..., tuple[ADMMState, Any]]
+
+
+def _admm_core(sparsity, penalty, *, dual_every, penalty_schedule, total_steps, structure,
+               scores, prunable, learning_rate, seed) -> _Core:
+  """Validates the configuration (at construction) and builds ``init`` and ``step``.
+
+  ``step(state, params, gradient, grad_fn)`` runs the dual update when due
+  (scoring with ``gradient``) and returns the new state and a function that
+  adds the penalty ``scale * (x - z + u)`` to the prunable leaves of a tree.
   """
-  if callable(sparsity):
-    probe = None if isinstance(structure, _projection.NM) else 0.5
-    _projection.check_config(probe, scope, structure)
-    return lambda count, key: sparsity(count)
-  if isinstance(sparsity, Sequence) and not isinstance(sparsity, (str, bytes)):
-    if not sparsity:
-      raise ValueError("`sparsity` as a set of choices (SAFE-Multi) must not be empty.")
-    for choice in sparsity:
-      _projection.check_config(choice, scope, structure)
-    choices = jnp.asarray(sparsity, jnp.float32)
-    return lambda count, key: jax.random.choice(key, choices)
-  _projection.check_config(sparsity, scope, structure)
-  return lambda count, key: sparsity
+  get_sparsity = _dual.sparsity_fn(sparsity, structure)
+  _schedules.check_positive_int(dual_every, "dual_every")
+  lam_fn = _schedules.penalty_schedule(penalty, penalty_schedule, total_steps)
+  saliency = _scores.get_saliency(scores)
+  if learning_rate is not None and not callable(learning_rate):
+    _schedules.check_nonnegative(learning_rate, "learning_rate")
+  base_key = jax.random.PRNGKey(seed)
 
-
-def _is_masked(node: Any) -> bool:
-  return isinstance(node, optax.MaskedNode)
-
-
-def _in_unit_interval(sparsity: Any) -> Any:
-  """Whether a (possibly traced) sparsity lies in ``[0, 1)``; NaN does not.
-
-  ``None`` (N:M, whose sparsity is fixed by the structure) and Python numbers
-  (checked at construction) are valid without any array work.
-  """
-  if sparsity is None or isinstance(sparsity, (int, float)):
-    return True
-  return (sparsity >= 0) & (sparsity < 1)
-
-
-def leaf_flags(params: Any, prunable: _prunable.Prunable) -> tuple[bool, ...]:
-  """Prunable flags of ``params``' leaves, MaskedNode placeholders counted as leaves.
-
-  Under ``optax.masked`` / ``optax.multi_transform`` the inner transform sees
-  ``params`` with ``optax.MaskedNode`` in place of the masked-out leaves; they
-  are never pruned, and counting them keeps the flags aligned with the state's
-  ``z`` / ``u`` trees, which hold MaskedNode at every non-prunable leaf.
-  """
-  array_flags = iter(_prunable.resolve(params, prunable).flags)
-  return tuple(False if _is_masked(leaf) else next(array_flags)
-               for leaf in jax.tree.leaves(params, is_leaf=_is_masked))
-
-
-def _prunable_leaves(tree: Any, flags: tuple[bool, ...]) -> list[Any]:
-  """The prunable leaves of a params-shaped tree (MaskedNode placeholders count as leaves)."""
-  leaves = jax.tree.leaves(tree, is_leaf=_is_masked)
-  if len(leaves) != len(flags):
-    raise ValueError(
-        f"tree has {len(leaves)} leaves but the parameters have {len(flags)}; the state "
-        "does not belong to these parameters."
+  def init_fn(params):
+    # Only tree maps, so optax.tree.map_params and sharded params work; a
+    # leafless tree (map_params' placeholder) yields an empty state.
+    if jax.tree.leaves(params):
+      flags = _prunable.leaf_flags(params, prunable)
+      # Here, not at the first dual update, so the error names the parameter path.
+      _projection.check_structure_fits(params, structure, prunable)
+    else:
+      flags = ()
+    x = _prunable.prunable_leaves(params, flags)
+    return ADMMState(
+        count=jnp.zeros([], jnp.int32),
+        z=_prunable.masked_tree(params, flags, [jnp.array(xi) for xi in x]) if flags else params,
+        u=_prunable.masked_tree(params, flags, [jnp.zeros_like(xi) for xi in x])
+        if flags else params,
+        invalid_hyperparams=jnp.zeros([], jnp.int32),
     )
-  return [leaf for leaf, flag in zip(leaves, flags) if flag]
 
+  def step(state, params, gradient, grad_fn):
+    if params is None:
+      raise ValueError("admm_penalty needs `params` in update(updates, state, params).")
+    flags = _prunable.leaf_flags(params, prunable)
+    x = _prunable.prunable_leaves(params, flags)
+    z = _prunable.prunable_leaves(state.z, flags)
+    u = _prunable.prunable_leaves(state.u, flags)
+    count = state.count
+    # Separate streams: SAFE-Multi's draw and the saliency's probes (OBD) must not
+    # be functions of one key.
+    draw_key, saliency_key = jax.random.split(jax.random.fold_in(base_key, count))
+    sparsity_now = get_sparsity(count, draw_key)
+    sparsity_ok = _dual.in_unit_interval(sparsity_now)
+    lam = lam_fn(count)
+    if learning_rate is not None:  # the decoupled step's rate scales the penalty
+      lam = lam * (learning_rate(count) if callable(learning_rate) else learning_rate)
+    penalty_ok = jnp.isfinite(lam) & (lam >= 0)
+    # A traced dual_every < 1 (inject_hyperparams) would divide by zero below.
+    every_ok = jnp.asarray(dual_every) >= 1
 
-def _masked_tree(params: Any, flags: tuple[bool, ...], values: Sequence[Any]) -> Any:
-  """``params``-shaped tree with ``values`` on prunable leaves, MaskedNode elsewhere."""
-  it = iter(values)
-  leaves = [next(it) if flag else optax.MaskedNode() for flag in flags]
-  return jax.tree.unflatten(jax.tree.structure(params, is_leaf=_is_masked), leaves)
+    def run_dual(z, u):
+      scores_now = None
+      if saliency is not None:
+        inputs = _scores.SaliencyInputs(
+            values=[xi + ui for xi, ui in zip(x, u)], params=params, updates=gradient,
+            grad_fn=grad_fn, key=saliency_key, flags=flags,
+        )
+        scores_now = list(saliency(inputs))
+      return _dual.dual_update(params, u, sparsity_now, flags=flags, first=count == 0,
+                         structure=structure, scores=scores_now)
 
+    due = (count % jnp.maximum(dual_every, 1) == 0) & sparsity_ok & every_ok
+    if isinstance(due, jax.core.Tracer):
+      z, u = lax.cond(due, run_dual, lambda z, u: (list(z), list(u)), z, u)
+    elif due:
+      # Called eagerly: branch in Python, since an eager lax.cond recompiles every call.
+      z, u = run_dual(z, u)
+    lam = jnp.where(penalty_ok, lam, jnp.zeros_like(lam))
+    scale = lam if learning_rate is None else -lam
 
-def dual_update(
-    params: Any,
-    z: Sequence[jax.Array],
-    u: Sequence[jax.Array],
-    sparsity: Any,
-    *,
-    flags: tuple[bool, ...],
-    first: jax.Array,
-    scope: Optional[str] = None,
-    structure: _projection.Structure = None,
-    scores: Optional[Any] = None,
-) -> tuple[list[jax.Array], list[jax.Array]]:
-  r"""One ADMM z/u step on the prunable leaves: ``z = Proj(x + u); u = u + x - z``.
+    def add_penalty(updates):
+      it = iter(zip(x, z, u))
+      new_updates = []
+      for g, flag in zip(jax.tree.leaves(updates, is_leaf=_prunable.is_masked), flags):
+        if flag:
+          xi, zi, ui = next(it)
+          g = (g + scale * (xi - zi + ui)).astype(g.dtype)
+        new_updates.append(g)
+      return jax.tree.unflatten(jax.tree.structure(updates, is_leaf=_prunable.is_masked),
+                                new_updates)
 
-  .. math::
+    valid = sparsity_ok & penalty_ok & every_ok
+    new_state = ADMMState(
+        count=optax.safe_increment(count),
+        z=_prunable.masked_tree(params, flags, z),
+        u=_prunable.masked_tree(params, flags, u),
+        invalid_hyperparams=jnp.where(valid, state.invalid_hyperparams,
+                                      optax.safe_increment(state.invalid_hyperparams)),
+    )
+    return new_state, add_penalty
 
-    z \leftarrow \mathrm{Proj}(x + u), \qquad u \leftarrow u + x - z
-
-  (``u`` unchanged when ``first``). :func:`admm_penalty` calls it every
-  ``dual_every`` steps; it is public for custom training loops.
-
-  Args:
-    params: the full parameter tree ``x``.
-    z, u: lists of the prunable leaves' ``z`` and ``u``.
-    sparsity: target sparsity (number or traced scalar).
-    flags: prunable flags of ``params``' leaves.
-    first: True at initialisation, where ``u`` stays 0 (``z0 = Proj(x0)``).
-    scope, structure: as in :func:`safe_optax.project_topk`.
-    scores: optional list of scores for ``x + u`` (SAFE+).
-
-  Returns:
-    The new ``(z, u)`` lists.
-
-  Examples:
-    >>> import jax.numpy as jnp
-    >>> from safe_optax import dual_update
-    >>> params = {'b': jnp.ones(2), 'w': jnp.array([[4., -3.], [0.2, 0.1]])}
-    >>> z, u = dual_update(params, [jnp.zeros((2, 2))], [jnp.array([[0., 0.], [1., 0.]])],
-    ...                    0.5, flags=(False, True), first=jnp.array(False))
-    >>> z[0]  # the 2 largest of |x + u| = [[4, 3], [1.2, 0.1]]
-    Array([[ 4., -3.],
-           [ 0.,  0.]], dtype=float32)
-    >>> u[0]  # u + x - z
-    Array([[0. , 0. ],
-           [1.2, 0.1]], dtype=float32)
-
-  References:
-    Boyd et al., `Distributed Optimization and Statistical Learning via the
-    Alternating Direction Method of Multipliers
-    <https://doi.org/10.1561/2200000016>`_, 2011 (scaled form, §3.1.1).
-  """
-  del z
-  x = _prunable_leaves(params, flags)
-  v = [xi + ui for xi, ui in zip(x, u)]
-  every = tuple(True for _ in v)
-  z_new, _ = _projection.project_topk(
-      v, sparsity, scope=scope, structure=structure, scores=scores, prunable=list(every)
-  )
-  u_new = [
-      jnp.where(first, ui, ui + xi - zi) for xi, ui, zi in zip(x, u, z_new)
-  ]
-  return list(z_new), u_new
+  return _Core(init_fn, step)
 
 
 def admm_penalty(
@@ -198,12 +186,12 @@ def admm_penalty(
     dual_every: int = 32,
     penalty_schedule: Optional[str] = "constant",
     total_steps: Optional[int] = None,
-    scope: Optional[str] = None,
-    structure: _projection.Structure = None,
+    structure: Structure = Global(),
     scores: Union[None, str, _scores.Saliency] = None,
     prunable: _prunable.Prunable = None,
     learning_rate: Optional[Union[float, optax.Schedule]] = None,
     seed: int = 0,
+    scope: Optional[str] = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Adds SAFE's augmented-Lagrangian penalty and runs its dual update.
 
@@ -221,18 +209,29 @@ def admm_penalty(
     penalty_schedule: ``"constant"``, ``"linear"`` or ``"cosine"`` ramp to
       ``penalty`` over ``total_steps``.
     total_steps: ``T`` for the ramps.
-    scope, structure, prunable: as in :func:`safe_optax.project_topk`.
+    structure, prunable: the sparsity set, as in :func:`safe_optax.project_topk`
+      (default :class:`safe_optax.Global`).
     scores: SAFE+ saliency: ``None``/``"magnitude"``, ``"snip"``, ``"obd"``,
       or a callable ``SaliencyInputs -> scores`` (e.g. :func:`wanda_saliency`).
+      It sees the ``updates`` entering this transform as the gradient: placed
+      after an optimizer (``learning_rate`` set), that is the optimizer's step,
+      not the gradient; :func:`decoupled_admm_penalty` scores with the gradient.
     learning_rate: ``None`` to add the penalty to the gradient (place before
       the base optimizer); a number or schedule for the decoupled plain step
       (place after the base optimizer).
-    seed: seeds SAFE-Multi draws and Hutchinson probes.
+    seed: seeds SAFE-Multi draws and, independently, the saliency's key
+      (Hutchinson probes).
+    scope: deprecated, as in :func:`safe_optax.project_topk`.
 
   Returns:
     A :class:`optax.GradientTransformationExtraArgs` whose state is
     :class:`ADMMState`. ``update`` needs ``params``; ``grad_fn`` is only used
     by the ``"obd"`` saliency; other extra arguments are ignored.
+
+  Raises:
+    ValueError, TypeError: at construction, for a configuration out of range
+      (the message names the argument and the allowed values); at ``init``,
+      for a prunable leaf that cannot carry ``structure`` (naming its path).
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax
@@ -255,89 +254,88 @@ def admm_penalty(
     Lee, Lee, Chung, Lee, `SAFE: Finding Sparse and Flat Minima to Improve
     Pruning`, ICML 2025 (Algorithm 1).
   """
-  get_sparsity = sparsity_fn(sparsity, scope, structure)
-  _schedules.check_positive_int(dual_every, "dual_every")
-  lam_fn = _schedules.penalty_schedule(penalty, penalty_schedule, total_steps)
-  saliency = _scores.get_saliency(scores)
-  if learning_rate is not None and not callable(learning_rate):
-    _schedules.check_nonnegative(learning_rate, "learning_rate")
-  base_key = jax.random.PRNGKey(seed)
-
-  def init_fn(params):
-    # Only tree maps, so optax.tree.map_params and sharded params work; a
-    # leafless tree (map_params' placeholder) yields an empty state.
-    if jax.tree.leaves(params):
-      flags = leaf_flags(params, prunable)
-      if structure is not None:
-        # Here, not at the first dual update, so the error names the parameter path.
-        _projection.check_structure_fits(params, structure, prunable)
-    else:
-      flags = ()
-    x = _prunable_leaves(params, flags)
-    return ADMMState(
-        count=jnp.zeros([], jnp.int32),
-        z=_masked_tree(params, flags, [jnp.array(xi) for xi in x]) if flags else params,
-        u=_masked_tree(params, flags, [jnp.zeros_like(xi) for xi in x]) if flags else params,
-        invalid_hyperparams=jnp.zeros([], jnp.int32),
-    )
+  core = _admm_core(
+      sparsity, penalty, dual_every=dual_every, penalty_schedule=penalty_schedule,
+      total_steps=total_steps, structure=_structures.resolve_structure(structure, scope),
+      scores=scores, prunable=prunable, learning_rate=learning_rate, seed=seed)
 
   def update_fn(updates, state, params=None, *, grad_fn=None, **extra_args):
     del extra_args
-    if params is None:
-      raise ValueError("admm_penalty needs `params` in update(updates, state, params).")
-    flags = leaf_flags(params, prunable)
-    z = _prunable_leaves(state.z, flags)
-    u = _prunable_leaves(state.u, flags)
-    count = state.count
-    key = jax.random.fold_in(base_key, count)
-    sparsity_now = get_sparsity(count, key)
-    sparsity_ok = _in_unit_interval(sparsity_now)
-    lam = lam_fn(count)
-    if learning_rate is not None:  # the decoupled step's rate scales the penalty
-      lam = lam * (learning_rate(count) if callable(learning_rate) else learning_rate)
-    penalty_ok = jnp.isfinite(lam) & (lam >= 0)
-    # A traced dual_every < 1 (inject_hyperparams) would divide by zero below.
-    every_ok = jnp.asarray(dual_every) >= 1
+    new_state, add_penalty = core.step(state, params, updates, grad_fn)
+    return add_penalty(updates), new_state
 
-    def run_dual(z, u):
-      scores_now = None
-      if saliency is not None:
-        x = _prunable_leaves(params, flags)
-        inputs = _scores.SaliencyInputs(
-            values=[xi + ui for xi, ui in zip(x, u)], params=params, updates=updates,
-            grad_fn=grad_fn, key=key, flags=flags,
-        )
-        scores_now = list(saliency(inputs))
-      return dual_update(
-          params, z, u, sparsity_now, flags=flags, first=count == 0,
-          scope=scope, structure=structure, scores=scores_now,
-      )
+  return optax.GradientTransformationExtraArgs(core.init, update_fn)
 
-    due = (count % jnp.maximum(dual_every, 1) == 0) & sparsity_ok & every_ok
-    if isinstance(due, jax.core.Tracer):
-      z, u = lax.cond(due, run_dual, lambda z, u: (list(z), list(u)), z, u)
-    elif due:
-      # Called eagerly: branch in Python, since an eager lax.cond recompiles every call.
-      z, u = run_dual(z, u)
-    lam = jnp.where(penalty_ok, lam, jnp.zeros_like(lam))
-    scale = lam if learning_rate is None else -lam
-    it = iter(zip(_prunable_leaves(params, flags), z, u))
-    new_updates = []
-    for g, flag in zip(jax.tree.leaves(updates, is_leaf=_is_masked), flags):
-      if flag:
-        xi, zi, ui = next(it)
-        g = (g + scale * (xi - zi + ui)).astype(g.dtype)
-      new_updates.append(g)
-    valid = sparsity_ok & penalty_ok & every_ok
-    new_state = ADMMState(
-        count=optax.safe_increment(count),
-        z=_masked_tree(params, flags, z),
-        u=_masked_tree(params, flags, u),
-        invalid_hyperparams=jnp.where(valid, state.invalid_hyperparams,
-                                      optax.safe_increment(state.invalid_hyperparams)),
-    )
-    updates_def = jax.tree.structure(updates, is_leaf=_is_masked)
-    return jax.tree.unflatten(updates_def, new_updates), new_state
+
+def decoupled_admm_penalty(
+    inner: optax.GradientTransformation,
+    sparsity: SparsityArg,
+    penalty: Union[float, optax.Schedule],
+    *,
+    learning_rate: Union[float, optax.Schedule],
+    dual_every: int = 32,
+    penalty_schedule: Optional[str] = "constant",
+    total_steps: Optional[int] = None,
+    structure: Structure = Global(),
+    scores: Union[None, str, _scores.Saliency] = None,
+    prunable: _prunable.Prunable = None,
+    seed: int = 0,
+) -> optax.GradientTransformationExtraArgs:
+  r"""The paper's decoupled penalty step after a base optimizer ``inner``.
+
+  .. math::
+
+    \Delta x = \mathrm{inner}(g) - \eta_t \lambda_t (x - z + u)
+
+  with the dual update of :func:`admm_penalty` every ``dual_every`` steps.
+  Unlike ``chain(inner, admm_penalty(..., learning_rate=lr))`` (the same
+  step), SAFE+'s saliency scores with the gradient ``g`` entering ``inner``,
+  not with ``inner``'s update (which a warm-up makes 0 at step 0).
+
+  Args:
+    inner: the base optimizer, e.g. ``chain(add_decayed_weights(wd), sgd(lr))``.
+    sparsity, penalty: as in :func:`admm_penalty`.
+    learning_rate: ``eta_t``, the rate of the plain penalty step (a number or
+      schedule; usually the base optimizer's).
+    dual_every, penalty_schedule, total_steps: as in :func:`admm_penalty`.
+    structure, scores, prunable, seed: as in :func:`admm_penalty`.
+
+  Returns:
+    A :class:`optax.GradientTransformationExtraArgs` with state
+    :class:`DecoupledADMMState`; extra arguments reach ``inner`` too.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from safe_optax import decoupled_admm_penalty
+    >>> tx = decoupled_admm_penalty(optax.sgd(0.1), 0.5, 1.0, learning_rate=0.1, dual_every=2)
+    >>> params = {'w': jnp.array([[4., -3.], [0.2, 0.1]])}
+    >>> zero = jax.tree.map(jnp.zeros_like, params)
+    >>> state = tx.init(params)
+    >>> for _ in range(50):
+    ...   updates, state = tx.update(zero, state, params)
+    ...   params = optax.apply_updates(params, updates)
+    >>> jnp.round(params['w'], 2)
+    Array([[ 4., -3.],
+           [ 0.,  0.]], dtype=float32)
+
+  References:
+    Lee, Lee, Chung, Lee, `SAFE: Finding Sparse and Flat Minima to Improve
+    Pruning`, ICML 2025 (Algorithm 1, the x-step).
+  """
+  inner = optax.with_extra_args_support(inner)
+  core = _admm_core(
+      sparsity, penalty, dual_every=dual_every, penalty_schedule=penalty_schedule,
+      total_steps=total_steps, structure=_structures.resolve_structure(structure),
+      scores=scores, prunable=prunable, learning_rate=learning_rate, seed=seed)
+
+  def init_fn(params):
+    return DecoupledADMMState(inner=inner.init(params), admm=core.init(params))
+
+  def update_fn(updates, state, params=None, *, grad_fn=None, **extra_args):
+    inner_updates, inner_state = inner.update(updates, state.inner, params, grad_fn=grad_fn,
+                                              **extra_args)
+    admm_state, add_penalty = core.step(state.admm, params, updates, grad_fn)
+    return add_penalty(inner_updates), DecoupledADMMState(inner=inner_state, admm=admm_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -366,11 +364,11 @@ def find_admm_state(opt_state: Any) -> ADMMState:
     (1, {'b': MaskedNode(), 'w': Array([[ 4., -3.],
            [ 0.,  0.]], dtype=float32)})
   """
-  found = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, ADMMState))
-           if isinstance(s, ADMMState)]
+  found = optax.tree.get_all_with_path(
+      opt_state, ADMMState.__name__, filtering=lambda _, value: isinstance(value, ADMMState))
   if len(found) != 1:
     raise ValueError(f"expected exactly one ADMMState in the optimizer state, found {len(found)}.")
-  return found[0]
+  return found[0][1]
 
 
 def constraint_distance(params: Any, opt_state: Any) -> jax.Array:
@@ -400,8 +398,8 @@ def constraint_distance(params: Any, opt_state: Any) -> jax.Array:
     Array(0.2236068, dtype=float32)
   """
   state = find_admm_state(opt_state)
-  z_leaves = jax.tree.leaves(state.z, is_leaf=_is_masked)
-  sq = [jnp.sum(jnp.square(x.astype(jnp.float32) - z.astype(jnp.float32)))
-        for x, z in zip(jax.tree.leaves(params), z_leaves)
-        if not isinstance(z, optax.MaskedNode)]
-  return jnp.sqrt(sum(sq))
+  pairs = [(x, z) for x, z in zip(jax.tree.leaves(params),
+                                  jax.tree.leaves(state.z, is_leaf=_prunable.is_masked))
+           if not _prunable.is_masked(z)]
+  x, z = (optax.tree.cast([p[i] for p in pairs], jnp.float32) for i in (0, 1))
+  return optax.tree.norm(optax.tree.sub(x, z))

@@ -1,65 +1,45 @@
 """Ready-made optimizers in optax's style: SAFE, SAFE+, ADMM and the paper's variants.
 
-Each alias is an ``optax.chain`` of this package's transforms and optax's
-SGD, as in the official recipe::
+:func:`safe` builds every one of them: an ``optax.chain`` of this package's
+transforms and optax's SGD, as in the official recipe::
 
   sam_perturb(rho) -> [add_projected_gradient] -> [clip_by_global_norm(max_grad_norm)]
   -> admm_penalty -> add_decayed_weights(weight_decay) -> sgd(learning_rate, momentum)
 
 With ``decoupled_penalty=True`` the penalty moves after SGD as the paper's
-plain step ``x -= eta_t * lambda_t * (x - z + u)``. Call ``update`` with
-``params`` and ``grad_fn`` (the SAM aliases need it; ``admm`` does not).
-``rho=None`` leaves SAM out, for ``optax.chain(sam_perturb(rho), wrapper(alias))``
-with ``optax.MultiSteps`` / ``apply_if_finite`` / ``masked`` (see ``_sam.py``).
+plain step ``x -= eta_t * lambda_t * (x - z + u)`` (:func:`decoupled_admm_penalty`).
+The variants only set their own arguments, as optax's ``nadamw`` sets
+``adamw``'s: :func:`safe_plus` (``scores="snip"``), :func:`safe_sg`
+(``sparse_gradient=True``), :func:`admm` (no SAM, constant penalty) and
+:func:`safe_multi` (a set of sparsities). Call ``update`` with ``params`` and
+``grad_fn`` (the SAM aliases need it; ``admm`` does not). ``rho=None`` leaves
+SAM out, for ``optax.chain(sam_perturb(rho), wrapper(alias))`` with
+``optax.MultiSteps`` / ``apply_if_finite`` / ``masked`` (see ``_sam.py``).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import optax
 
 from safe_optax import _admm
-from safe_optax import _projection
 from safe_optax import _prunable
 from safe_optax import _sam
 from safe_optax import _schedules
 from safe_optax import _scores
+from safe_optax import _structures
+from safe_optax._structures import Global
+from safe_optax._structures import Structure
 
-
-def _pruning_chain(
-    learning_rate, sparsity, *, penalty, penalty_schedule, total_steps, rho, dual_every,
-    momentum, nesterov, weight_decay, scope, structure, prunable, scores, decoupled_penalty,
-    sparse_gradient, adaptive, max_grad_norm, seed,
-) -> optax.GradientTransformationExtraArgs:
-  """The shared chain behind every alias (each alias passes its own arguments on)."""
-  penalty_tx = _admm.admm_penalty(
-      sparsity, penalty, dual_every=dual_every, penalty_schedule=penalty_schedule,
-      total_steps=total_steps, scope=scope, structure=structure, scores=scores,
-      prunable=prunable, learning_rate=learning_rate if decoupled_penalty else None, seed=seed,
-  )
-  head = []
-  if rho is not None:
-    head.append(_sam.sam_perturb(rho, adaptive=adaptive))
-  if sparse_gradient:
-    head.append(_sam.add_projected_gradient(
-        sparsity, scope=scope, structure=structure, prunable=prunable, seed=seed))
-  if max_grad_norm is not None:
-    # After the gradient passes (which replace the incoming gradient), before the penalty.
-    _schedules.check_nonnegative(max_grad_norm, "max_grad_norm")
-    head.append(optax.clip_by_global_norm(max_grad_norm))
-  base = [
-      optax.add_decayed_weights(weight_decay),
-      optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov),
-  ]
-  body = base + [penalty_tx] if decoupled_penalty else [penalty_tx] + base
-  return optax.chain(*head, *body)
+SparsityArg = Union[float, Sequence[float], optax.Schedule, None]
 
 
 def safe(
     learning_rate: optax.ScalarOrSchedule,
-    sparsity: Union[float, Sequence[float], optax.Schedule, None],
+    sparsity: SparsityArg,
     *,
     penalty: Union[float, optax.Schedule],
     penalty_schedule: Optional[str] = "cosine",
@@ -69,13 +49,15 @@ def safe(
     momentum: float = 0.9,
     nesterov: bool = False,
     weight_decay: float = 0.0,
-    scope: Optional[str] = None,
-    structure: _projection.Structure = None,
+    structure: Structure = Global(),
     prunable: _prunable.Prunable = None,
+    scores: Union[None, str, _scores.Saliency] = None,
+    sparse_gradient: bool = False,
     adaptive: bool = False,
     max_grad_norm: Optional[float] = None,
     decoupled_penalty: bool = False,
     seed: int = 0,
+    scope: Optional[str] = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""SAFE: sharpness-aware ADMM pruning with SGD (Lee et al., ICML 2025).
 
@@ -101,19 +83,30 @@ def safe(
     dual_every: ``K``, steps between dual updates.
     momentum, nesterov: SGD momentum.
     weight_decay: L2 weight decay added to the gradient (all leaves).
-    scope, structure, prunable: the sparsity set (see :func:`project_topk`).
-    adaptive: ASAM perturbation.
+    structure, prunable: the sparsity set (see :func:`project_topk`; default
+      :class:`Global`).
+    scores: the projection's saliency (SAFE+, see :func:`safe_plus`); ``None``
+      is magnitude.
+    sparse_gradient: add ``grad f(Proj(x))`` to the x-step (SAFE+SG, see
+      :func:`safe_sg`).
+    adaptive: ASAM perturbation (needs ``rho``).
     max_grad_norm: if set, clip the loss gradient (the SAM gradient) to this
       global norm, before the penalty and weight decay are added. An optax clip
       placed *before* the alias in an ``optax.chain`` would clip nothing (SAM's
       gradient replaces its output), so the first ``update`` raises on it.
     decoupled_penalty: apply the penalty as a plain step after SGD (paper)
       instead of through momentum (official code, default).
-    seed: seeds SAFE-Multi draws.
+    seed: seeds SAFE-Multi draws and OBD's Hutchinson probes.
+    scope: deprecated: ``"global"`` / ``"per_leaf"`` mean
+      ``structure=Global()`` / ``PerLeaf()`` (``DeprecationWarning``).
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs`; ``update`` needs
     ``params`` and ``grad_fn(params, step)``.
+
+  Raises:
+    ValueError, TypeError: a configuration out of range, naming the argument
+      and its allowed values.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, safe_optax
@@ -137,33 +130,57 @@ def safe(
     Lee, Lee, Chung, Lee, `SAFE: Finding Sparse and Flat Minima to Improve
     Pruning`, ICML 2025.
   """
-  return _pruning_chain(**locals(), scores=None, sparse_gradient=False)
+  structure = _structures.resolve_structure(structure, scope)
+  penalty_args = dict(
+      dual_every=dual_every, penalty_schedule=penalty_schedule, total_steps=total_steps,
+      structure=structure, scores=scores, prunable=prunable, seed=seed)
+  base = [optax.add_decayed_weights(weight_decay),
+          optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov)]
+  if decoupled_penalty:
+    body = [_admm.decoupled_admm_penalty(optax.chain(*base), sparsity, penalty,
+                                         learning_rate=learning_rate, **penalty_args)]
+  else:
+    body = [_admm.admm_penalty(sparsity, penalty, **penalty_args), *base]
+  head = []
+  if rho is not None:
+    head.append(_sam.sam_perturb(rho, adaptive=adaptive))
+  elif adaptive:
+    raise ValueError("`adaptive=True` (ASAM) needs a SAM radius `rho`, got rho=None.")
+  if sparse_gradient:
+    head.append(_sam.add_projected_gradient(
+        sparsity, structure=structure, prunable=prunable, seed=seed))
+  if max_grad_norm is not None:
+    # After the gradient passes (which replace the incoming gradient), before the penalty.
+    _schedules.check_nonnegative(max_grad_norm, "max_grad_norm")
+    head.append(optax.clip_by_global_norm(max_grad_norm))
+  return optax.chain(*head, *body)
 
 
-def safe_plus(
-    learning_rate: optax.ScalarOrSchedule,
-    sparsity: Union[float, Sequence[float], optax.Schedule, None],
-    *,
-    penalty: Union[float, optax.Schedule],
-    scores: Union[str, _scores.Saliency] = "snip",
-    penalty_schedule: Optional[str] = "cosine",
-    total_steps: Optional[int] = None,
-    rho: Optional[float] = 0.1,
-    dual_every: int = 32,
-    momentum: float = 0.9,
-    nesterov: bool = False,
-    weight_decay: float = 0.0,
-    scope: Optional[str] = None,
-    structure: _projection.Structure = None,
-    prunable: _prunable.Prunable = None,
-    adaptive: bool = False,
-    max_grad_norm: Optional[float] = None,
-    decoupled_penalty: bool = False,
-    seed: int = 0,
-) -> optax.GradientTransformationExtraArgs:
+def _signature_like_safe(*, rename: Optional[dict[str, str]] = None, drop: Sequence[str] = (),
+                         **defaults: Any) -> inspect.Signature:
+  """:func:`safe`'s signature with a variant's own defaults, names and omissions.
+
+  Set as the variant's ``__signature__``: ``optax.inject_hyperparams`` binds
+  the arguments against it (and passes them all by keyword), and Sphinx and
+  ``help`` show it, though the variant forwards ``**kwargs``.
+  """
+  rename = rename or {}
+  parameters = []
+  for param in inspect.signature(safe).parameters.values():
+    if param.name in drop:
+      continue
+    if param.name in defaults:
+      param = param.replace(default=defaults[param.name])
+    parameters.append(param.replace(name=rename.get(param.name, param.name)))
+  return inspect.signature(safe).replace(parameters=parameters)
+
+
+def safe_plus(learning_rate: optax.ScalarOrSchedule, sparsity: SparsityArg,
+              **kwargs: Any) -> optax.GradientTransformationExtraArgs:
   r"""SAFE+: SAFE with the generalized projection ``Proj^P`` (saliency scores).
 
-  As :func:`safe`, but the dual update projects with a diagonal metric ``P``,
+  :func:`safe` with ``scores="snip"`` by default: the dual update projects
+  with a diagonal metric ``P``,
 
   .. math::
 
@@ -173,16 +190,14 @@ def safe_plus(
   :math:`\sqrt{P_{ii}}\,|v_i|`. Finalize with the same scores.
 
   Args:
-    learning_rate, sparsity, penalty: as in :func:`safe`.
-    scores: ``"snip"`` (``|g * v|``, ``g`` the gradient entering the penalty,
-      i.e. the SAM gradient), ``"obd"`` (Hutchinson Hessian diagonal, one
-      probe per dual update; costs a Hessian-vector product then),
-      ``"magnitude"`` (plain SAFE), or a callable ``SaliencyInputs -> scores``
-      such as :func:`safe_optax.wanda_saliency`.
-    penalty_schedule, total_steps, rho, dual_every: as in :func:`safe`.
-    momentum, nesterov, weight_decay: as in :func:`safe`.
-    scope, structure, prunable: as in :func:`safe`.
-    adaptive, max_grad_norm, decoupled_penalty, seed: as in :func:`safe`.
+    learning_rate, sparsity: as in :func:`safe`.
+    **kwargs: every keyword of :func:`safe`; ``scores`` defaults to
+      ``"snip"`` (``|g * v|``, ``g`` the gradient entering the penalty, i.e.
+      the SAM gradient, also with ``decoupled_penalty=True``), or ``"obd"``
+      (Hutchinson Hessian diagonal, one probe per dual update; costs a
+      Hessian-vector product then), ``"magnitude"`` (plain SAFE), or a
+      callable ``SaliencyInputs -> scores`` such as
+      :func:`safe_optax.wanda_saliency`.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs`; ``update`` needs
@@ -210,48 +225,35 @@ def safe_plus(
     Lee, Lee, Chung, Lee, `SAFE: Finding Sparse and Flat Minima to Improve
     Pruning`, ICML 2025 (§3.4, SAFE+).
   """
-  return _pruning_chain(**locals(), sparse_gradient=False)
+  return safe(learning_rate, sparsity, **{"scores": "snip", **kwargs})
 
 
-def admm(
-    learning_rate: optax.ScalarOrSchedule,
-    sparsity: Union[float, Sequence[float], optax.Schedule, None],
-    *,
-    penalty: Union[float, optax.Schedule],
-    penalty_schedule: Optional[str] = "constant",
-    total_steps: Optional[int] = None,
-    dual_every: int = 32,
-    momentum: float = 0.9,
-    nesterov: bool = False,
-    weight_decay: float = 0.0,
-    scope: Optional[str] = None,
-    structure: _projection.Structure = None,
-    prunable: _prunable.Prunable = None,
-    scores: Union[None, str, _scores.Saliency] = None,
-    decoupled_penalty: bool = False,
-    seed: int = 0,
-) -> optax.GradientTransformationExtraArgs:
+safe_plus.__signature__ = _signature_like_safe(scores="snip")
+
+
+def admm(learning_rate: optax.ScalarOrSchedule, sparsity: SparsityArg,
+         **kwargs: Any) -> optax.GradientTransformationExtraArgs:
   r"""ADMM pruning (Zhang et al., 2018): SAFE without SAM, constant penalty by default.
 
-  Each step adds :math:`\lambda_t (x - z + u)` to the gradient of the
-  prunable leaves, then weight decay and SGD with momentum; every
-  ``dual_every`` steps :math:`z = \mathrm{Proj}(x + u),\ u \mathrel{+}= x - z`.
-  Finish with :func:`safe_optax.finalize`.
+  :func:`safe` with ``rho=None`` and ``penalty_schedule="constant"``. Each
+  step adds :math:`\lambda_t (x - z + u)` to the gradient of the prunable
+  leaves, then weight decay and SGD with momentum; every ``dual_every`` steps
+  :math:`z = \mathrm{Proj}(x + u),\ u \mathrel{+}= x - z`. Finish with
+  :func:`safe_optax.finalize`.
 
   Args:
-    learning_rate, sparsity, penalty: as in :func:`safe`.
-    penalty_schedule: ``"constant"`` (default), ``"linear"`` or
-      ``"cosine"``; ``None`` when ``penalty`` is a schedule.
-    total_steps, dual_every: as in :func:`safe`.
-    momentum, nesterov, weight_decay: as in :func:`safe`.
-    scope, structure, prunable: as in :func:`safe`.
-    decoupled_penalty, seed: as in :func:`safe`.
-    scores: optional SAFE+-style saliency for the projection, as in
-      :func:`safe_plus` (``None``: magnitude).
+    learning_rate, sparsity: as in :func:`safe`.
+    **kwargs: the keywords of :func:`safe` except the SAM ones (``rho``,
+      ``adaptive``, ``max_grad_norm``, ``sparse_gradient``);
+      ``penalty_schedule`` defaults to ``"constant"``; ``scores`` gives a
+      SAFE+-style saliency, as in :func:`safe_plus` (``None``: magnitude).
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs`; ``update`` needs
     ``params``, and ``grad_fn`` only with ``scores="obd"``.
+
+  Raises:
+    TypeError: a SAM keyword (``rho``, ...).
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, safe_optax
@@ -273,44 +275,27 @@ def admm(
     Zhang et al., `A Systematic DNN Weight Pruning Framework using Alternating
     Direction Method of Multipliers <https://arxiv.org/abs/1804.03294>`_, ECCV 2018.
   """
-  return _pruning_chain(**locals(), rho=None, sparse_gradient=False, adaptive=False,
-                        max_grad_norm=None)
+  admm.__signature__.bind(learning_rate, sparsity, **kwargs)  # a SAM keyword: TypeError
+  return safe(learning_rate, sparsity, rho=None, **{"penalty_schedule": "constant", **kwargs})
 
 
-def safe_sg(
-    learning_rate: optax.ScalarOrSchedule,
-    sparsity: Union[float, Sequence[float], optax.Schedule, None],
-    *,
-    penalty: Union[float, optax.Schedule],
-    penalty_schedule: Optional[str] = "cosine",
-    total_steps: Optional[int] = None,
-    rho: Optional[float] = 0.1,
-    dual_every: int = 32,
-    momentum: float = 0.9,
-    nesterov: bool = False,
-    weight_decay: float = 0.0,
-    scope: Optional[str] = None,
-    structure: _projection.Structure = None,
-    prunable: _prunable.Prunable = None,
-    adaptive: bool = False,
-    max_grad_norm: Optional[float] = None,
-    decoupled_penalty: bool = False,
-    seed: int = 0,
-) -> optax.GradientTransformationExtraArgs:
+admm.__signature__ = _signature_like_safe(
+    penalty_schedule="constant", drop=("rho", "adaptive", "max_grad_norm", "sparse_gradient"))
+
+
+def safe_sg(learning_rate: optax.ScalarOrSchedule, sparsity: SparsityArg,
+            **kwargs: Any) -> optax.GradientTransformationExtraArgs:
   r"""SAFE+SG: SAFE whose x-step also adds ``grad f(Proj(x))`` (paper App. D).
 
-  The x-step gradient is
+  :func:`safe` with ``sparse_gradient=True``. The x-step gradient is
   :math:`\nabla f(x + \rho g/\|g\|) + \nabla f(\mathrm{Proj}(x)) + \lambda_t (x - z + u)`,
   so the dense iterate also trains the sparse model it will be pruned to.
   Costs a third gradient per step; ``grad_fn`` is called with step 1 for it.
 
   Args:
-    learning_rate, penalty: as in :func:`safe`.
+    learning_rate: as in :func:`safe`.
     sparsity: as in :func:`safe`; a sequence gives SAFE+SG,Multi.
-    penalty_schedule, total_steps, rho, dual_every: as in :func:`safe`.
-    momentum, nesterov, weight_decay: as in :func:`safe`.
-    scope, structure, prunable: as in :func:`safe`.
-    adaptive, max_grad_norm, decoupled_penalty, seed: as in :func:`safe`.
+    **kwargs: every keyword of :func:`safe`.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs`; ``update`` needs
@@ -338,43 +323,25 @@ def safe_sg(
     Pruning`, ICML 2025 (App. D); Peste et al., `CrAM: A Compression-Aware
     Minimizer <https://arxiv.org/abs/2207.14200>`_, ICLR 2023.
   """
-  return _pruning_chain(**locals(), scores=None, sparse_gradient=True)
+  return safe(learning_rate, sparsity, **{"sparse_gradient": True, **kwargs})
 
 
-def safe_multi(
-    learning_rate: optax.ScalarOrSchedule,
-    sparsity_choices: Sequence[float],
-    *,
-    penalty: Union[float, optax.Schedule],
-    penalty_schedule: Optional[str] = "cosine",
-    total_steps: Optional[int] = None,
-    rho: Optional[float] = 0.1,
-    dual_every: int = 32,
-    momentum: float = 0.9,
-    nesterov: bool = False,
-    weight_decay: float = 0.0,
-    scope: Optional[str] = None,
-    structure: _projection.Structure = None,
-    prunable: _prunable.Prunable = None,
-    adaptive: bool = False,
-    max_grad_norm: Optional[float] = None,
-    decoupled_penalty: bool = False,
-    seed: int = 0,
-) -> optax.GradientTransformationExtraArgs:
+safe_sg.__signature__ = _signature_like_safe(sparse_gradient=True)
+
+
+def safe_multi(learning_rate: optax.ScalarOrSchedule, sparsity_choices: Sequence[float],
+               **kwargs: Any) -> optax.GradientTransformationExtraArgs:
   """SAFE-Multi: the target sparsity is drawn from ``sparsity_choices`` at each z-update.
 
-  Training against a random target from a set makes one run usable at each
-  of those sparsities; finalize at the sparsity you deploy.
+  :func:`safe` with a set of sparsities. Training against a random target
+  from a set makes one run usable at each of those sparsities; finalize at
+  the sparsity you deploy.
 
   Args:
     learning_rate: as in :func:`safe`.
     sparsity_choices: non-empty sequence of target sparsities in ``[0, 1)``;
       one is drawn uniformly at random at every dual update.
-    penalty, penalty_schedule, total_steps, rho, dual_every: as in :func:`safe`.
-    momentum, nesterov, weight_decay: as in :func:`safe`.
-    scope, structure, prunable, adaptive, max_grad_norm, decoupled_penalty: as in
-      :func:`safe`.
-    seed: seeds the draws.
+    **kwargs: every keyword of :func:`safe`; ``seed`` seeds the draws.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs`; ``update`` needs
@@ -409,6 +376,7 @@ def safe_multi(
       or not sparsity_choices:
     raise ValueError(
         f"`sparsity_choices` must be a non-empty sequence of sparsities, got {sparsity_choices!r}.")
-  sparsity = tuple(sparsity_choices)
-  del sparsity_choices
-  return _pruning_chain(**locals(), scores=None, sparse_gradient=False)
+  return safe(learning_rate, tuple(sparsity_choices), **kwargs)
+
+
+safe_multi.__signature__ = _signature_like_safe(rename={"sparsity": "sparsity_choices"})

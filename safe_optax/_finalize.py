@@ -10,6 +10,9 @@ import numpy as np
 
 from safe_optax import _projection
 from safe_optax import _prunable
+from safe_optax import _structures
+from safe_optax._structures import Global
+from safe_optax._structures import Structure
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,10 +131,10 @@ def finalize(
     params: Any,
     sparsity: Any = None,
     *,
-    scope: Optional[str] = None,
-    structure: _projection.Structure = None,
+    structure: Structure = Global(),
     scores: Any = None,
     prunable: _prunable.Prunable = None,
+    scope: Optional[str] = None,
 ) -> tuple[Any, Any]:
   r"""The final hard projection ``x_final = Proj(x_T)`` of SAFE / SAFE+.
 
@@ -141,7 +144,9 @@ def finalize(
 
   with ``P = I`` by default (magnitude) or SAFE+'s saliency through
   ``scores``. Same arguments and result as :func:`project_topk`; pass the
-  sparsity, scope, structure and ``prunable`` used in training. Outside
+  sparsity, structure and ``prunable`` used in training (one
+  :class:`Projection` holds all three: ``finalize(params,
+  **projection._asdict())``). Outside
   ``jit`` it raises ``RuntimeError`` when NaN reached the prunable weights
   or scores, instead of returning a NaN model.
 
@@ -149,16 +154,18 @@ def finalize(
     params: the trained parameters ``x_T`` (not modified).
     sparsity: fraction of prunable entries to zero, in ``[0, 1)``
       (``None`` with ``structure=NM(...)``).
-    scope: ``"global"`` (default) or ``"per_leaf"``.
-    structure: ``None``, :class:`NM` or :class:`PerOutput`.
+    structure: :class:`Global` (default), :class:`PerLeaf`,
+      :class:`PerOutput` or :class:`NM`.
     scores: optional score tree (SAFE+, e.g. :func:`snip_scores`).
     prunable: which leaves are pruned, as in :func:`project_topk`.
+    scope: deprecated, as in :func:`project_topk`.
 
   Returns:
     ``(sparse_params, keep_masks)``. Re-estimate BatchNorm statistics next.
 
   Raises:
     RuntimeError: NaN in the prunable weights or scores (outside ``jit``).
+    ValueError, TypeError: as :func:`project_topk`.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -174,8 +181,8 @@ def finalize(
     Pruning`, ICML 2025 (Algorithm 1, final projection).
   """
   sparse, masks = _projection.project_topk(
-      params, sparsity, scope=scope, structure=structure, scores=scores, prunable=prunable
-  )
+      params, sparsity, structure=_structures.resolve_structure(structure, scope),
+      scores=scores, prunable=prunable)
   leaves = jax.tree.leaves(sparse)
   if leaves and not isinstance(leaves[0], jax.core.Tracer):
     flags = _prunable.resolve(params, prunable).flags

@@ -1,10 +1,11 @@
 """Exact projection of a pytree onto a sparsity set (hard thresholding).
 
 ``project_topk`` keeps exactly the requested number of entries with the largest
-scores (``|v|`` by default, or any SAFE+ saliency) and zeroes the rest:
+scores (``|v|`` by default, or any SAFE+ saliency) and zeroes the rest, within
+the groups the structure (``_structures.py``) names:
 
-* unstructured, **global** scope: one threshold over all prunable leaves;
-* unstructured, **per-leaf** scope: the same sparsity in every leaf;
+* :class:`Global`: one threshold over all prunable leaves (default);
+* :class:`PerLeaf`: the same sparsity in every leaf;
 * :class:`NM`: ``n`` kept in every group of ``m`` consecutive entries along
   the reduction axis (2:4, 4:8 hardware sparsity);
 * :class:`PerOutput`: the same sparsity within every output unit (Wanda's
@@ -17,8 +18,7 @@ The global threshold is found by radix selection on the float bit patterns
 from __future__ import annotations
 
 import functools
-import numbers
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -26,123 +26,18 @@ import numpy as np
 
 from safe_optax import _prunable
 from safe_optax import _select
-
-SCOPES = ("global", "per_leaf")
-
-
-def _check_nm(n: Any, m: Any, axis: Any) -> None:
-  if not (_is_int(n) and _is_int(m) and 1 <= n <= m):
-    raise ValueError(f"NM(n, m) needs integers with 1 <= n <= m, got n={n}, m={m}.")
-  if not _is_int(axis):
-    raise ValueError(f"NM `axis` must be an int (the reduction axis, e.g. -2), got {axis!r}.")
-
-
-def _is_int(value: Any) -> bool:
-  return isinstance(value, int) and not isinstance(value, bool)
-
-
-class _NMFields(NamedTuple):
-  n: int
-  m: int
-  axis: int = -2
-
-
-class NM(_NMFields):
-  """N:M semi-structured sparsity: keep ``n`` of every ``m`` consecutive entries.
-
-  Groups run along ``axis``, the reduction (input) axis: ``-2`` is ``in`` for a
-  Flax ``Dense`` kernel ``(in, out)`` and for a conv kernel ``(h, w, in, out)``.
-  Checked when built: ``NM(3, 2)`` raises ``ValueError``. Whether each
-  prunable leaf's ``axis`` is divisible by ``m`` is checked by the
-  transforms' ``init`` (and by :func:`project_topk`), naming the leaf.
-
-  Examples:
-    >>> from safe_optax import NM
-    >>> NM(2, 4)
-    NM(n=2, m=4, axis=-2)
-    >>> NM(3, 2)
-    Traceback (most recent call last):
-    ...
-    ValueError: NM(n, m) needs integers with 1 <= n <= m, got n=3, m=2.
-  """
-
-  __slots__ = ()
-
-  def __new__(cls, n: int, m: int, axis: int = -2) -> "NM":
-    _check_nm(n, m, axis)
-    return super().__new__(cls, n, m, axis)
-
-
-class PerOutput(NamedTuple):
-  """Unstructured sparsity with the same fraction kept in every output unit.
-
-  Each group is every entry sharing one index along ``axis`` (the output axis,
-  ``-1`` for Flax kernels): Wanda's per-output-row comparison group.
-  """
-
-  axis: int = -1
-
-
-Structure = Optional[Union[NM, PerOutput]]
-
-
-def validate_sparsity(sparsity: Any, name: str = "sparsity") -> None:
-  """Raises ``ValueError`` for a concrete sparsity outside ``[0, 1)``; tracers pass."""
-  if isinstance(sparsity, jax.core.Tracer):
-    return
-  if isinstance(sparsity, bool):
-    raise TypeError(f"`{name}` must be a real number in [0, 1), got {sparsity!r}.")
-  if isinstance(sparsity, (numbers.Real, jax.Array, np.ndarray)) and jnp.ndim(sparsity) == 0:
-    value = float(sparsity)
-    if not 0.0 <= value < 1.0:
-      raise ValueError(f"`{name}` must be in [0, 1), got {value}.")
-    return
-  raise TypeError(f"`{name}` must be a real number in [0, 1), got {sparsity!r}.")
-
-
-def check_config(sparsity: Any, scope: Optional[str], structure: Structure) -> str:
-  """Validates a projection configuration at construction time; returns the scope.
-
-  Args:
-    sparsity: fraction to prune (unstructured and :class:`PerOutput`), or
-      ``None`` / ``1 - n/m`` for :class:`NM`.
-    scope: ``None`` (means ``"global"``), ``"global"`` or ``"per_leaf"``;
-      only for unstructured sparsity.
-    structure: ``None``, :class:`NM` or :class:`PerOutput`.
-  """
-  if structure is not None and not isinstance(structure, (NM, PerOutput)):
-    raise TypeError(
-        f"`structure` must be None, NM(n, m, axis) or PerOutput(axis), got {structure!r}."
-    )
-  if structure is not None and scope is not None:
-    raise ValueError(
-        f"`scope` applies to unstructured sparsity only; got scope={scope!r} with "
-        f"structure={structure!r}. Leave scope=None."
-    )
-  if isinstance(structure, NM):
-    n, m = structure.n, structure.m
-    _check_nm(n, m, structure.axis)  # NM._replace bypasses the check in NM()
-    if sparsity is not None:
-      validate_sparsity(sparsity)
-      if not isinstance(sparsity, jax.core.Tracer) and abs(float(sparsity) - (1 - n / m)) > 1e-6:
-        raise ValueError(
-            f"`sparsity`={float(sparsity)} contradicts NM({n}, {m}), which prunes "
-            f"{1 - n / m:g}; pass sparsity=None or {1 - n / m:g}."
-        )
-    return "nm"
-  if sparsity is None:
-    raise ValueError("`sparsity` is required unless `structure` is NM(n, m).")
-  validate_sparsity(sparsity)
-  if isinstance(structure, PerOutput):
-    return "per_output"
-  scope = "global" if scope is None else scope
-  if scope not in SCOPES:
-    raise ValueError(f"`scope` must be one of {SCOPES}, got {scope!r}.")
-  return scope
+from safe_optax import _structures
+from safe_optax._structures import NM
+from safe_optax._structures import Global
+from safe_optax._structures import PerLeaf
+from safe_optax._structures import PerOutput
+from safe_optax._structures import Structure
 
 
 def _check_structure(shape: tuple[int, ...], structure: Structure, name: str) -> None:
   """Raises ``ValueError`` when a leaf cannot carry ``structure``."""
+  if not isinstance(structure, (NM, PerOutput)):
+    return
   axis = structure.axis
   if not -len(shape) <= axis < len(shape):
     raise ValueError(f"leaf '{name}' of shape {shape} has no axis {axis} for {structure}.")
@@ -156,6 +51,8 @@ def _check_structure(shape: tuple[int, ...], structure: Structure, name: str) ->
 def check_structure_fits(tree: Any, structure: Structure,
                          prunable: _prunable.Prunable = None) -> None:
   """Raises ``ValueError``, naming the leaf's path, when a prunable leaf cannot carry ``structure``."""
+  if not isinstance(structure, (NM, PerOutput)):
+    return  # any leaf carries an unstructured sparsity
   resolved = _prunable.resolve(tree, prunable)
   for leaf, flag, path in zip(resolved.leaves, resolved.flags, resolved.paths):
     if flag:
@@ -179,30 +76,30 @@ def _from_groups(mask: jax.Array, shape: tuple[int, ...], structure: Structure) 
   return jnp.moveaxis(mask.reshape(moved), 0, axis)
 
 
-def _keep_counts(shapes, sparsity, scope, structure):
+def _keep_counts(shapes, sparsity, structure):
   """Entries to keep per selection group, computed outside the kernel.
 
   Python sparsities give exact decimal counts here, so the jitted kernel takes
   counts as data and never recompiles when the sparsity changes.
   """
-  if scope == "nm":
+  if isinstance(structure, NM):
     return [jnp.int32(structure.n)] * len(shapes)
   sizes = [int(np.prod(shape)) for shape in shapes]
-  if scope == "global":
+  if isinstance(structure, Global):
     sizes = [sum(sizes)]
-  elif scope == "per_output":
+  elif isinstance(structure, PerOutput):
     sizes = [size // shape[structure.axis] for size, shape in zip(sizes, shapes)]
   return [jnp.asarray(_select.num_keep(size, sparsity), jnp.int32) for size in sizes]
 
 
-@functools.partial(jax.jit, static_argnames=("scope", "structure"))
-def _project_leaves(leaves, score_leaves, counts, *, scope, structure):
+@functools.partial(jax.jit, static_argnames=("structure",))
+def _project_leaves(leaves, score_leaves, counts, *, structure):
   """Projects the prunable leaves; ``counts`` holds the keep count of each group."""
   keys = [_select.order_keys(jnp.abs(leaf) if score is None else score)
           for leaf, score in zip(leaves, score_leaves)]
-  if scope == "global":
+  if isinstance(structure, Global):
     masks, _ = _select.topk_masks(keys, counts[0])
-  elif scope == "per_leaf":
+  elif isinstance(structure, PerLeaf):
     masks = [_select.topk_masks([key], k)[0][0] for key, k in zip(keys, counts)]
   else:
     masks = [
@@ -214,7 +111,7 @@ def _project_leaves(leaves, score_leaves, counts, *, scope, structure):
   projected = []
   for leaf, score, mask in zip(leaves, score_leaves, masks):
     # A NaN value or score shows as NaN at its own entry, kept or not: never hidden
-    # (the loss and finalize see it) and never spread over the rest of the scope.
+    # (the loss and finalize see it) and never spread over the rest of its group.
     bad = jnp.isnan(leaf) if score is None else jnp.isnan(leaf) | jnp.isnan(score)
     kept = jnp.where(mask, leaf, jnp.zeros((), leaf.dtype))
     projected.append(jnp.where(bad, jnp.full((), jnp.nan, leaf.dtype), kept))
@@ -225,18 +122,18 @@ def project_topk(
     tree: Any,
     sparsity: Any = None,
     *,
-    scope: Optional[str] = None,
-    structure: Structure = None,
+    structure: Structure = Global(),
     scores: Any = None,
     prunable: _prunable.Prunable = None,
+    scope: Optional[str] = None,
 ) -> tuple[Any, Any]:
   r"""Projects ``tree`` onto the set of trees with the requested sparsity.
 
   Solves :math:`\arg\min_{\|z\|_0 \le d} \|z - v\|_P^2` for diagonal ``P``:
   keeps the ``d`` entries with the largest score (``|v|`` when ``scores`` is
   None, i.e. ``P = I``; pass ``sqrt(P) * |v|`` for SAFE+) and zeroes the rest.
-  Exactly ``n - floor(sparsity * n)`` entries are kept per scope (``n`` the
-  prunable entry count of the scope), whatever the ties: among equal scores
+  Exactly ``n - floor(sparsity * n)`` entries are kept per group (``n`` the
+  prunable entry count of the group), whatever the ties: among equal scores
   the earlier entry (flatten order, then row-major) is kept.
 
   NaN: a NaN prunable value or score is NaN at its own entry of the
@@ -250,18 +147,26 @@ def project_topk(
     sparsity: fraction of prunable entries to zero, in ``[0, 1)``. May be a
       traced scalar (schedules, ``optax.inject_hyperparams``). ``None`` or
       ``1 - n/m`` for :class:`NM`.
-    scope: ``"global"`` (default: one threshold across all prunable leaves) or
-      ``"per_leaf"`` (same sparsity in every leaf). Unstructured only.
-    structure: ``None`` (unstructured), :class:`NM` or :class:`PerOutput`.
+    structure: the groups whose entries compete: :class:`Global` (default,
+      one threshold across all prunable leaves), :class:`PerLeaf` (the same
+      sparsity in every leaf), :class:`PerOutput` or :class:`NM`.
     scores: optional pytree shaped like ``tree`` with the ranking score of each
       prunable entry (higher is kept); other leaves may be ``None``.
     prunable: which leaves are pruned: ``None`` (floating leaves with
       ``ndim >= 2``), a bool pytree, or a callable ``(key_path, leaf) -> bool``.
+    scope: deprecated; ``"global"`` / ``"per_leaf"`` mean
+      ``structure=Global()`` / ``PerLeaf()`` (``DeprecationWarning``).
 
   Returns:
     ``(projected_tree, keep_masks)``: the projected tree (same structure and
     dtypes; non-prunable leaves returned as they are) and a pytree of bool
     masks (all ``True`` for non-prunable leaves).
+
+  Raises:
+    TypeError: ``structure`` is not one of the four structures.
+    ValueError: a sparsity outside ``[0, 1)`` (or missing, or contradicting
+      ``NM``), a leaf that cannot carry ``structure`` (naming its path), or
+      ``scores`` not shaped like the prunable leaves.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -278,7 +183,8 @@ def project_topk(
     Lee, Lee, Chung, Lee, `SAFE: Finding Sparse and Flat Minima to Improve
     Pruning`, ICML 2025 (§3.4, generalized projection).
   """
-  scope = check_config(sparsity, scope, structure)
+  structure = _structures.check_config(
+      sparsity, _structures.resolve_structure(structure, scope))
   resolved = _prunable.resolve(tree, prunable)
   if scores is None:
     score_leaves = [None] * len(resolved.leaves)
@@ -297,13 +203,11 @@ def project_topk(
         )
   pruned = [i for i, flag in enumerate(resolved.flags) if flag]
   for i in pruned:
-    if structure is not None:
-      _check_structure(jnp.shape(resolved.leaves[i]), structure, resolved.paths[i])
-  counts = _keep_counts([jnp.shape(resolved.leaves[i]) for i in pruned], sparsity, scope,
-                        structure)
+    _check_structure(jnp.shape(resolved.leaves[i]), structure, resolved.paths[i])
+  counts = _keep_counts([jnp.shape(resolved.leaves[i]) for i in pruned], sparsity, structure)
   sparse_leaves, sparse_masks = _project_leaves(
       [resolved.leaves[i] for i in pruned], [score_leaves[i] for i in pruned], counts,
-      scope=scope, structure=structure,
+      structure=structure,
   )
   # Non-prunable leaves never enter the kernel: returned as they are, dtype included.
   projected = list(resolved.leaves)

@@ -2,7 +2,8 @@
 
 Works on any pytree (Linen dicts, NNX ``State``, tuples, custom nodes): the
 selection is resolved once per tree structure into a tuple of static flags,
-one per leaf in ``jax.tree_util`` flatten order.
+one per leaf in ``jax.tree_util`` flatten order. The transforms' states hold
+``optax.MaskedNode`` at non-prunable leaves (``masked_tree``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any, NamedTuple, Union
 
 import jax
 import jax.numpy as jnp
+import optax
 
 KeyPath = tuple[Any, ...]
 Prunable = Union[None, Any, Callable[[KeyPath, Any], bool]]
@@ -153,3 +155,43 @@ def prunable_mask(tree: Any, prunable: Prunable = None) -> Any:
   """
   resolved = resolve(tree, prunable)
   return jax.tree.unflatten(resolved.treedef, list(resolved.flags))
+
+
+# Trees seen inside optax.masked / optax.multi_transform hold optax.MaskedNode
+# placeholders where leaves were masked out; the helpers below count them as
+# leaves (never pruned), so flags stay aligned with the transforms' state trees,
+# which hold a MaskedNode at every non-prunable leaf.
+
+
+def is_masked(node: Any) -> bool:
+  """Whether ``node`` is an ``optax.MaskedNode`` placeholder."""
+  return isinstance(node, optax.MaskedNode)
+
+
+def leaf_flags(params: Any, prunable: Prunable) -> tuple[bool, ...]:
+  """Prunable flags of ``params``' leaves, MaskedNode placeholders counted as (dense) leaves."""
+  array_flags = iter(resolve(params, prunable).flags)
+  return tuple(False if is_masked(leaf) else next(array_flags)
+               for leaf in jax.tree.leaves(params, is_leaf=is_masked))
+
+
+def prunable_leaves(tree: Any, flags: tuple[bool, ...]) -> list[Any]:
+  """The prunable leaves of a params-shaped tree (MaskedNode placeholders count as leaves).
+
+  Raises:
+    ValueError: ``tree`` does not have one leaf per flag.
+  """
+  leaves = jax.tree.leaves(tree, is_leaf=is_masked)
+  if len(leaves) != len(flags):
+    raise ValueError(
+        f"tree has {len(leaves)} leaves but the parameters have {len(flags)}; the state "
+        "does not belong to these parameters."
+    )
+  return [leaf for leaf, flag in zip(leaves, flags) if flag]
+
+
+def masked_tree(params: Any, flags: tuple[bool, ...], values: Any) -> Any:
+  """``params``-shaped tree with ``values`` on prunable leaves, MaskedNode elsewhere."""
+  it = iter(values)
+  leaves = [next(it) if flag else optax.MaskedNode() for flag in flags]
+  return jax.tree.unflatten(jax.tree.structure(params, is_leaf=is_masked), leaves)

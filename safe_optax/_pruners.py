@@ -1,4 +1,4 @@
-r"""Baseline pruners of the SAFE paper as optax transforms: GMP, IMP+SAM, one-shot, CrAM.
+r"""Magnitude-pruning baselines of the SAFE paper as optax transforms: GMP, IMP+SAM, one-shot.
 
 * :func:`polynomial_sparsity`: Zhu & Gupta's gradual sparsity schedule
   (cubic for GMP, linear or cubic steps for IMP-style pruning every N epochs).
@@ -7,8 +7,8 @@ r"""Baseline pruners of the SAFE paper as optax transforms: GMP, IMP+SAM, one-sh
   keep mask recomputed every ``update_every`` steps and held in between. One
   transform covers one-shot magnitude pruning, GMP and (after
   :func:`safe_optax.sam_perturb`) IMP+SAM.
-* :func:`cram`: CrAM / CrAM+ (Peste et al., 2023), the gradient at the
-  compressed ascent point, in the shape of :func:`safe_optax.sam_perturb`.
+
+CrAM, the SAM-shaped baseline, is in ``_cram.py``.
 """
 
 from __future__ import annotations
@@ -23,12 +23,14 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from safe_optax import _admm
+from safe_optax import _dual
 from safe_optax import _projection
 from safe_optax import _prunable
-from safe_optax import _sam
 from safe_optax import _schedules
 from safe_optax import _scores
+from safe_optax import _structures
+from safe_optax._structures import Global
+from safe_optax._structures import Structure
 
 
 def _check_step(value: Any, name: str) -> int:
@@ -139,18 +141,12 @@ class MagnitudePruningState(NamedTuple):
   """Keep masks (bool) of the prunable leaves; ``optax.MaskedNode()`` on the others."""
 
 
-def _default_scope(scope: Optional[str], structure: _projection.Structure) -> Optional[str]:
-  # ``scope="global"`` is the default here; it means nothing for N:M / per-output.
-  return None if structure is not None and scope == "global" else scope
-
-
-def _sparsity_fn(sparsity: Any, scope: Optional[str], structure: _projection.Structure,
-                 name: str) -> Callable[[jax.Array], Any]:
+def _sparsity_fn(sparsity: Any, structure: Structure, name: str) -> Callable[[jax.Array], Any]:
   if isinstance(sparsity, Sequence) and not isinstance(sparsity, (str, bytes)):
     raise TypeError(
         f"{name}: `sparsity` must be a number in [0, 1) or a schedule step -> sparsity, "
         f"got the sequence {sparsity!r}.")
-  get = _admm.sparsity_fn(sparsity, scope, structure)
+  get = _dual.sparsity_fn(sparsity, structure)
   return lambda count: get(count, None)
 
 
@@ -166,11 +162,12 @@ def magnitude_pruning(
     sparsity: Union[float, optax.Schedule, None],
     *,
     update_every: int = 1,
-    scope: Optional[str] = "global",
-    structure: _projection.Structure = None,
+    structure: Structure = Global(),
     scores: Union[None, str, _scores.Saliency] = None,
     prunable: _prunable.Prunable = None,
     update_until: Optional[int] = None,
+    seed: int = 0,
+    scope: Optional[str] = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Magnitude pruning with a persistent mask, as the last link of an ``optax.chain``.
 
@@ -202,8 +199,8 @@ def magnitude_pruning(
       ``hyperparam_dtype=jnp.float32`` (bf16 would round 0.9 to 0.8984).
       ``None`` only for ``NM``.
     update_every: :math:`\Delta \ge 1`, steps between mask updates.
-    scope, structure, prunable: as in :func:`safe_optax.project_topk`
-      (``scope`` is ignored with a ``structure``).
+    structure, prunable: as in :func:`safe_optax.project_topk` (default
+      :class:`safe_optax.Global`).
     scores: ranking at mask updates: ``None``/``"magnitude"`` (``|x + u|``),
       ``"snip"``, ``"obd"`` or a callable ``SaliencyInputs -> scores`` as in
       :func:`safe_optax.admm_penalty`. The saliency sees ``values = x + u``
@@ -211,6 +208,9 @@ def magnitude_pruning(
       gradient placed after SGD); ``"obd"`` needs ``grad_fn``.
     update_until: if set, no mask update after this step (the mask of the
       last update before it is kept for good), e.g. GMP's ``end_step``.
+    seed: seeds the saliency's key (Hutchinson probes of ``"obd"``, or a
+      callable that draws); pass the run's seed.
+    scope: deprecated, as in :func:`safe_optax.project_topk`.
 
   Returns:
     A :class:`optax.GradientTransformationExtraArgs` with state
@@ -242,21 +242,22 @@ def magnitude_pruning(
     2017; Na et al., `Train Flat, Then Compress
     <https://arxiv.org/abs/2205.12694>`_, 2022 (IMP+SAM).
   """
-  scope = _default_scope(scope, structure)
-  get_sparsity = _sparsity_fn(sparsity, scope, structure, "magnitude_pruning")
+  structure = _structures.resolve_structure(structure, scope)
+  get_sparsity = _sparsity_fn(sparsity, structure, "magnitude_pruning")
   _schedules.check_positive_int(update_every, "update_every")
   if update_until is not None:
     _check_step(update_until, "update_until")
   saliency = _scores.get_saliency(scores)
+  base_key = jax.random.PRNGKey(seed)
 
   def init_fn(params):
     # Only tree maps (optax.tree.map_params, sharding); a leafless tree (map_params'
     # placeholder) gives an empty state.
     flags = _prunable.resolve(params, prunable).flags if jax.tree.leaves(params) else ()
-    masks = [jnp.ones(jnp.shape(x), bool) for x in _admm._prunable_leaves(params, flags)]
+    masks = [jnp.ones(jnp.shape(x), bool) for x in _prunable.prunable_leaves(params, flags)]
     return MagnitudePruningState(
         count=jnp.zeros([], jnp.int32),
-        masks=_admm._masked_tree(params, flags, masks) if flags else params,
+        masks=_prunable.masked_tree(params, flags, masks) if flags else params,
     )
 
   def update_fn(updates, state, params=None, *, grad_fn=None, **extra_args):
@@ -264,8 +265,8 @@ def magnitude_pruning(
     if params is None:
       raise ValueError("magnitude_pruning needs `params` in update(updates, state, params).")
     flags = _prunable.resolve(params, prunable).flags
-    x = _admm._prunable_leaves(params, flags)
-    u = _admm._prunable_leaves(updates, flags)
+    x = _prunable.prunable_leaves(params, flags)
+    u = _prunable.prunable_leaves(updates, flags)
     count = state.count
 
     def new_masks(old_masks):
@@ -276,16 +277,16 @@ def magnitude_pruning(
       if saliency is not None:
         scores_now = list(saliency(_scores.SaliencyInputs(
             values=values, params=params, updates=updates, grad_fn=grad_fn,
-            key=jax.random.fold_in(jax.random.PRNGKey(0), count), flags=flags)))
+            key=jax.random.fold_in(base_key, count), flags=flags)))
       _, masks = _projection.project_topk(
-          values, get_sparsity(count), scope=scope, structure=structure, scores=scores_now,
+          values, get_sparsity(count), structure=structure, scores=scores_now,
           prunable=[True] * len(values))
       return list(masks)
 
     due = count % update_every == 0
     if update_until is not None:
       due = due & (count <= update_until)
-    masks = _maybe_cond(due, new_masks, list, _admm._prunable_leaves(state.masks, flags))
+    masks = _maybe_cond(due, new_masks, list, _prunable.prunable_leaves(state.masks, flags))
     it = iter(zip(x, masks))
     new_updates = []
     for g, flag in zip(jax.tree.leaves(updates), flags):
@@ -295,118 +296,7 @@ def magnitude_pruning(
         g = jnp.where(mi, g, -xi.astype(g.dtype))
       new_updates.append(g)
     new_state = MagnitudePruningState(
-        count=optax.safe_increment(count), masks=_admm._masked_tree(params, flags, masks))
+        count=optax.safe_increment(count), masks=_prunable.masked_tree(params, flags, masks))
     return jax.tree.unflatten(jax.tree.structure(updates), new_updates), new_state
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def cram(
-    rho: float,
-    sparsity: Union[float, Sequence[float], optax.Schedule, None],
-    *,
-    plus: bool = False,
-    scope: Optional[str] = "global",
-    structure: _projection.Structure = None,
-    prunable: _prunable.Prunable = None,
-    eps: float = 1e-12,
-    normalize: bool = True,
-    sparse_grad: bool = False,
-    seed: int = 0,
-) -> optax.GradientTransformationExtraArgs:
-  r"""CrAM / CrAM+: the gradient at the compressed ascent point.
-
-  .. math::
-
-    \tilde x = C\!\left(x + \rho \frac{g}{\|g\|_2 + \epsilon}\right), \qquad
-    g' = \nabla f(\tilde x) \quad (+\, g \text{ for CrAM+})
-
-  where ``g`` is the incoming gradient at ``x`` and ``C`` the top-k magnitude
-  projection :func:`safe_optax.project_topk` at ``sparsity`` (prunable leaves
-  only). As in the paper, ``\nabla f(\tilde x)`` is applied to ``x`` as it is
-  (a straight-through step: no derivative through ``C``). Place it first in
-  the chain, like :func:`safe_optax.sam_perturb`, e.g.
-  ``chain(cram(...), add_decayed_weights(wd), sgd(lr, momentum))``.
-
-  Choices, against Peste et al. (2023): the paper's update (Eq. 3) and its
-  code's default take the *unnormalised* ascent step ``x + rho * g`` (code:
-  ``grad_norm=False``, ``rho=0.05``); here the SAM-normalised step is the
-  default, so ``rho`` means what it means for SAM and SAFE, and
-  ``normalize=False`` gives the paper's step. The perturbation covers every
-  leaf (as both SAM and the CrAM code do); ``C`` prunes only prunable leaves,
-  with an exact top-k (the code's percentile threshold may keep fewer on
-  ties). The code's best CIFAR runs also mask the compressed-point gradient
-  with ``C``'s mask on prunable leaves (``sparse_grad=True`` here) and use
-  CrAM+ with a set of sparsities drawn at random every step (CrAM-Multi: pass
-  a sequence as ``sparsity``).
-
-  Args:
-    rho: ascent radius ``>= 0``.
-    sparsity: fraction pruned by ``C``, in ``[0, 1)``; a schedule; or a
-      sequence of sparsities, one drawn uniformly at every step (Multi).
-      ``None`` only for ``NM``.
-    plus: CrAM+: add the incoming gradient ``g``.
-    scope, structure, prunable: ``C``'s sparsity set, as in
-      :func:`safe_optax.project_topk` (``scope`` ignored with a structure).
-    eps: guards a zero gradient in the normalisation.
-    normalize: SAM's normalised ascent step (default) or the paper's ``rho * g``.
-    sparse_grad: zero ``\nabla f(\tilde x)`` where ``C`` pruned (official code's
-      ``sparse_grad``; the dense ``g`` of CrAM+ is not masked).
-    seed: seeds the Multi draws.
-
-  Returns:
-    A :class:`optax.GradientTransformationExtraArgs` with a step counter as
-    state; ``update`` needs ``params`` and ``grad_fn(params, step)`` (called
-    with step 0, the same minibatch as ``g``), and ignores other extras.
-
-  Examples:
-    >>> import jax, jax.numpy as jnp, optax
-    >>> from safe_optax import cram
-    >>> loss = lambda p: jnp.sum((p - jnp.array([[2., 0.5]])) ** 2)
-    >>> grad_fn = lambda p, _: jax.grad(loss)(p)
-    >>> params = jnp.array([[1.0, 0.2]])
-    >>> tx = cram(rho=0.0, sparsity=0.5)   # rho=0: the gradient at C(x) = [[1, 0]]
-    >>> g, _ = tx.update(grad_fn(params, 0), tx.init(params), params, grad_fn=grad_fn)
-    >>> g
-    Array([[-2., -1.]], dtype=float32)
-    >>> tx = cram(rho=0.0, sparsity=0.5, plus=True)   # plus the gradient at x
-    >>> g, _ = tx.update(grad_fn(params, 0), tx.init(params), params, grad_fn=grad_fn)
-    >>> g
-    Array([[-4. , -1.6]], dtype=float32)
-
-  References:
-    Peste, Vladu, Kurtic, Lampert, Alistarh, `CrAM: A Compression-Aware
-    Minimizer <https://arxiv.org/abs/2207.14200>`_, ICLR 2023.
-  """
-  _schedules.check_nonnegative(rho, "rho")
-  _schedules.check_nonnegative(eps, "eps")
-  scope = _default_scope(scope, structure)
-  get_sparsity = _admm.sparsity_fn(sparsity, scope, structure)
-  base_key = jax.random.PRNGKey(seed)
-
-  def init_fn(params):
-    _sam.check_placement(params, "cram")
-    return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
-
-  def update_fn(updates, state, params=None, *, grad_fn=None, **extra_args):
-    del extra_args
-    grad_fn = _sam._require_grad_fn(grad_fn, "cram")
-    _sam.check_no_clip_before("cram")
-    if params is None:
-      raise ValueError("cram needs `params` in update(updates, state, params).")
-    perturbed = _sam.ascent_point(params, updates, rho, normalize=normalize, eps=eps)
-    key = jax.random.fold_in(base_key, state.count)
-    compressed, masks = _projection.project_topk(
-        perturbed, get_sparsity(state.count, key), scope=scope, structure=structure,
-        prunable=prunable)
-    grads = grad_fn(compressed, 0)
-    if sparse_grad:
-      # Non-prunable leaves have all-True masks, so this masks prunable leaves only.
-      grads = jax.tree.map(lambda gc, m: jnp.where(m, gc, jnp.zeros((), gc.dtype)),
-                           grads, masks)
-    if plus:
-      grads = jax.tree.map(lambda gc, g: (gc + g.astype(gc.dtype)), grads, updates)
-    grads = jax.tree.map(lambda gc, g: gc.astype(g.dtype), grads, updates)
-    return grads, optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

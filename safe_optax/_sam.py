@@ -29,17 +29,20 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable
-from typing import Any, Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
 
-from safe_optax import _admm
+from safe_optax import _dual
 from safe_optax import _projection
 from safe_optax import _prunable
 from safe_optax import _schedules
+from safe_optax import _structures
+from safe_optax._structures import Global
+from safe_optax._structures import Structure
 
 GradFn = Callable[[Any, int], Any]
 
@@ -249,14 +252,21 @@ def sam_perturb(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+class AddProjectedGradientState(NamedTuple):
+  """State of :func:`add_projected_gradient`."""
+
+  count: jax.Array
+  """Number of updates taken (int32); keys the Multi draws."""
+
+
 def add_projected_gradient(
     sparsity: Union[float, Sequence[float], optax.Schedule, None],
     *,
-    scope: Optional[str] = None,
-    structure: _projection.Structure = None,
+    structure: Structure = Global(),
     prunable: _prunable.Prunable = None,
     seed: int = 0,
     axis_name: Optional[str] = None,
+    scope: Optional[str] = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Adds the gradient at the projected point: ``g + grad f(Proj(x))``.
 
@@ -266,13 +276,15 @@ def add_projected_gradient(
 
   Args:
     sparsity: as in :func:`admm_penalty`.
-    scope, structure, prunable: as in :func:`safe_optax.project_topk`.
+    structure, prunable: as in :func:`safe_optax.project_topk`.
     seed: seeds the Multi draws.
     axis_name: optional ``pmean`` axis for the extra gradient (shard_map users).
+    scope: deprecated, as in :func:`safe_optax.project_topk`.
 
   Returns:
-    A :class:`optax.GradientTransformationExtraArgs` with a step counter as
-    state; ``update`` needs ``params`` and ``grad_fn`` (called with step 1).
+    A :class:`optax.GradientTransformationExtraArgs` with state
+    :class:`AddProjectedGradientState`; ``update`` needs ``params`` and
+    ``grad_fn`` (called with step 1).
     A traced sparsity outside ``[0, 1)`` adds nothing that step.
 
   Raises:
@@ -294,14 +306,15 @@ def add_projected_gradient(
     Peste et al., `CrAM: A Compression-Aware Minimizer
     <https://arxiv.org/abs/2207.14200>`_, ICLR 2023; SAFE (ICML 2025), App. D.
   """
-  get_sparsity = _admm.sparsity_fn(sparsity, scope, structure)
+  structure = _structures.resolve_structure(structure, scope)
+  get_sparsity = _dual.sparsity_fn(sparsity, structure)
   base_key = jax.random.PRNGKey(seed)
 
   def init_fn(params):
     check_placement(params, "add_projected_gradient")
-    if structure is not None and jax.tree.leaves(params):
+    if jax.tree.leaves(params):
       _projection.check_structure_fits(params, structure, prunable)
-    return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
+    return AddProjectedGradientState(count=jnp.zeros([], jnp.int32))
 
   def update_fn(updates, state, params=None, *, grad_fn=None, **extra_args):
     del extra_args
@@ -311,15 +324,14 @@ def add_projected_gradient(
     key = jax.random.fold_in(base_key, state.count)
     sparsity_now = get_sparsity(state.count, key)
     projected, _ = _projection.project_topk(
-        params, sparsity_now, scope=scope, structure=structure, prunable=prunable,
-    )
+        params, sparsity_now, structure=structure, prunable=prunable)
     sparse_grads = grad_fn(projected, 1)
     if axis_name is not None:
       sparse_grads = lax.pmean(sparse_grads, axis_name)
     # A traced sparsity outside [0, 1) (inject_hyperparams) adds nothing; admm_penalty counts it.
-    valid = _admm._in_unit_interval(sparsity_now)
+    valid = _dual.in_unit_interval(sparsity_now)
     updates = jax.tree.map(
         lambda g, s: jnp.where(valid, g + s.astype(g.dtype), g), updates, sparse_grads)
-    return updates, optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
+    return updates, AddProjectedGradientState(count=optax.safe_increment(state.count))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from safe_optax import _prunable
+
 GradFn = Callable[[Any, int], Any]
 
 
@@ -198,31 +200,20 @@ def hutchinson_diagonal(
     Saad, `An estimator for the diagonal of a matrix
     <https://doi.org/10.1016/j.apnum.2007.01.003>`_, 2007.
   """
-  leaves, treedef = jax.tree.flatten(params)
   probe_keys = jax.random.split(key, num_probes)
 
   def add_probe(i, total):
-    keys = jax.random.split(probe_keys[i], len(leaves))
-    probe = jax.tree.unflatten(treedef, [
-        jax.random.rademacher(k, jnp.shape(p), dtype=jnp.result_type(p))
-        for k, p in zip(keys, leaves)
-    ])
+    probe = optax.tree.random_like(probe_keys[i], params, jax.random.rademacher)
     _, hvp = jax.jvp(lambda p: grad_fn(p, 0), (params,), (probe,))
-    return jax.tree.map(lambda t, z, h: t + z * h, total, probe, hvp)
+    return optax.tree.add(total, optax.tree.mul(probe, hvp))
 
   # A loop, not a batch, so memory stays at one probe whatever num_probes is.
-  total = jax.lax.fori_loop(0, num_probes, add_probe, jax.tree.map(jnp.zeros_like, params))
-  return jax.tree.map(lambda t: t / num_probes, total)
-
-
-def _prunable_leaves(tree: Any, flags: tuple[bool, ...]) -> list[Any]:
-  # MaskedNode placeholders (optax.masked) count as leaves, as in ``flags``.
-  leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
-  return [leaf for leaf, flag in zip(leaves, flags) if flag]
+  total = jax.lax.fori_loop(0, num_probes, add_probe, optax.tree.zeros_like(params))
+  return optax.tree.scale(1.0 / num_probes, total)
 
 
 def _snip(inputs: SaliencyInputs) -> Any:
-  return snip_scores(inputs.values, _prunable_leaves(inputs.updates, inputs.flags))
+  return snip_scores(inputs.values, _prunable.prunable_leaves(inputs.updates, inputs.flags))
 
 
 def obd_saliency(num_probes: int = 1) -> Saliency:
@@ -262,7 +253,7 @@ def obd_saliency(num_probes: int = 1) -> Saliency:
           "grad_fn=grad_fn) with grad_fn(params, step) -> grads."
       )
     diag = hutchinson_diagonal(inputs.grad_fn, inputs.params, inputs.key, num_probes)
-    return obd_scores(inputs.values, _prunable_leaves(diag, inputs.flags))
+    return obd_scores(inputs.values, _prunable.prunable_leaves(diag, inputs.flags))
 
   return saliency
 
@@ -278,8 +269,8 @@ def wanda_saliency(input_norms: Any, *, axis: int = -2) -> Saliency:
   Returns:
     A saliency callable ``SaliencyInputs -> scores`` for the ``scores``
     argument of :func:`safe_optax.safe_plus` / :func:`safe_optax.admm_penalty`
-    (one threshold per scope; combine with ``structure=PerOutput()`` for
-    Wanda's per-row comparison).
+    (one threshold per group of the structure: combine with
+    ``structure=PerOutput()`` for Wanda's per-row comparison).
 
   Examples:
     >>> import jax, jax.numpy as jnp, safe_optax
@@ -315,6 +306,12 @@ def get_saliency(scores: Union[None, str, Saliency]) -> Optional[Saliency]:
     scores: ``None``, ``"magnitude"``, ``"snip"``, ``"obd"`` (one Hutchinson
       probe), or a callable ``SaliencyInputs -> scores`` such as
       :func:`wanda_saliency` or :func:`obd_saliency`.
+
+  Returns:
+    The saliency callable, or ``None`` for magnitude.
+
+  Raises:
+    ValueError: any other ``scores``, naming the allowed values.
   """
   if scores is None or scores == "magnitude":
     return None

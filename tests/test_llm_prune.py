@@ -78,7 +78,7 @@ def test_sparsegpt_beats_magnitude_and_keeps_dense_weights():
   w, x = _layer(seed=1)
   xtx = x.T @ x
   sgpt = np.asarray(prune.sparsegpt_prune(w, xtx, x.shape[0], sparsity=0.5, blocksize=8))
-  mag, _ = safe_optax.project_topk(jnp.asarray(w), 0.5, scope="per_leaf")
+  mag, _ = safe_optax.project_topk(jnp.asarray(w), 0.5, structure=safe_optax.PerLeaf())
   assert (sgpt == 0).sum() == (np.asarray(mag) == 0).sum() == w.size // 2
   assert _recon(sgpt, w, x) < 0.7 * _recon(mag, w, x)
   # Nothing pruned: the dense weights are already the least-squares solution.

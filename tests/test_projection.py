@@ -35,7 +35,8 @@ from hypothesis import strategies as st
 
 import safe_optax
 from safe_optax import _select
-from safe_optax import NM, PerOutput, default_prunable, num_keep, project_topk, prunable_mask
+from safe_optax import (NM, Global, PerLeaf, PerOutput, default_prunable, num_keep, project_topk,
+                        prunable_mask)
 
 F32, F16, BF16, I32 = np.float32, np.float16, jnp.bfloat16, np.int32
 
@@ -296,10 +297,14 @@ def draw_case(data, template, *, use_scores: bool, allow_nan: bool = True) -> Ca
   return Case(tree, scores, treedef, leaves, score_leaves, flags)
 
 
-@functools.partial(jax.jit, static_argnames=("scope", "structure"))
-def jit_project(tree, sparsity, scores, scope=None, structure=None):
+# The reference's names for the unstructured structures.
+UNSTRUCTURED = {"global": Global(), "per_leaf": PerLeaf()}
+
+
+@functools.partial(jax.jit, static_argnames=("structure",))
+def jit_project(tree, sparsity, scores, structure=Global()):
   """project_topk under jit with a traced sparsity (one compilation per template/config)."""
-  return project_topk(tree, sparsity, scope=scope, structure=structure, scores=scores)
+  return project_topk(tree, sparsity, structure=structure, scores=scores)
 
 
 DECIMALS = ("0", "0.1", "0.29", "0.5", "0.75", "0.9", "0.999")
@@ -412,7 +417,7 @@ def test_global_tie_break_follows_flatten_order_not_insertion_order():
 def test_docstring_example_and_row_major_tie_break():
   params = {"w": jnp.array([[3.0, -1.0], [0.5, -4.0]]), "b": jnp.array([9.0, 9.0]),
             "c": jnp.full((2, 3), -2.0)}
-  out, masks = project_topk(params, 0.5, scope="per_leaf")
+  out, masks = project_topk(params, 0.5, structure=PerLeaf())
   assert out["w"].tolist() == [[3.0, 0.0], [0.0, -4.0]]
   assert out["b"].tolist() == [9.0, 9.0] and masks["b"].tolist() == [True, True]
   # all-equal leaf: the first entries in row-major order win
@@ -468,7 +473,7 @@ def test_per_leaf_reads_python_float_as_decimal():
   # 0.29 * 100 and 0.29 * 200 are 28.99.. and 57.99.. in binary floating point.
   assert math.floor(0.29 * 100) == 28 and math.floor(0.29 * 200) == 57
   tree = {"a": jnp.arange(1.0, 101.0).reshape(10, 10), "b": -jnp.arange(1.0, 201.0).reshape(20, 10)}
-  out, masks = project_topk(tree, 0.29, scope="per_leaf")
+  out, masks = project_topk(tree, 0.29, structure=PerLeaf())
   assert int(masks["a"].sum()) == 71 and int(masks["b"].sum()) == 142
   # largest magnitudes kept
   assert bool(masks["a"].reshape(-1)[29:].all()) and not bool(masks["a"].reshape(-1)[:29].any())
@@ -493,7 +498,7 @@ def test_nan_shows_only_at_its_entry_and_masks_keep_exact_counts():
   np.testing.assert_array_equal(out["b"], [[5.0, np.nan, 0.0]])
   assert masks["b"].tolist() == [[True, True, False]]
   assert masks["a"].tolist() == [[False, False], [True, True]]
-  out, masks = project_topk(tree, 0.5, scope="per_leaf")
+  out, masks = project_topk(tree, 0.5, structure=PerLeaf())
   np.testing.assert_array_equal(out["a"], [[0.0, 0.0], [3.0, 4.0]])  # other leaf untouched
   np.testing.assert_array_equal(out["b"], [[5.0, np.nan, 0.0]])
   assert masks["b"].tolist() == [[True, True, False]]
@@ -569,8 +574,7 @@ def test_numpy_float32_sparsity_counts_like_jax_float32():
 def test_unstructured_matches_reference(data):
   # 'custom' (dataclass + NamedTuple) is covered by the Python-float test below.
   template = data.draw(st.sampled_from(["bare", "linen", "tuple"]), label="template")
-  # scope=None would be a separate static value (and compilation) of the jitted
-  # wrapper; the default scope is tested outside jit.
+  # The default structure is tested outside jit.
   scope = data.draw(st.sampled_from(["global", "per_leaf"]), label="scope")
   # Scores only change where the ranking keys come from (the same code for both
   # scopes); per_leaf with scores is covered by the Python-float test below.
@@ -579,7 +583,8 @@ def test_unstructured_matches_reference(data):
   sparsity = data.draw(sparsities, label="sparsity")
   case = draw_case(data, TEMPLATES[template], use_scores=use_scores)
   s = float(sparsity)
-  out, masks = jit_project(case.tree, jnp.float32(s), case.scores, scope=scope)
+  out, masks = jit_project(case.tree, jnp.float32(s), case.scores,
+                           structure=UNSTRUCTURED[scope])
 
   def k_of(n):
     k = keep_traced(n, s)
@@ -614,7 +619,8 @@ STATIC_CASES = [("tuple", "per_leaf", "0.999", True), ("custom", None, "0", True
 @given(data=st.data())
 def test_unstructured_python_float_sparsity_matches_reference(template, scope, sparsity, use_scores, data):
   case = draw_case(data, TEMPLATES[template], use_scores=use_scores)
-  out, masks = project_topk(case.tree, float(sparsity), scope=scope, scores=case.scores)
+  kwargs = {} if scope is None else {"structure": UNSTRUCTURED[scope]}  # None: the default
+  out, masks = project_topk(case.tree, float(sparsity), scores=case.scores, **kwargs)
   ref = ref_unstructured(case.leaves, case.flags, case.score_leaves, scope or "global",
                          lambda n: keep_decimal(n, sparsity))
   assert_matches(out, masks, case.treedef, case.leaves, ref)
@@ -681,7 +687,7 @@ def test_per_output_matches_reference(data):
 # --------------------------------------------------------------------------- #
 
 
-@pytest.mark.parametrize("config", [dict(scope="global"), dict(scope="per_leaf"),
+@pytest.mark.parametrize("config", [dict(structure=Global()), dict(structure=PerLeaf()),
                                     dict(structure=PerOutput())])
 def test_traced_sparsity_does_not_recompile(config):
   rng = np.random.default_rng(0)
@@ -698,10 +704,11 @@ def test_traced_sparsity_does_not_recompile(config):
     out, masks = step(tree, jnp.float32(float(text)))
     all_leaves = [leaves[0], leaves[1], np.ones(5, np.float32)]
     flags = [True, True, False]
-    if "structure" in config:
+    if isinstance(config["structure"], PerOutput):
       ref = ref_structured(all_leaves, flags, [None] * 3, config["structure"], text)
     else:
-      ref = ref_unstructured(all_leaves, flags, [None] * 3, config["scope"],
+      scope = "global" if config["structure"] == Global() else "per_leaf"
+      ref = ref_unstructured(all_leaves, flags, [None] * 3, scope,
                              lambda n: keep_decimal(n, text))
     assert_matches(out, masks, jax.tree.structure(tree), all_leaves, ref)
   assert len(traces) == 1
@@ -858,6 +865,7 @@ def test_sparsity_required_for_unstructured():
 
 
 def test_bad_scope_and_structure():
+  # Errors come before the deprecation warning of `scope`.
   with pytest.raises(ValueError, match="scope"):
     project_topk(TREE, 0.5, scope="layer")
   with pytest.raises(ValueError, match="scope"):

@@ -443,3 +443,19 @@ def test_update_errors():
     tx.update(params, tx.init(params), grad_fn=lambda p, s: p)
   with pytest.raises(ValueError, match="no prunable leaves"):
     safe_optax.magnitude_pruning(0.5).init({"b": jnp.ones(3)})
+
+
+def test_magnitude_pruning_seed_drives_the_saliency_key():
+  """The saliency key came from PRNGKey(0) whatever the run's seed."""
+  params = {"w": jnp.ones((8, 8))}
+  random_scores = lambda inputs: [jax.random.uniform(inputs.key, v.shape) for v in inputs.values]
+
+  def masks(**kwargs):
+    tx = safe_optax.magnitude_pruning(0.5, scores=random_scores, **kwargs)
+    _, state = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+    assert int(state.masks["w"].sum()) == 32
+    return np.asarray(state.masks["w"])
+
+  np.testing.assert_array_equal(masks(), masks(seed=0))
+  assert not np.array_equal(masks(seed=0), masks(seed=1))
+  assert not np.array_equal(masks(seed=1), masks(seed=2))

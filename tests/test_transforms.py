@@ -121,7 +121,8 @@ CONFIG = dict(lr=0.05, sparsity=0.7, penalty=0.5, total_steps=100, rho=0.05, dua
               momentum=0.9, weight_decay=1e-3)
 
 
-@pytest.mark.parametrize("variant", ["safe", "decoupled", "admm", "safe_plus_snip"])
+@pytest.mark.parametrize("variant", ["safe", "decoupled", "admm", "safe_plus_snip",
+                                     "decoupled_snip"])
 def test_matches_reference_for_120_steps(variant):
   steps = 120
   params, batches = init_params(0), make_batches(0, steps)
@@ -133,20 +134,22 @@ def test_matches_reference_for_120_steps(variant):
                 weight_decay=cfg["weight_decay"])
   if variant == "admm":
     tx = safe_optax.admm(cfg["lr"], cfg["sparsity"], **common)
-  elif variant == "safe_plus_snip":
-    tx = safe_optax.safe_plus(cfg["lr"], cfg["sparsity"], scores="snip", rho=cfg["rho"], **common)
+  elif variant in ("safe_plus_snip", "decoupled_snip"):
+    tx = safe_optax.safe_plus(cfg["lr"], cfg["sparsity"], scores="snip", rho=cfg["rho"],
+                              decoupled_penalty=variant == "decoupled_snip", **common)
   else:
     tx = safe_optax.safe(cfg["lr"], cfg["sparsity"], rho=cfg["rho"],
                          decoupled_penalty=variant == "decoupled", **common)
   ours = run_library(tx, params, batches)
-  ref = reference_safe(params, batches, decoupled=variant == "decoupled",
-                       snip=variant == "safe_plus_snip", **cfg)
+  snip = variant in ("safe_plus_snip", "decoupled_snip")
+  ref = reference_safe(params, batches, decoupled=variant in ("decoupled", "decoupled_snip"),
+                       snip=snip, **cfg)
   for t, ((p, z), (p_ref, z_ref)) in enumerate(zip(ours, ref)):
     for k in p:
       np.testing.assert_allclose(p[k], p_ref[k], rtol=2e-4, atol=2e-5, err_msg=f"step {t} {k}")
     for k in PRUNABLE:
       # z is refreshed lazily (at the start of the next step) in the library.
-      if (t + 1) % cfg["dual_every"] or variant == "safe_plus_snip":
+      if (t + 1) % cfg["dual_every"] or snip:
         np.testing.assert_array_equal(np.asarray(z[k]) != 0, z_ref[k] != 0, err_msg=f"step {t}")
   # The penalty actually pulled the weights: they differ from a plain SAM run.
   assert not np.allclose(ours[-1][0]["w1"], run_library(
@@ -281,3 +284,166 @@ def test_projected_gradient_adds_gradient_at_sparse_point():
   expected = jax.tree.map(jnp.add, g, grad_fn(sparse, 1))
   for k in params:
     np.testing.assert_allclose(out[k], expected[k], rtol=1e-5, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------- fixed bugs
+
+
+def test_decoupled_safe_plus_scores_with_the_gradient_under_warmup():
+  """SNIP needs the gradient, not SGD's update (which is 0 at step 0 under warm-up)."""
+  x0 = {"w": jnp.array([[1., 2.], [3., 4.]])}
+  g = {"w": jnp.array([[4., 0.1], [0.1, 3.]])}  # |g x| = [[4, 0.2], [0.3, 12]]
+  warmup = optax.linear_schedule(0.0, 0.1, 10)
+  tx = safe_optax.safe_plus(warmup, 0.5, penalty=1.0, rho=None, decoupled_penalty=True,
+                            total_steps=10, dual_every=4)
+  _, state = tx.update(g, tx.init(x0), x0)
+  z = safe_optax.find_admm_state(state).z["w"]
+  expected, _ = safe_optax.project_topk(x0, 0.5, scores=safe_optax.snip_scores(x0, g))
+  np.testing.assert_array_equal(z, expected["w"])
+  np.testing.assert_array_equal(z, [[1., 0.], [0., 4.]])  # neither magnitude nor first-2
+
+
+def test_decoupled_penalty_matches_the_chain_with_the_penalty_after_sgd():
+  """With magnitude scores the wrapper is the chain ``sgd -> admm_penalty(learning_rate)``."""
+  params, batches = init_params(7), make_batches(7, 20)
+  kwargs = dict(dual_every=4, penalty_schedule="cosine", total_steps=20)
+  tx = safe_optax.safe(0.05, 0.7, penalty=0.5, rho=0.05, weight_decay=1e-3,
+                       decoupled_penalty=True, **kwargs)
+  chain = optax.chain(safe_optax.sam_perturb(0.05), optax.add_decayed_weights(1e-3),
+                      optax.sgd(0.05, momentum=0.9),
+                      safe_optax.admm_penalty(0.7, 0.5, learning_rate=0.05, **kwargs))
+  for (p, z), (p_ref, z_ref) in zip(run_library(tx, params, batches),
+                                    run_library(chain, params, batches)):
+    for k in p:
+      np.testing.assert_array_equal(p[k], p_ref[k])
+    for k in PRUNABLE:
+      np.testing.assert_array_equal(z[k], z_ref[k])
+
+
+def test_safe_multi_draw_and_saliency_key_are_independent():
+  """One key used to drive both SAFE-Multi's draw and the saliency (OBD's probes)."""
+  params = init_params(8)
+  choices = (0.25, 0.5, 0.75)
+  keys = []
+
+  def recording_magnitude(inputs):
+    keys.append(inputs.key)
+    return [jnp.abs(v) for v in inputs.values]
+
+  tx = safe_optax.admm_penalty(choices, 0.1, dual_every=1, scores=recording_magnitude, seed=2)
+  state = tx.init(params)
+  n = sum(params[k].size for k in PRUNABLE)
+  drawn = []
+  for _ in range(20):  # eager: the saliency sees concrete keys
+    _, state = tx.update(jax.tree.map(jnp.zeros_like, params), state, params)
+    kept = sum(int(jnp.count_nonzero(state.z[k])) for k in PRUNABLE)
+    drawn.append(next(c for c in choices if safe_optax.num_keep(n, c) == kept))
+  assert len(set(drawn)) > 1
+  # Had the draw used the saliency's key, it would be choice(key) at every step.
+  same = [float(jax.random.choice(key, jnp.asarray(choices))) == d for key, d in zip(keys, drawn)]
+  assert not all(same)
+  assert len({tuple(jax.random.key_data(k).tolist()) for k in keys}) == len(keys)
+
+
+def test_dual_update_without_z_and_the_deprecated_z():
+  params = {"b": jnp.ones(2), "w": jnp.array([[4., -3.], [0.2, 0.1]])}
+  u = [jnp.array([[0., 0.], [1., 0.]])]
+  new = safe_optax.dual_update(params, u, 0.5, flags=(False, True), first=jnp.array(False))
+  with pytest.warns(DeprecationWarning, match="`z` argument is deprecated and ignored"):
+    old = safe_optax.dual_update(params, [jnp.full((2, 2), 7.)], u, 0.5, flags=(False, True),
+                                 first=jnp.array(False))
+  with pytest.warns(DeprecationWarning, match="`z` argument is deprecated"):
+    keyword = safe_optax.dual_update(params, u, 0.5, z=[jnp.zeros((2, 2))], flags=(False, True),
+                                     first=jnp.array(False))
+  for result in (old, keyword):
+    for a, b in zip(jax.tree.leaves(result), jax.tree.leaves(new)):
+      np.testing.assert_array_equal(a, b)
+  np.testing.assert_array_equal(new[0][0], [[4., -3.], [0., 0.]])  # top 2 of |x + u|
+  np.testing.assert_allclose(new[1][0], [[0., 0.], [1.2, 0.1]])  # u + x - z
+  with pytest.raises(TypeError, match="positional"):
+    safe_optax.dual_update(params, u, u, 0.5, 0.5, flags=(False, True), first=True)
+
+
+# ---------------------------------------------------------------------------- aliases
+
+
+def test_safe_is_the_documented_chain():
+  params, batches = init_params(9), make_batches(9, 12)
+  kwargs = dict(dual_every=4, penalty_schedule="cosine", total_steps=12)
+  tx = safe_optax.safe(0.05, 0.7, penalty=0.5, rho=0.05, weight_decay=1e-3, max_grad_norm=1.0,
+                       **kwargs)
+  chain = optax.chain(safe_optax.sam_perturb(0.05), optax.clip_by_global_norm(1.0),
+                      safe_optax.admm_penalty(0.7, 0.5, **kwargs), optax.add_decayed_weights(1e-3),
+                      optax.sgd(0.05, momentum=0.9))
+  for (p, _), (p_ref, _) in zip(run_library(tx, params, batches),
+                                run_library(chain, params, batches)):
+    for k in p:
+      np.testing.assert_array_equal(p[k], p_ref[k])
+
+
+@pytest.mark.parametrize("variant, same_as", [
+    (lambda **kw: safe_optax.safe_plus(0.05, 0.7, **kw),
+     lambda **kw: safe_optax.safe(0.05, 0.7, scores="snip", **kw)),
+    (lambda **kw: safe_optax.safe_sg(0.05, 0.7, **kw),
+     lambda **kw: safe_optax.safe(0.05, 0.7, sparse_gradient=True, **kw)),
+    (lambda **kw: safe_optax.admm(0.05, 0.7, **kw),
+     lambda **kw: safe_optax.safe(0.05, 0.7, rho=None, penalty_schedule="constant", **kw)),
+    (lambda **kw: safe_optax.safe_multi(0.05, [0.5, 0.7], **kw),
+     lambda **kw: safe_optax.safe(0.05, (0.5, 0.7), **kw)),
+], ids=["safe_plus", "safe_sg", "admm", "safe_multi"])
+def test_variants_are_safe_with_their_own_arguments(variant, same_as):
+  params, batches = init_params(10), make_batches(10, 9)
+  kwargs = dict(penalty=0.5, dual_every=4, total_steps=9, seed=1)
+  for (p, z), (p_ref, z_ref) in zip(run_library(variant(**kwargs), params, batches),
+                                    run_library(same_as(**kwargs), params, batches)):
+    for k in p:
+      np.testing.assert_array_equal(p[k], p_ref[k])
+
+
+def test_variant_signatures_are_safes_with_their_defaults():
+  import inspect  # pylint: disable=import-outside-toplevel
+
+  safe_params = inspect.signature(safe_optax.safe).parameters
+  plus = inspect.signature(safe_optax.safe_plus).parameters
+  assert list(plus) == list(safe_params) and plus["scores"].default == "snip"
+  assert inspect.signature(safe_optax.safe_sg).parameters["sparse_gradient"].default is True
+  admm = inspect.signature(safe_optax.admm).parameters
+  assert admm["penalty_schedule"].default == "constant"
+  assert not {"rho", "adaptive", "max_grad_norm", "sparse_gradient"} & set(admm)
+  multi = list(inspect.signature(safe_optax.safe_multi).parameters)
+  assert multi[:2] == ["learning_rate", "sparsity_choices"] and multi[2:] == list(safe_params)[2:]
+
+
+def test_alias_argument_errors():
+  with pytest.raises(TypeError, match="rho"):
+    safe_optax.admm(0.1, 0.5, penalty=1.0, rho=0.1)
+  with pytest.raises(ValueError, match="`adaptive=True` .* needs a SAM radius `rho`"):
+    safe_optax.safe(0.1, 0.5, penalty=1.0, total_steps=5, rho=None, adaptive=True)
+  with pytest.raises(ValueError, match="`sparsity_choices` must be a non-empty sequence"):
+    safe_optax.safe_multi(0.1, (), penalty=1.0, total_steps=5)
+
+
+def test_inject_hyperparams_sees_the_variants_keywords():
+  for factory, kwargs in [
+      (safe_optax.safe_plus, dict(sparsity=0.5)),
+      (safe_optax.admm, dict(sparsity=0.5)),
+      (safe_optax.safe_multi, dict(sparsity_choices=(0.5, 0.7))),
+  ]:
+    tx = optax.inject_hyperparams(factory)(learning_rate=0.1, penalty=1e-2, dual_every=4,
+                                           total_steps=10, **kwargs)
+    state = tx.init(init_params(0))
+    assert {"learning_rate", "penalty", "dual_every"} <= set(state.hyperparams)
+
+
+@pytest.mark.parametrize("make, state_type", [
+    (lambda: safe_optax.add_projected_gradient(0.5), safe_optax.AddProjectedGradientState),
+    (lambda: safe_optax.cram(0.1, 0.5), safe_optax.CramState),
+])
+def test_counter_states_are_named_int32(make, state_type):
+  params, (xs, ys) = init_params(11), make_batches(11, 1)
+  grad_fn = lambda p, _: jax.grad(loss)(p, xs[0], ys[0])
+  tx = make()
+  state = tx.init(params)
+  assert type(state) is state_type and state.count.dtype == jnp.int32
+  _, state = tx.update(grad_fn(params, 0), state, params, grad_fn=grad_fn)
+  assert type(state) is state_type and int(state.count) == 1

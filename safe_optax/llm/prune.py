@@ -132,13 +132,23 @@ class PruneConfig:
       return self.method in ("wanda", "safe-plus")
     return self.grouping == "per_row"
 
-  def projection(self) -> dict[str, Any]:
-    """Keyword arguments of :func:`safe_optax.project_topk` for this structure."""
+  def projection(self) -> safe_optax.Projection:
+    """The sparsity set of this config: N:M, per output row, or per matrix.
+
+    ``project_topk`` and ``finalize`` take it as ``**projection._asdict()``.
+
+    Examples:
+      >>> from safe_optax.llm.prune import PruneConfig
+      >>> PruneConfig("magnitude").projection()
+      Projection(sparsity=0.5, structure=PerLeaf(), prunable=None)
+      >>> PruneConfig("wanda", nm=(2, 4)).projection().structure
+      NM(n=2, m=4, axis=-2)
+    """
     if self.nm is not None:
-      return {"sparsity": None, "structure": safe_optax.NM(*self.nm)}
+      return safe_optax.Projection(None, safe_optax.NM(*self.nm))
     if self.per_row:
-      return {"sparsity": self.sparsity, "structure": safe_optax.PerOutput()}
-    return {"sparsity": self.sparsity, "scope": "per_leaf"}
+      return safe_optax.Projection(self.sparsity, safe_optax.PerOutput())
+    return safe_optax.Projection(self.sparsity, safe_optax.PerLeaf())
 
 
 # ----------------------------------------------------------------------------- block helpers
@@ -367,9 +377,9 @@ def safe_transform(
   parts = [
       safe_optax.sam_perturb(cfg.rho),
       safe_optax.admm_penalty(
-          projection["sparsity"], cfg.penalty, dual_every=cfg.dual_every,
-          penalty_schedule="constant", scope=projection.get("scope"),
-          structure=projection.get("structure"), scores=scores),
+          projection.sparsity, cfg.penalty, dual_every=cfg.dual_every,
+          penalty_schedule="constant", structure=projection.structure,
+          prunable=projection.prunable, scores=scores),
       optax.adam(_safe_schedule(cfg, steps_per_epoch), b1=0.9, b2=0.95),
   ]
   if scales is not None:
@@ -445,8 +455,7 @@ def safe_block(
   final_scores = None
   if input_norms is not None:
     final_scores = safe_optax.wanda_scores(params, input_norms)
-  pruned, _ = safe_optax.finalize(params, projection["sparsity"], scope=projection.get("scope"),
-                                  structure=projection.get("structure"), scores=final_scores)
+  pruned, _ = safe_optax.finalize(params, **projection._asdict(), scores=final_scores)
   return pruned, {"epoch_last_loss": losses, "steps": cfg.epochs * steps_per_epoch}
 
 
@@ -558,10 +567,10 @@ def prune_block(
   input_norms = _map_linears(lambda key: jnp.sqrt(stats[model_lib.LINEAR_INPUTS[key]]["sq"]))
   info: dict[str, Any] = {}
   if cfg.method == "magnitude":
-    pruned, _ = safe_optax.project_topk(linears, **cfg.projection())
+    pruned, _ = safe_optax.project_topk(linears, **cfg.projection()._asdict())
   elif cfg.method == "wanda":
     scores = safe_optax.wanda_scores(linears, input_norms)
-    pruned, _ = safe_optax.project_topk(linears, scores=scores, **cfg.projection())
+    pruned, _ = safe_optax.project_topk(linears, scores=scores, **cfg.projection()._asdict())
   elif cfg.method == "sparsegpt":
     pruned = _map_linears(lambda key: sparsegpt_prune(
         linears[key[0]][key[1]]["kernel"].T, stats[model_lib.LINEAR_INPUTS[key]]["xtx"],
