@@ -2,7 +2,7 @@
 
 Cost: the training runs share one tiny configuration (an MLP on 100 generated
 8x8 images, batch 16: six full batches and a short one per epoch), so the
-jitted programs compile once (``train._programs`` caches them) and are reused
+jitted programs compile once (``train.build_programs`` caches them) and are reused
 by the uninterrupted, stopped and interrupted runs. The 8-device run is a
 subprocess started when the module is imported, so it overlaps the others.
 """
@@ -31,6 +31,7 @@ import safe_optax
 from safe_optax import flax_utils
 from safe_optax.vision import checkpoint as checkpoint_lib
 from safe_optax.vision import configs
+from safe_optax.vision import finish
 from safe_optax.vision import input_pipeline
 from safe_optax.vision import train
 
@@ -270,7 +271,7 @@ def test_finishing_a_finished_run_again_keeps_its_training_record(full_run, full
 
 def test_train_step_compiles_once_per_batch_shape(full_run):
   del full_run
-  programs = train._programs(tiny_config(), N_TRAIN, 4, (8, 8, 1))
+  programs = train.build_programs(tiny_config(), N_TRAIN, 4, (8, 8, 1))
   # 3 epochs x 7 steps: one program for the full batches, one for the short last batch.
   assert programs.train._cache_size() == 2
 
@@ -322,9 +323,9 @@ def test_8_devices_match_1_device(full_run):
 def test_bnt_batches_cover_bnt_samples_distinct_training_images():
   config = tiny_config(bnt_samples=40, augment=False)
   data = tiny_dataset()
-  programs = train._programs(config, N_TRAIN, 4, (8, 8, 1))
+  programs = train.build_programs(config, N_TRAIN, 4, (8, 8, 1))
   images = jnp.asarray(data.train_images)
-  batches = list(train._bnt_batches(programs, config, images, N_TRAIN))
+  batches = list(finish.bnt_batches(programs, config, images, N_TRAIN))
   assert [b.shape[0] for b in batches] == [16, 16, 8]
   got = np.concatenate([np.asarray(b) for b in batches])
   normalized = np.asarray(input_pipeline.normalize(images, input_pipeline.MNIST_MEAN,
@@ -334,7 +335,7 @@ def test_bnt_batches_cover_bnt_samples_distinct_training_images():
   rows = [int(np.argmin(np.abs(flat - g.reshape(1, -1)).sum(1))) for g in got]
   assert len(set(rows)) == 40
   np.testing.assert_allclose(got, normalized[rows], rtol=0, atol=1e-6)
-  again = np.concatenate([np.asarray(b) for b in train._bnt_batches(programs, config, images,
+  again = np.concatenate([np.asarray(b) for b in finish.bnt_batches(programs, config, images,
                                                                     N_TRAIN)])
   np.testing.assert_array_equal(got, again)
 

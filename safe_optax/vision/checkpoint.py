@@ -45,8 +45,13 @@ class Interrupted(KeyboardInterrupt):
 
 
 @contextlib.contextmanager
-def _sigint_deferred() -> Iterator[None]:
-  """Holds SIGINT back for the block, then delivers it to the previous handler."""
+def sigint_deferred() -> Iterator[None]:
+  """Holds SIGINT back for the block, then delivers it to the previous handler.
+
+  Around a checkpoint's write and commit, and around a training step that
+  donates its input state (a ``KeyboardInterrupt`` between the dispatch and
+  the rebinding would leave only deleted buffers to save).
+  """
   if threading.current_thread() is not threading.main_thread():
     yield  # signals only reach the main thread; nothing to hold back here
     return
@@ -101,7 +106,7 @@ class Checkpointer:
       KeyboardInterrupt: SIGINT arrived during the save; raised once the
         checkpoint is committed.
     """
-    with _sigint_deferred():
+    with sigint_deferred():
       try:
         if step in self._manager.all_steps():
           self._manager.delete(step)

@@ -24,9 +24,11 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Optional
 
-METHODS = ("dense", "safe", "safe-plus", "admm", "gmp", "magnitude", "imp-sam", "cram",
-           "cram-plus", "safe-sg", "safe-multi")
-"""Training methods understood by :func:`safe_optax.vision.train.train_and_evaluate`."""
+from safe_optax.vision import methods
+
+METHODS = tuple(methods.REGISTRY)
+"""Training methods understood by :func:`safe_optax.vision.train.train_and_evaluate`
+(the names of :data:`safe_optax.vision.methods.REGISTRY`)."""
 
 MODELS = ("resnet8", "resnet20", "resnet32", "vgg19", "mlp", "lenet5")
 """``resnet8`` (one block per stage) is a small model for smoke tests."""

@@ -3,9 +3,8 @@
 :func:`evaluate_workdir` reloads a finished ``safe-optax-vision train``
 workdir (its ``results.json`` config and final Orbax checkpoint), rebuilds the
 deployed model exactly as training did (final projection, then BatchNorm
-re-estimation, through :func:`safe_optax.vision.train.train_and_evaluate`,
-which resumes at the last step and only re-runs its finishing stage), and
-measures on the test split:
+re-estimation: :func:`safe_optax.vision.finish.deploy`, without rewriting
+the run's files), and measures on the test split:
 
 * ``clean``: accuracy;
 * ``corruptions``: CIFAR-10-C-style accuracy per type at severities 3 and 5
@@ -36,6 +35,8 @@ from safe_optax import experiment
 from safe_optax import flatness
 from safe_optax.vision import configs
 from safe_optax.vision import corruptions
+from safe_optax.vision import datasets
+from safe_optax.vision import finish
 from safe_optax.vision import input_pipeline
 from safe_optax.vision import robustness
 from safe_optax.vision import train as train_lib
@@ -114,14 +115,14 @@ def evaluate_workdir(
   if not results_file.exists():
     raise FileNotFoundError(f"'{results_file}' not found: train the run first.")
   with open(results_file, encoding="utf-8") as f:
-    config = configs.from_dict(json.load(f)["config"])
-  data = dataset if dataset is not None else train_lib.load_dataset(config, data_dir)
-  outcome = train_lib.train_and_evaluate(config, workdir, data_dir=data_dir, dataset=data)
-  if outcome.results is None:
-    raise RuntimeError(f"the run in '{workdir}' is not finished; resume its training first.")
-  params, model_state = outcome.sparse_params, outcome.model_state
-  model = train_lib.create_model(config, data.num_classes)
-  mean, std = (jnp.asarray(v, jnp.float32) for v in train_lib.NORMALIZATION[config.dataset])
+    results = json.load(f)
+  config = configs.from_dict(results["config"])
+  data = dataset if dataset is not None else datasets.load_dataset(config, data_dir)
+  programs, state, images_dev, labels_dev = train_lib.restore_finished(config, workdir, data)
+  params, model_state = finish.deploy(programs, config, state.params, state.model_state,
+                                      images_dev, labels_dev, len(data.train_labels))
+  model = programs.model
+  mean, std = (jnp.asarray(v, jnp.float32) for v in datasets.NORMALIZATION[config.dataset])
 
   def apply_fn(pixels: jax.Array) -> jax.Array:
     """Logits of pixel-space images in [0, 1]; the normalisation is part of the model."""
@@ -136,7 +137,7 @@ def evaluate_workdir(
                          "suite": list(suite), "num_test": int(len(test_y)),
                          "test_indices": test_indices.tolist(),
                          "versions": experiment.versions(),
-                         "sparsity": outcome.results["final"]["sparsity"]}
+                         "sparsity": results["final"]["sparsity"]}
   if "clean" in suite:
     out["clean"] = float(np.mean(_batched(predict, test_x, batch_size) == test_y))
   if "corruptions" in suite:
@@ -175,7 +176,7 @@ def _hessian(model, params, model_state, data, config, examples, batch_size, see
 
   def loss_fn(p, batch):
     logits = model.apply({"params": p, **model_state}, batch[0], train=False)
-    return train_lib.cross_entropy(logits, batch[1])
+    return experiment.cross_entropy(logits, batch[1])
 
   support = flatness.support_mask(params) if config.method != "dense" else None
 

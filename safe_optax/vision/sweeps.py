@@ -29,10 +29,12 @@ from typing import Any, Optional
 import numpy as np
 
 from safe_optax.vision import configs
+from safe_optax.vision import methods
 
-SAFE_FAMILY = ("safe", "safe-plus", "safe-sg", "safe-multi")
+SAFE_FAMILY = tuple(name for name, m in methods.REGISTRY.items() if m.penalty_field == "penalty")
 """Methods whose lambda is ``Config.penalty`` (cosine ramp by default)."""
-PENALTY_METHODS = SAFE_FAMILY + ("admm",)
+PENALTY_METHODS = SAFE_FAMILY + tuple(name for name, m in methods.REGISTRY.items()
+                                      if m.penalty_field not in (None, "penalty"))
 """Methods with a lambda to choose (ADMM's is ``Config.admm_penalty``)."""
 
 
@@ -43,10 +45,11 @@ def penalty_field(method: str) -> str:
     >>> penalty_field("admm"), penalty_field("safe")
     ('admm_penalty', 'penalty')
   """
-  if method not in PENALTY_METHODS:
+  field = methods.get(method).penalty_field
+  if field is None:
     raise ValueError(f"method {method!r} has no penalty; penalty methods: "
                      f"{list(PENALTY_METHODS)}.")
-  return "admm_penalty" if method == "admm" else "penalty"
+  return field
 
 
 def run_dir(root: os.PathLike, config: configs.Config) -> pathlib.Path:
@@ -61,8 +64,7 @@ def run_dir(root: os.PathLike, config: configs.Config) -> pathlib.Path:
   if config.label_noise > 0:
     name = f"noise{config.label_noise:g}-{name}"
   if config.method in PENALTY_METHODS:
-    value = getattr(config, penalty_field(config.method))
-    name += f"-lam{config.resolved_penalty() if value is None else value:g}"
+    name += f"-lam{methods.penalty(config):g}"
   return pathlib.Path(root) / f"{name}-seed{config.seed}"
 
 
@@ -133,10 +135,7 @@ def convergence(results: dict[str, Any]) -> dict[str, Any]:
 def record(config: configs.Config, results: dict[str, Any]) -> dict[str, Any]:
   """One row of a sweep: the settings, the reported accuracy and :func:`convergence`."""
   final = results["final"]
-  penalty = None
-  if config.method in PENALTY_METHODS:
-    penalty = getattr(config, penalty_field(config.method))
-    penalty = config.resolved_penalty() if penalty is None else penalty
+  penalty = methods.penalty(config)
   return {"method": config.method, "sparsity": config.sparsity, "seed": config.seed,
           "noise": config.label_noise, "penalty": penalty,
           "accuracy": final.get("sparse_accuracy", final["dense_accuracy"]),

@@ -1,0 +1,251 @@
+"""The end of a vision run: final projection, BatchNorm re-estimation, ``results.json``.
+
+After the last training step, :func:`finish` evaluates the dense iterate,
+projects it onto the sparsity set (:func:`deploy`: the run's
+:func:`~safe_optax.vision.methods.projection`; SAFE+ with the scores it
+trained with, :func:`final_scores`), re-estimates the BatchNorm statistics of
+the sparse model on ``bnt_samples`` training images (:func:`bnt_batches`,
+:func:`safe_optax.flax_utils.recalibrate_batch_stats`), evaluates it again,
+and writes ``results.json`` (config, versions, data sizes, final accuracies,
+sparsity report, throughput, per-epoch history) and the plots.
+
+:func:`deploy` alone is the deployed model, which
+:mod:`~safe_optax.vision.evaluation` rebuilds from a finished run's last
+checkpoint without rewriting anything.
+
+The functions take the run's jitted ``programs``
+(:func:`safe_optax.vision.train.programs`): ``model``, ``eval``, ``project``,
+``prepare`` and ``scores``.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import safe_optax
+from safe_optax import experiment
+from safe_optax import flax_utils
+from safe_optax.vision import configs
+from safe_optax.vision import input_pipeline
+from safe_optax.vision import methods
+from safe_optax.vision import plots
+
+SCORE_BATCHES = 8
+"""Batches of training data whose mean gradient gives SAFE+'s final scores."""
+
+
+def evaluate(eval_fn: Callable[..., Any], params: Any, model_state: Any, images: np.ndarray,
+             labels: np.ndarray, batch_size: int) -> dict[str, float]:
+  """Accuracy and mean loss over a whole split, in fixed-size padded batches (one compile).
+
+  Args:
+    eval_fn: ``eval_fn(params, model_state, images, labels, valid) -> (correct, loss_sum)``
+      (:func:`safe_optax.vision.train.eval_step`, jitted).
+    params, model_state: the model's variables.
+    images, labels: the split (uint8 images, int labels).
+    batch_size: examples per call; the last batch is padded and masked.
+
+  Returns:
+    ``{"accuracy", "loss"}``.
+
+  Examples:
+    >>> import numpy as np
+    >>> count = lambda p, s, x, y, valid: (np.sum(valid & (y == 0)), 0.0)  # predicts class 0
+    >>> evaluate(count, None, None, np.zeros((5, 1)), np.array([0, 0, 1, 0, 2]), 2)
+    {'accuracy': 0.6, 'loss': 0.0}
+  """
+  correct, loss, n = 0, 0.0, len(labels)
+  results = []
+  for start in range(0, n, batch_size):
+    x, y = images[start:start + batch_size], labels[start:start + batch_size]
+    valid = np.ones(batch_size, bool)
+    if len(y) < batch_size:
+      pad = batch_size - len(y)
+      valid[len(y):] = False
+      x = np.concatenate([x, np.zeros((pad,) + x.shape[1:], x.dtype)])
+      y = np.concatenate([y, np.zeros(pad, y.dtype)])
+    results.append(eval_fn(params, model_state, x, y, valid))
+  for c, l in jax.device_get(results):
+    correct += int(c)
+    loss += float(l)
+  return {"accuracy": correct / n, "loss": loss / n}
+
+
+def score_fn(apply_fn: Callable[..., Any], saliency: str,
+             prepare: Callable[..., jax.Array]) -> Callable[..., Any]:
+  """``scores(params, model_state, images, labels, indices, key)``: one batch's SNIP gradient or
+  OBD Hessian diagonal (jit it once per run; the training set is an argument, so it is not a
+  compile-time constant of the program)."""
+  def scores(params, model_state, images, labels, indices, key):
+    batch = (prepare(images[indices], None), labels[indices])
+    grad_fn = flax_utils.sam_grad_fn(apply_fn, model_state, batch, experiment.cross_entropy)
+    if saliency == "snip":
+      return grad_fn(params, 0)
+    return safe_optax.hutchinson_diagonal(grad_fn, params, key)
+  return scores
+
+
+def final_scores(programs: Any, config: configs.Config, params: Any, model_state: Any,
+                 images_dev: jax.Array, labels_dev: jax.Array, num_train: int) -> Any:
+  """SAFE+'s final projection uses the same metric P as training (SNIP or OBD scores).
+
+  The mean over :data:`SCORE_BATCHES` training batches (a data stream of its
+  own: the pseudo-epoch ``epochs + 1``) of ``programs.scores``.
+  """
+  order = input_pipeline.epoch_order(num_train, config.seed, config.epochs + 1).astype(np.int32)
+  batches = [order[i * config.batch_size:(i + 1) * config.batch_size]
+             for i in range(min(SCORE_BATCHES, num_train // config.batch_size or 1))]
+  total = None
+  for i, idx in enumerate(batches):
+    part = programs.scores(params, model_state, images_dev, labels_dev, idx,
+                           jax.random.PRNGKey(i))
+    total = part if total is None else jax.tree.map(jnp.add, total, part)
+  total = jax.tree.map(lambda t: t / len(batches), total)
+  if config.saliency == "snip":
+    return safe_optax.snip_scores(params, total)
+  return safe_optax.obd_scores(params, total)
+
+
+def bnt_batches(programs: Any, config: configs.Config, images_dev: jax.Array,
+                num_train: int) -> Iterator[jax.Array]:
+  """Augmented, normalised training batches covering ``bnt_samples`` examples once."""
+  n = min(config.bnt_samples, num_train)
+  # A data stream of its own: the pseudo-epoch just past the last training epoch.
+  order = input_pipeline.epoch_order(num_train, config.seed, config.epochs)[:n].astype(np.int32)
+  key = jax.random.fold_in(jax.random.PRNGKey(config.seed), config.epochs)
+  for i, start in enumerate(range(0, n, config.batch_size)):
+    batch = images_dev[order[start:start + config.batch_size]]
+    yield programs.prepare(batch, jax.random.fold_in(key, i) if config.augment else None)
+
+
+def recalibrate(programs: Any, config: configs.Config, params: Any, model_state: Any,
+                images_dev: jax.Array, num_train: int) -> Any:
+  """The BatchNorm statistics of ``params`` re-estimated on :func:`bnt_batches` (BNT)."""
+  if not model_state:
+    return model_state
+  return flax_utils.recalibrate_batch_stats(
+      programs.model.apply, params, model_state,
+      bnt_batches(programs, config, images_dev, num_train))
+
+
+def deploy(programs: Any, config: configs.Config, params: Any, model_state: Any,
+           images_dev: jax.Array, labels_dev: jax.Array,
+           num_train: int) -> tuple[Any, Any]:
+  """The deployed model: ``(sparse params, model state after BNT)``.
+
+  The dense params and state for ``method='dense'``; otherwise the final
+  projection (:func:`~safe_optax.vision.methods.projection`, with
+  :func:`final_scores` for SAFE+), then :func:`recalibrate`.
+
+  Raises:
+    RuntimeError: the projected parameters are not finite (training diverged).
+  """
+  if config.method == "dense":
+    return params, model_state
+  if config.method == "safe-plus":
+    scores = final_scores(programs, config, params, model_state, images_dev, labels_dev,
+                          num_train)
+    sparse_params, _ = safe_optax.finalize(params, **methods.projection(config), scores=scores)
+  else:
+    sparse_params = programs.project(params)
+  if not all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(sparse_params)):
+    raise RuntimeError(f"training diverged: the final {config.method} parameters are not "
+                       "finite.")
+  return sparse_params, recalibrate(programs, config, sparse_params, model_state, images_dev,
+                                    num_train)
+
+
+def throughput(history: list[dict[str, Any]]) -> dict[str, Any]:
+  """Training images and seconds of the whole run, from its per-epoch records.
+
+  Summed over every process that trained a part of the run (resumes included),
+  so finishing a run again keeps its record. The steady rate leaves out each
+  process's first epoch, which compiles the step.
+
+  Examples:
+    >>> epoch = {"train_examples": 100, "trained_images": 100}
+    >>> throughput([{**epoch, "epoch": 0, "epoch_seconds": 3.0, "includes_compile": True},
+    ...             {**epoch, "epoch": 1, "epoch_seconds": 1.0, "includes_compile": False}])
+    {'train_seconds': 4.0, 'trained_images': 200, 'images_per_second': 50.0,
+     'steady_images_per_second': 100.0}
+  """
+  def rate(records):
+    seconds = sum(r["epoch_seconds"] for r in records)
+    return sum(r["trained_images"] for r in records) / seconds if seconds else None
+
+  # Records written before these fields existed: every example once, epoch 0 compiling.
+  records = [{"trained_images": r.get("trained_images", r["train_examples"]),
+              "epoch_seconds": r["epoch_seconds"],
+              "includes_compile": r.get("includes_compile", r["epoch"] == 0)} for r in history]
+  return {"train_seconds": sum(r["epoch_seconds"] for r in records),
+          "trained_images": sum(r["trained_images"] for r in records),
+          "images_per_second": rate(records),
+          # Without the first epoch of each process, which includes the compilation.
+          "steady_images_per_second": rate([r for r in records if not r["includes_compile"]])}
+
+
+def finish(programs: Any, config: configs.Config, params: Any, model_state: Any,
+           data: input_pipeline.Dataset, images_dev: jax.Array, labels_dev: jax.Array,
+           history: list[dict[str, Any]], workdir: pathlib.Path, *,
+           wall_seconds: float) -> tuple[Any, Any, dict[str, Any]]:
+  """Final projection, BNT, evaluation, ``results.json`` and plots of a finished run.
+
+  Args:
+    programs: the run's jitted programs.
+    config: the run's configuration.
+    params, model_state: the final (dense) training state's variables.
+    data: the data set (its ``test_*`` split is evaluated).
+    images_dev, labels_dev: the training set on the device.
+    history: the per-epoch records (``metrics.jsonl``).
+    workdir: where ``results.json`` and the plots go.
+    wall_seconds: this process's wall time, recorded as such.
+
+  Returns:
+    ``(sparse params, model state after BNT, results)``; ``results`` is the
+    ``results.json`` content.
+  """
+  num_train = len(data.train_labels)
+
+  def evaluate_split(params, model_state):
+    return evaluate(programs.eval, params, model_state, data.test_images, data.test_labels,
+                    config.eval_batch_size)
+
+  dense = evaluate_split(params, model_state)
+  final: dict[str, Any] = {"dense_accuracy": dense["accuracy"], "dense_loss": dense["loss"]}
+  sparse_params, sparse_state = deploy(programs, config, params, model_state, images_dev,
+                                       labels_dev, num_train)
+  if config.method != "dense":
+    before = evaluate_split(sparse_params, model_state)
+    after = evaluate_split(sparse_params, sparse_state)
+    final.update(sparse_accuracy_before_bnt=before["accuracy"],
+                 sparse_accuracy=after["accuracy"], sparse_loss=after["loss"],
+                 bnt_samples=min(config.bnt_samples, num_train) if sparse_state else 0)
+  report = safe_optax.sparsity_report(sparse_params)
+  final["sparsity"] = report.sparsity
+  results = {
+      "config": configs.to_dict(config),
+      "versions": experiment.versions(),
+      "data": {"num_train": num_train, "num_test": len(data.test_labels),
+               "evaluated_on": "test" if config.validation is None else "validation",
+               "num_classes": data.num_classes,
+               "steps_per_epoch": input_pipeline.num_batches(num_train, config.batch_size)},
+      "final": final,
+      "sparsity_report": report.as_dict(),
+      # This process's wall time (for a resumed or re-finished run, not the run's).
+      "wall_seconds": wall_seconds,
+      **throughput(history),
+      "history": history,
+  }
+  with open(pathlib.Path(workdir) / "results.json", "w", encoding="utf-8") as f:
+    json.dump(results, f, indent=1)
+    f.write("\n")
+  plots.plot_history(history, workdir, title=f"{config.model} {config.method} "
+                                             f"sparsity {config.sparsity:g}")
+  return sparse_params, sparse_state, results

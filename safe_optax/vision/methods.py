@@ -1,0 +1,276 @@
+"""The training methods of the vision trainer: one registry, name -> how to run it.
+
+Each :class:`Method` says how to build its optax optimizer from a
+:class:`~safe_optax.vision.configs.Config` (SGD + momentum + weight decay
+base, the paper's learning-rate schedule), whether ``tx.update`` needs
+``grad_fn`` (SAM-style second gradients), whether its state carries an
+:class:`~safe_optax.ADMMState` (whose ``||x - z||`` is logged), which config
+field holds its penalty ``lambda`` and whether the run's seed enters the
+optimizer. :data:`REGISTRY` lists them in the order of
+:data:`~safe_optax.vision.configs.METHODS`, which is derived from it, as are
+:data:`~safe_optax.vision.sweeps.PENALTY_METHODS` and ``SAFE_FAMILY``.
+
+The sparsity set of a run (the target sparsity; the structure, scope and
+prunable leaves are the library's defaults: one global top-k over
+:func:`~safe_optax.default_prunable` leaves) is :func:`projection`; every
+projection of the trainer (the optimizers, ``||x - Proj(x)||``, the final
+projection) takes its keywords from there.
+
+Adding a method: write its ``build`` and add one :data:`REGISTRY` entry.
+
+Examples:
+  >>> from safe_optax.vision import configs, methods
+  >>> config = configs.get_config("mlp-mnist", method="admm", sparsity=0.9)
+  >>> m = methods.get("admm")
+  >>> m.uses_grad_fn, m.has_admm_state, m.penalty_field, methods.penalty(config)
+  (False, True, 'admm_penalty', 0.01)
+  >>> methods.projection(config)
+  {'sparsity': 0.9}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Optional
+
+import jax.numpy as jnp
+import optax
+
+import safe_optax
+
+if TYPE_CHECKING:
+  from safe_optax.vision.configs import Config
+
+
+def projection(config: "Config") -> dict[str, Any]:
+  """The sparsity set of ``config`` as keywords of the projection functions.
+
+  The one place the vision trainer describes its sparsity set: pass the
+  result to :func:`safe_optax.project_topk`, :func:`safe_optax.finalize` or
+  an alias (``**projection(config)``). The scope, structure and prunable
+  leaves are the library's defaults (global top-k over the default prunable
+  leaves).
+
+  Args:
+    config: the run's configuration.
+
+  Returns:
+    ``{"sparsity": config.sparsity}``.
+
+  Examples:
+    >>> from safe_optax.vision import configs
+    >>> projection(configs.get_config("mlp-mnist", sparsity=0.95))
+    {'sparsity': 0.95}
+  """
+  return {"sparsity": config.sparsity}
+
+
+def _set_keywords(config: "Config") -> dict[str, Any]:
+  """:func:`projection` without the sparsity, for transforms with a sparsity schedule."""
+  return {k: v for k, v in projection(config).items() if k != "sparsity"}
+
+
+def learning_rate_schedule(config: "Config", num_steps_per_epoch: int) -> optax.Schedule:
+  """Linear warm-up for ``warmup_epochs``, then cosine decay to 0 at step ``epochs * spe``.
+
+  optax's ``decay_steps`` is the length of the whole schedule, warm-up
+  included, so the rate reaches 0 exactly when training ends (the official
+  code passes the post-warm-up length and so trains its last 5 epochs at 0).
+
+  Examples:
+    >>> from safe_optax.vision import configs
+    >>> lr = learning_rate_schedule(configs.get_config("mlp-mnist", epochs=10,
+    ...                                                warmup_epochs=1), 100)
+    >>> float(lr(0)), float(lr(100)), float(lr(1000))
+    (0.0, 0.1, 0.0)
+  """
+  total = config.epochs * num_steps_per_epoch
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=config.learning_rate,
+      warmup_steps=config.warmup_epochs * num_steps_per_epoch, decay_steps=total, end_value=0.0)
+
+
+class Recipe:
+  """What every method's optimizer shares: the schedule, the SGD base, the ADMM keywords."""
+
+  def __init__(self, config: "Config", num_steps_per_epoch: int):
+    self.steps_per_epoch = num_steps_per_epoch
+    self.total_steps = config.epochs * num_steps_per_epoch
+    self.learning_rate = learning_rate_schedule(config, num_steps_per_epoch)
+    self.base = (optax.add_decayed_weights(config.weight_decay),
+                 optax.sgd(self.learning_rate, momentum=config.momentum))
+    # The keywords of the ADMM-based aliases (which build the same SGD base themselves).
+    self.admm = dict(total_steps=self.total_steps, dual_every=config.dual_every,
+                     momentum=config.momentum, weight_decay=config.weight_decay,
+                     seed=config.seed)
+
+
+def _dense(config: "Config", recipe: Recipe) -> optax.GradientTransformation:
+  del config
+  return optax.chain(*recipe.base)
+
+
+def _magnitude(config: "Config", recipe: Recipe) -> optax.GradientTransformation:
+  """Dense training, then one-shot magnitude pruning at the last step (no fine-tuning)."""
+  last = max(recipe.total_steps - 1, 1)
+  s = projection(config)["sparsity"]
+  at_end = lambda step: jnp.where(step >= last, jnp.float32(s), jnp.float32(0.0))
+  return optax.chain(*recipe.base, safe_optax.magnitude_pruning(
+      at_end, update_every=last, **_set_keywords(config)))
+
+
+def _safe_alias(alias: Callable[..., Any]) -> Callable[["Config", Recipe], Any]:
+  """SAFE / SAFE-SG: the alias with the (cosine-ramped) penalty and SAM radius ``rho``."""
+  def build(config: "Config", recipe: Recipe) -> optax.GradientTransformation:
+    return alias(recipe.learning_rate, **projection(config), penalty=penalty(config),
+                 penalty_schedule=config.penalty_schedule, rho=config.rho, **recipe.admm)
+  return build
+
+
+def _safe_plus(config: "Config", recipe: Recipe) -> optax.GradientTransformation:
+  return safe_optax.safe_plus(recipe.learning_rate, **projection(config), penalty=penalty(config),
+                              scores=config.saliency, penalty_schedule=config.penalty_schedule,
+                              rho=config.rho, **recipe.admm)
+
+
+def _safe_multi(config: "Config", recipe: Recipe) -> optax.GradientTransformation:
+  """Draws its sparsity from ``multi_sparsities`` at each dual update (finalizes at the target)."""
+  return safe_optax.safe_multi(recipe.learning_rate, config.multi_sparsities,
+                               **_set_keywords(config), penalty=penalty(config),
+                               penalty_schedule=config.penalty_schedule, rho=config.rho,
+                               **recipe.admm)
+
+
+def _admm(config: "Config", recipe: Recipe) -> optax.GradientTransformation:
+  """ADMM (Zhang et al.): a constant penalty, no SAM."""
+  return safe_optax.admm(recipe.learning_rate, **projection(config), penalty=penalty(config),
+                         penalty_schedule="constant", **recipe.admm)
+
+
+def _gradual(config: "Config", recipe: Recipe) -> optax.GradientTransformation:
+  """GMP (cubic ramp, masks every ``gmp_update_every`` steps) and IMP+SAM (SAM, then pruning
+  every ``imp_every_epochs`` with ``imp_power``), both over ``[gmp_begin_fraction,
+  gmp_end_fraction]`` of training with a persistent mask after."""
+  total, gmp = recipe.total_steps, config.method == "gmp"
+  every = (config.gmp_update_every if gmp
+           else config.imp_every_epochs * recipe.steps_per_epoch)
+  ramp_end = max(1, int(config.gmp_end_fraction * total))
+  every = min(every, ramp_end)
+  # Both ends on the mask-update grid, so masks change exactly when the sparsity does.
+  begin = (int(config.gmp_begin_fraction * total) // every) * every
+  end = max(begin + every, (ramp_end // every) * every)
+  schedule = safe_optax.polynomial_sparsity(
+      projection(config)["sparsity"], begin_step=begin, end_step=end,
+      power=3 if gmp else config.imp_power, update_every=every)
+  pruner = safe_optax.magnitude_pruning(schedule, update_every=every, update_until=end,
+                                        **_set_keywords(config))
+  head = () if gmp else (safe_optax.sam_perturb(config.rho),)
+  return optax.chain(*head, *recipe.base, pruner)
+
+
+def _cram(config: "Config", recipe: Recipe) -> optax.GradientTransformation:
+  """CrAM / CrAM+ (:func:`safe_optax.cram`) before the SGD base."""
+  return optax.chain(safe_optax.cram(config.rho, **projection(config),
+                                     plus=config.method == "cram-plus"), *recipe.base)
+
+
+def _never(config: "Config") -> bool:
+  del config
+  return False
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+  """How the vision trainer runs one training method."""
+
+  build: Callable[["Config", Recipe], optax.GradientTransformation]
+  """``build(config, recipe)``: the optax optimizer."""
+  uses_grad_fn: bool = False
+  """``tx.update`` takes ``grad_fn=`` (SAM-style second gradients of the same batch)."""
+  has_admm_state: bool = False
+  """Its state holds an :class:`~safe_optax.ADMMState` (``||x - z||`` is logged)."""
+  penalty_field: Optional[str] = None
+  """The config field holding its ``lambda`` (``None``: no lambda to choose)."""
+  seeded: Callable[["Config"], bool] = _never
+  """Whether ``config.seed`` enters the optimizer (else its programs are shared across seeds)."""
+
+
+_SAFE = dict(uses_grad_fn=True, has_admm_state=True, penalty_field="penalty")
+
+REGISTRY: Mapping[str, Method] = {
+    "dense": Method(_dense),
+    "safe": Method(_safe_alias(safe_optax.safe), **_SAFE),
+    "safe-plus": Method(_safe_plus, **_SAFE,
+                        # OBD scores draw Hutchinson probes from the seed.
+                        seeded=lambda config: config.saliency == "obd"),
+    "admm": Method(_admm, has_admm_state=True, penalty_field="admm_penalty"),
+    "gmp": Method(_gradual),
+    "magnitude": Method(_magnitude),
+    "imp-sam": Method(_gradual, uses_grad_fn=True),
+    "cram": Method(_cram, uses_grad_fn=True),
+    "cram-plus": Method(_cram, uses_grad_fn=True),
+    "safe-sg": Method(_safe_alias(safe_optax.safe_sg), **_SAFE),
+    "safe-multi": Method(_safe_multi, **_SAFE, seeded=lambda config: True),
+}
+"""Every training method, in the order of :data:`~safe_optax.vision.configs.METHODS`."""
+
+
+def get(name: str) -> Method:
+  """The registry entry of ``name``.
+
+  Raises:
+    ValueError: an unknown name (the message lists the known ones).
+
+  Examples:
+    >>> get("safe").uses_grad_fn
+    True
+  """
+  if name not in REGISTRY:
+    raise ValueError(f"`method` must be one of {list(REGISTRY)}, got {name!r}.")
+  return REGISTRY[name]
+
+
+def penalty(config: "Config") -> Optional[float]:
+  """The ``lambda`` that ``config.method`` trains with (``None`` for a method without one).
+
+  ``Config.admm_penalty`` for ADMM when set, else :meth:`Config.resolved_penalty`.
+
+  Examples:
+    >>> from safe_optax.vision import configs
+    >>> config = configs.get_config("mlp-mnist", method="safe", sparsity=0.9)
+    >>> penalty(config), penalty(config.replace(method="gmp"))
+    (0.1, None)
+  """
+  field = get(config.method).penalty_field
+  if field is None:
+    return None
+  value = getattr(config, field)
+  return config.resolved_penalty() if value is None else value
+
+
+def make_optimizer(config: "Config", num_steps_per_epoch: int) -> optax.GradientTransformation:
+  """The optax optimizer of ``config.method`` (see :data:`REGISTRY`).
+
+  * ``dense``: SGD only;
+  * ``magnitude``: dense training, then one-shot magnitude pruning at the
+    last step (:func:`safe_optax.magnitude_pruning` whose sparsity jumps from
+    0 to the target there; no fine-tuning, as the paper's baselines);
+  * ``safe`` / ``safe-plus`` / ``safe-sg`` / ``safe-multi``: the aliases with
+    the cosine-ramped penalty; ``admm``: constant penalty, no SAM;
+  * ``gmp``: magnitude pruning with a persistent mask on a cubic
+    :func:`safe_optax.polynomial_sparsity` ramp over
+    ``[gmp_begin_fraction, gmp_end_fraction]`` of training, masks every
+    ``gmp_update_every`` steps;
+  * ``imp-sam``: SAM, then magnitude pruning every ``imp_every_epochs``
+    (capped at the ramp length) with a linear or cubic increase;
+  * ``cram`` / ``cram-plus``: :func:`safe_optax.cram` before the base optimizer.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from safe_optax.vision import configs
+    >>> tx = make_optimizer(configs.get_config("mlp-mnist", method="admm", sparsity=0.5), 10)
+    >>> safe_optax.find_admm_state(tx.init({"w": jnp.ones((4, 4))})).z["w"].shape
+    (4, 4)
+  """
+  return get(config.method).build(config, Recipe(config, num_steps_per_epoch))

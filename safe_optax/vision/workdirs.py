@@ -1,0 +1,121 @@
+"""A vision run's folder: one run per workdir, its metric history, and divergence.
+
+:func:`claim_workdir` makes a folder one run's (``config.json``; a folder of
+another run is refused, naming what differs); :func:`read_history` /
+:func:`write_history` keep ``metrics.jsonl`` in step with the checkpoint a
+run resumes from; :func:`diverged` records a non-finite training loss in
+``diverged.json`` and raises :class:`TrainingDiverged`, which a rerun of the
+same settings raises again instead of retraining.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+from typing import Any, Optional
+
+import numpy as np
+
+from safe_optax.vision import configs
+
+DIVERGED_FILE = "diverged.json"
+_RUN_FILES = ("checkpoints", "metrics.jsonl", "results.json", "eval.json", "eval.md",
+              "accuracy.png", "distance.png", DIVERGED_FILE)
+
+
+class TrainingDiverged(RuntimeError):
+  """The training loss stopped being finite; the run is stopped at the end of that epoch.
+
+  Attributes:
+    workdir: the run's folder (it keeps ``diverged.json``, so a rerun of the
+      same settings reports the divergence again instead of retraining).
+    step: the step count at the end of the epoch whose loss was not finite.
+    last_finite_loss: the mean training loss of the last finite epoch
+      (``None`` if the first epoch already diverged).
+    last_finite_epoch: that epoch (``None`` likewise).
+  """
+
+  def __init__(self, workdir: str, step: int, last_finite_loss: Optional[float],
+               last_finite_epoch: Optional[int]):
+    self.workdir, self.step = workdir, step
+    self.last_finite_loss, self.last_finite_epoch = last_finite_loss, last_finite_epoch
+    last = ("no epoch had a finite loss" if last_finite_loss is None else
+            f"last finite loss {last_finite_loss:.4g} in epoch {last_finite_epoch}")
+    super().__init__(f"training diverged in '{workdir}': the training loss is not finite at "
+                     f"step {step} ({last}); lower the learning rate or the penalty.")
+
+
+def diverged(workdir: pathlib.Path, history: list[dict[str, Any]], step: int) -> None:
+  """Writes ``diverged.json`` (the step and the last finite epoch) and raises.
+
+  Raises:
+    TrainingDiverged: always.
+  """
+  finite = [r for r in history if np.isfinite(r["train_loss"])]
+  info = {"workdir": str(workdir), "step": step,
+          "last_finite_loss": finite[-1]["train_loss"] if finite else None,
+          "last_finite_epoch": finite[-1]["epoch"] if finite else None}
+  with open(workdir / DIVERGED_FILE, "w", encoding="utf-8") as f:
+    json.dump(info, f)
+  raise TrainingDiverged(**info)
+
+
+def claim_workdir(workdir: pathlib.Path, config: configs.Config, *, restart: bool = False) -> None:
+  """Makes ``workdir`` this run's: writes ``config.json``, refuses a run of other settings.
+
+  Raises:
+    ValueError: ``workdir`` holds a run (``config.json``, or the config of its
+      ``results.json``) whose settings differ from ``config``; the message
+      names them and the way to start over.
+  """
+  workdir.mkdir(parents=True, exist_ok=True)
+  recorded = None
+  for name, get in (("config.json", lambda d: d), ("results.json", lambda d: d["config"])):
+    if (workdir / name).exists():
+      with open(workdir / name, encoding="utf-8") as f:
+        recorded = configs.from_dict(get(json.load(f)))
+      break
+  if recorded is None and (workdir / "checkpoints").exists():
+    raise ValueError(f"workdir '{workdir}' holds checkpoints of a run without a config.json; "
+                     "restart it (restart=True, CLI --restart) or use another workdir.")
+  if recorded is not None and recorded != config:
+    if not restart:
+      old, new = configs.to_dict(recorded), configs.to_dict(config)
+      differ = ", ".join(f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in sorted(new)
+                         if old.get(k) != new[k])
+      raise ValueError(f"workdir '{workdir}' holds a run with other settings ({differ}); "
+                       "use another workdir, or restart=True (CLI --restart) to discard it.")
+  if restart:
+    for name in _RUN_FILES:
+      path = workdir / name
+      if path.is_dir():
+        shutil.rmtree(path)
+      elif path.exists():
+        path.unlink()
+  with open(workdir / "config.json", "w", encoding="utf-8") as f:
+    json.dump(configs.to_dict(config), f, indent=1)
+    f.write("\n")
+
+
+def read_history(path: pathlib.Path, epochs_done: int) -> list[dict[str, Any]]:
+  """Metric records of the epochs a resumed run already has (later lines are dropped)."""
+  if not path.exists():
+    return []
+  with open(path, encoding="utf-8") as f:
+    records = [json.loads(line) for line in f if line.strip()]
+  return [r for r in records if r["epoch"] < epochs_done]
+
+
+def write_history(path: pathlib.Path, history: list[dict[str, Any]]) -> None:
+  """Rewrites ``metrics.jsonl`` with ``history`` (one JSON record a line)."""
+  with open(path, "w", encoding="utf-8") as f:
+    for record in history:
+      f.write(json.dumps(record) + "\n")
+
+
+def raise_if_diverged(workdir: pathlib.Path) -> None:
+  """Raises the :class:`TrainingDiverged` recorded in ``workdir``, if there is one."""
+  if (workdir / DIVERGED_FILE).exists():
+    with open(workdir / DIVERGED_FILE, encoding="utf-8") as f:
+      raise TrainingDiverged(**json.load(f))
