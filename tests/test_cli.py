@@ -130,3 +130,12 @@ def test_eval_of_an_empty_workdir_is_a_clear_error(tmp_path, capsys):
   code, err = _run(["eval", "--workdir", str(tmp_path), "--data-dir", str(tmp_path)], capsys)
   assert code == 2 and "results.json' not found: train the run first" in err
   assert "Traceback" not in err
+
+
+def test_eval_help_says_the_subsets_are_seeded_samples(capsys):
+  """The subsets are seeded samples (never the first N images, one class in a sorted folder)."""
+  with pytest.raises(SystemExit):
+    cli.main(["eval", "--help"])
+  text = " ".join(capsys.readouterr().out.split())
+  assert "first N" not in text
+  assert text.count("seeded sample of N") == 2

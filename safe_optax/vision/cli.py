@@ -105,9 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
                            help="comma-separated subset of clean,corruptions,pgd-linf,pgd-l2,"
                                 "hessian")
   eval_parser.add_argument("--corruption-subset", type=int, default=1000,
-                           help="corrupt the first N test images (CPU-generated, cached)")
+                           help="corrupt a seeded sample of N of the evaluated test images "
+                                "(CPU-generated, cached)")
   eval_parser.add_argument("--test-subset", type=int, default=None,
-                           help="clean and PGD accuracy on the first N test images (default: all)")
+                           help="clean and PGD accuracy on a seeded sample of N test images "
+                                "(default: all)")
   eval_parser.add_argument("--seed", type=int, default=0)
   eval_parser.add_argument("--no-progress", action="store_true", help="no progress bars")
   eval_parser.set_defaults(func=evaluate, parser=eval_parser)

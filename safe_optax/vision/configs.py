@@ -230,7 +230,19 @@ def get_config(preset: str, **overrides: Any) -> Config:
 
 
 def to_dict(config: Config) -> dict[str, Any]:
-  """JSON-ready form (tuples become lists)."""
+  """The fields as a plain dict (what ``results.json`` and ``config.json`` record).
+
+  Tuples stay tuples here; ``json.dump`` writes them as lists, which
+  :func:`from_dict` turns back into tuples.
+
+  Examples:
+    >>> import json
+    >>> config = get_config("mlp-mnist", sparsity=0.9)
+    >>> to_dict(config)["mlp_features"]
+    (300, 100)
+    >>> from_dict(json.loads(json.dumps(to_dict(config)))) == config
+    True
+  """
   return dataclasses.asdict(config)
 
 
