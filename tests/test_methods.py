@@ -87,7 +87,8 @@ def test_seeded_methods_get_programs_of_their_own_per_seed():
 def test_the_trainer_projects_onto_methods_projection(monkeypatch, tmp_path):
   """Every projection of a run (the optimizer's, ||x - Proj(x)||, the final one) follows
   `methods.projection`: changing it there changes the deployed sparsity."""
-  monkeypatch.setattr(methods, "projection", lambda config: {"sparsity": 0.5})
+  monkeypatch.setattr(methods, "projection",
+                      lambda config: {"sparsity": 0.5, "structure": safe_optax.Global()})
   config = test_train.tiny_config(method="admm", sparsity=0.8, epochs=1, warmup_epochs=0,
                                   bnt_samples=17)  # a config no other test compiled
   out = train.train_and_evaluate(config, tmp_path, data_dir=None,

@@ -10,8 +10,8 @@ optimizer. :data:`REGISTRY` lists them in the order of
 :data:`~safe_optax.vision.configs.METHODS`, which is derived from it, as are
 :data:`~safe_optax.vision.sweeps.PENALTY_METHODS` and ``SAFE_FAMILY``.
 
-The sparsity set of a run (the target sparsity; the structure, scope and
-prunable leaves are the library's defaults: one global top-k over
+The sparsity set of a run (the target sparsity and the structure
+:class:`~safe_optax.Global`: one top-k over all
 :func:`~safe_optax.default_prunable` leaves) is :func:`projection`; every
 projection of the trainer (the optimizers, ``||x - Proj(x)||``, the final
 projection) takes its keywords from there.
@@ -25,7 +25,7 @@ Examples:
   >>> m.uses_grad_fn, m.has_admm_state, m.penalty_field, methods.penalty(config)
   (False, True, 'admm_penalty', 0.01)
   >>> methods.projection(config)
-  {'sparsity': 0.9}
+  {'sparsity': 0.9, 'structure': Global()}
 """
 
 from __future__ import annotations
@@ -47,23 +47,23 @@ def projection(config: "Config") -> dict[str, Any]:
   """The sparsity set of ``config`` as keywords of the projection functions.
 
   The one place the vision trainer describes its sparsity set: pass the
-  result to :func:`safe_optax.project_topk`, :func:`safe_optax.finalize` or
-  an alias (``**projection(config)``). The scope, structure and prunable
-  leaves are the library's defaults (global top-k over the default prunable
-  leaves).
+  result to :func:`safe_optax.project_topk`, :func:`safe_optax.finalize`,
+  an alias or a pruner (``**projection(config)``). The structure is
+  :class:`~safe_optax.Global` (one top-k over all prunable leaves, the
+  paper's vision setting) and the prunable leaves the library's default.
 
   Args:
     config: the run's configuration.
 
   Returns:
-    ``{"sparsity": config.sparsity}``.
+    ``{"sparsity": config.sparsity, "structure": Global()}``.
 
   Examples:
     >>> from safe_optax.vision import configs
     >>> projection(configs.get_config("mlp-mnist", sparsity=0.95))
-    {'sparsity': 0.95}
+    {'sparsity': 0.95, 'structure': Global()}
   """
-  return {"sparsity": config.sparsity}
+  return {"sparsity": config.sparsity, "structure": safe_optax.Global()}
 
 
 def _set_keywords(config: "Config") -> dict[str, Any]:
