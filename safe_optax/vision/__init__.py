@@ -7,10 +7,15 @@ SAM / SAFE steps that keep the first pass's BatchNorm statistics.
 
 Submodules (imported on demand, they pull in orbax / matplotlib):
 :mod:`~safe_optax.vision.configs` (the paper's named presets),
-:mod:`~safe_optax.vision.train` (``train_step``, ``evaluate``,
-``train_and_evaluate``), :mod:`~safe_optax.vision.checkpoint`,
-:mod:`~safe_optax.vision.plots` and :mod:`~safe_optax.vision.cli` (the
-``safe-optax-vision`` command).
+:mod:`~safe_optax.vision.methods` (the training-method registry),
+:mod:`~safe_optax.vision.datasets` (a run's data),
+:mod:`~safe_optax.vision.train` (``train_step``, ``eval_step``,
+``train_and_evaluate``), :mod:`~safe_optax.vision.finish` (final projection,
+BNT, ``results.json``), :mod:`~safe_optax.vision.workdirs`,
+:mod:`~safe_optax.vision.checkpoint`, :mod:`~safe_optax.vision.plots`,
+:mod:`~safe_optax.vision.sweeps`, :mod:`~safe_optax.vision.evaluation` and
+:mod:`~safe_optax.vision.cli` (the ``safe-optax-vision`` command);
+docs/architecture.md says which module owns what.
 """
 
 from safe_optax.vision.models import LeNet5

@@ -1,0 +1,111 @@
+"""The layer picture of docs/architecture.md holds: imports only go down, and never in a circle.
+
+Every ``import`` of a ``safe_optax`` module inside the package (function-level
+ones included, ``if TYPE_CHECKING:`` ones left out) is read from the source; a module may import its own layer and
+the layers below, the two experiment packages (vision, llm) never import each
+other, and the module graph has no cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "safe_optax"
+
+# Bottom to top, as docs/architecture.md draws them.
+LAYERS = {
+    "kernels": ("_select", "_prunable", "_structures", "_projection", "_scores", "_schedules"),
+    "transforms": ("_dual", "_admm", "_sam", "_cram", "_pruners", "_alias", "_finalize",
+                   "__init__"),
+    "helpers": ("flax_utils", "distributed", "_hessian", "_landscape", "plots", "flatness"),
+    "experiment": ("experiment",),
+    "applications": ("demo", "vision", "llm"),
+}
+ORDER = list(LAYERS)
+
+
+def _name(path: pathlib.Path) -> str:
+  parts = path.relative_to(ROOT).with_suffix("").parts
+  return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _layer(module: str) -> str:
+  parts = module.split(".")
+  top = parts[1] if len(parts) > 1 else "__init__"
+  for layer, names in LAYERS.items():
+    if top in names:
+      return layer
+  raise AssertionError(f"{module} is in no layer of docs/architecture.md; add it there and "
+                       "to LAYERS.")
+
+
+def _imports() -> dict[str, set[str]]:
+  graph = {}
+  for path in sorted(PACKAGE.rglob("*.py")):
+    module, deps = _name(path), set()
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    # Imports for type annotations only (`if TYPE_CHECKING:`) do not run.
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                   and ast.unparse(block.test).endswith("TYPE_CHECKING")
+                   for n in ast.walk(block)}
+    for node in ast.walk(tree):
+      if id(node) in typing_only:
+        continue
+      if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("safe_optax"):
+        for alias in node.names:
+          full = f"{node.module}.{alias.name}"
+          deps.add(full if (PACKAGE.parent / (full.replace(".", "/") + ".py")).exists()
+                   or (PACKAGE.parent / full.replace(".", "/")).is_dir() else node.module)
+      elif isinstance(node, ast.Import):
+        deps.update(a.name for a in node.names if a.name.startswith("safe_optax"))
+    graph[module] = deps - {module}
+  return graph
+
+
+GRAPH = _imports()
+
+
+@pytest.mark.parametrize("module", sorted(GRAPH))
+def test_imports_go_down_the_layers(module):
+  here = ORDER.index(_layer(module))
+  up = [d for d in GRAPH[module] if ORDER.index(_layer(d)) > here]
+  assert not up, f"{module} ({ORDER[here]}) imports a higher layer: {up}"
+  app = module.split(".")[1] if module.count(".") else None
+  if app in ("vision", "llm"):
+    other = "llm" if app == "vision" else "vision"
+    assert not [d for d in GRAPH[module] if d.startswith(f"safe_optax.{other}")], module
+
+
+def test_no_module_imports_the_demo():
+  assert not [m for m, deps in GRAPH.items() if "safe_optax.demo" in deps]
+
+
+def test_the_module_graph_has_no_cycle():
+  nodes = {m for m in GRAPH if m.startswith("safe_optax.")}  # the root re-exports only
+  state: dict[str, int] = {}
+
+  def visit(module, path):
+    if state.get(module) == 1:
+      raise AssertionError(" -> ".join(path + [module]))
+    if state.get(module) == 2:
+      return
+    state[module] = 1
+    for dep in GRAPH.get(module, ()):
+      if dep in nodes:
+        visit(dep, path + [module])
+    state[module] = 2
+
+  for module in sorted(nodes):
+    visit(module, [])
+
+
+def test_every_module_is_in_the_architecture_page():
+  page = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+  for module in GRAPH:
+    if module in ("safe_optax", "safe_optax.vision", "safe_optax.llm"):
+      continue
+    assert f"`{module.split('.', 1)[1].replace('.', '/')}" in page, module
