@@ -43,7 +43,8 @@ class SaliencyInputs(NamedTuple):
   grad_fn: Optional[GradFn]
   """``grad_fn(params, step)`` if the caller passed one to ``update``."""
   key: jax.Array
-  """A PRNG key that is different at every step."""
+  """A PRNG key for the saliency (Hutchinson probes), new at every step and independent
+  of SAFE-Multi's draw of the sparsity."""
   flags: tuple[bool, ...]
   """Prunable flags of ``params``' leaves, in flatten order."""
 

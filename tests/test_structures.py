@@ -153,6 +153,19 @@ def test_structure_none_is_deprecated_and_means_global(name):
   assert jax.tree.all(jax.tree.map(np.array_equal, _masks(old), _masks(new)))
 
 
+@given(st.lists(st.floats(-4, 4, allow_subnormal=False), min_size=10, max_size=10),
+       st.sampled_from([0.0, 0.1, 0.3, 0.5, 0.9]), st.sampled_from(["global", "per_leaf"]))
+def test_deprecated_scope_equals_its_structure_property(values, sparsity, scope):
+  """On any values, ties included: the old keyword and the new structure agree exactly."""
+  tree = {"a": jnp.asarray(values[:4], jnp.float32).reshape(2, 2),
+          "b": jnp.asarray(values[4:], jnp.float32).reshape(2, 3)}
+  with pytest.warns(DeprecationWarning):
+    old, old_masks = safe_optax.project_topk(tree, sparsity, scope=scope)
+  new, new_masks = safe_optax.project_topk(tree, sparsity, structure=_structures.SCOPES[scope])
+  for a, b in zip(jax.tree.leaves((old, old_masks)), jax.tree.leaves((new, new_masks))):
+    np.testing.assert_array_equal(a, b)
+
+
 def test_per_leaf_and_global_differ_on_this_tree():
   """So the equivalence tests above compare two different answers, not one."""
   global_masks = _masks(BUILDERS["project_topk"](structure=Global()))
@@ -168,7 +181,7 @@ def test_scope_contradicting_structure_raises():
 def test_no_warning_without_the_deprecated_keywords():
   with warnings.catch_warnings():
     warnings.simplefilter("error", DeprecationWarning)
-    for name, build in BUILDERS.items():
+    for build in BUILDERS.values():
       _masks(build())
       _masks(build(structure=PerLeaf()))
 

@@ -398,6 +398,8 @@ def test_variants_are_safe_with_their_own_arguments(variant, same_as):
                                     run_library(same_as(**kwargs), params, batches)):
     for k in p:
       np.testing.assert_array_equal(p[k], p_ref[k])
+    for k in PRUNABLE:
+      np.testing.assert_array_equal(z[k], z_ref[k])
 
 
 def test_variant_signatures_are_safes_with_their_defaults():

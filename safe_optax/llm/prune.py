@@ -670,7 +670,7 @@ def prune_model(
     for part in _chunks(n, cfg.chunk):
       out, st = forward_with_stats(block_params, x[part])
       targets[part] = out
-      stats = st if stats is None else jax.tree.map(jnp.add, stats, st)
+      stats = st if stats is None else optax.tree.add(stats, st)
     pruned_block, info = prune_block(config, block_params, x, targets, stats, cfg)
     jax.block_until_ready(pruned_block)
     seconds = time.perf_counter() - start
