@@ -1,9 +1,10 @@
-"""The layer picture of docs/architecture.md holds: imports only go down, and never in a circle.
+"""The layer picture of docs/architecture.md holds: imports only go down, never in a circle.
 
 Every ``import`` of a ``safe_optax`` module inside the package (function-level
-ones included, ``if TYPE_CHECKING:`` ones left out) is read from the source; a module may import its own layer and
-the layers below, the two experiment packages (vision, llm) never import each
-other, and the module graph has no cycle.
+ones included, ``if TYPE_CHECKING:`` ones left out) is read from the source; a
+module may import its own layer and the layers below, the two experiment
+packages (vision, llm) never import each other, and the module graph has no
+cycle.
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+import optax
 
 import safe_optax
 from safe_optax import experiment
@@ -106,7 +106,7 @@ def final_scores(programs: Any, config: configs.Config, params: Any, model_state
   for i, idx in enumerate(batches):
     part = programs.scores(params, model_state, images_dev, labels_dev, idx,
                            jax.random.PRNGKey(i))
-    total = part if total is None else jax.tree.map(jnp.add, total, part)
+    total = part if total is None else optax.tree.add(total, part)
   total = jax.tree.map(lambda t: t / len(batches), total)
   if config.saliency == "snip":
     return safe_optax.snip_scores(params, total)

@@ -215,7 +215,7 @@ def distance_to_projection(params: Any, sparsity: float, **structure: Any) -> ja
     1.0
   """
   projected, _ = safe_optax.project_topk(params, sparsity, **structure)
-  return optax.tree.norm(jax.tree.map(jnp.subtract, params, projected))
+  return optax.tree.norm(optax.tree.sub(params, projected))
 
 
 # ----------------------------------------------------------------------------- the run
