@@ -12,7 +12,8 @@ Methods (``PruneConfig.method``):
 * ``"magnitude"``: keep the largest ``|W|`` per matrix.
 * ``"wanda"``: keep the largest :math:`|W_{ij}|\,\|X_j\|_2` per output row.
 * ``"sparsegpt"``: OBS with :math:`H = 2XX^\top/n`, damping 1% of the mean
-  diagonal, adaptive masks over 128-column lazy batches (Frantar & Alistarh).
+  diagonal, adaptive masks over 128-column lazy batches (Frantar & Alistarh;
+  :func:`safe_optax.llm.sparsegpt.sparsegpt_prune`).
 * ``"safe"`` / ``"safe-plus"``: minimise the block reconstruction loss
   :math:`\frac{1}{n}\|f_l(X; W) - Y_l\|^2` over the block's matrices with
   ``sam_perturb -> admm_penalty -> adam`` (the core transforms), then the
@@ -34,7 +35,6 @@ import functools
 import hashlib
 import json
 import os
-import pathlib
 import time
 from typing import Any, Callable, Optional
 
@@ -42,10 +42,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import traverse_util
 
 import safe_optax
 from safe_optax.llm import model as model_lib
+from safe_optax.llm.prune_state import PruneState
+from safe_optax.llm.sparsegpt import sparsegpt_prune
 
 METHODS = ("magnitude", "wanda", "sparsegpt", "safe", "safe-plus")
 GROUPINGS = ("per_matrix", "per_row")
@@ -208,129 +209,6 @@ def _chunks(size: int, chunk: int):
     yield slice(start, min(start + chunk, size))
 
 
-# ----------------------------------------------------------------------------- SparseGPT
-
-
-def _inverse_hessian_chol(xtx: jax.Array, n: jax.Array, percdamp: float) -> jax.Array:
-  """Upper Cholesky factor ``U`` of ``H^{-1}`` (``U^T U = H^{-1}``), ``H = 2XX^T/n + damp I``."""
-  h = 2.0 * xtx / n
-  dead = jnp.diag(h) == 0
-  h = h + jnp.diag(jnp.where(dead, 1.0, 0.0))
-  damp = percdamp * jnp.mean(jnp.diag(h))
-  h = h + damp * jnp.eye(h.shape[0], dtype=h.dtype)
-  hinv = jnp.linalg.inv(h)
-  hinv = 0.5 * (hinv + hinv.T)
-  return jnp.linalg.cholesky(hinv).T
-
-
-def _sparsegpt_batch(w1, hinv1, prune_count, nm):
-  """One lazy batch of columns: OBS column by column, errors returned for the rest."""
-  rows, width = w1.shape
-  diag = jnp.diag(hinv1)
-  if nm is None:
-    scores = (jnp.square(w1) / jnp.square(diag)[None, :]).reshape(-1)
-    # Exactly ``prune_count`` smallest scores (stable ties: earlier entry pruned first).
-    order = jnp.argsort(scores, stable=True)
-    pruned = jnp.zeros(scores.shape, bool).at[order].set(jnp.arange(scores.size) < prune_count)
-    mask0 = pruned.reshape(rows, width)
-  else:
-    mask0 = jnp.zeros((rows, width), bool)
-  cols = jnp.arange(width)
-
-  def body(i, carry):
-    w1, err1, mask1 = carry
-    if nm is not None:
-      n, m = nm
-
-      def group_mask(mask1):
-        w_group = jax.lax.dynamic_slice(w1, (0, i), (rows, m))
-        d_group = jax.lax.dynamic_slice(diag, (i,), (m,))
-        score = jnp.square(w_group) / jnp.square(d_group)[None, :]
-        rank = jnp.argsort(jnp.argsort(score, axis=1, stable=True), axis=1, stable=True)
-        return jax.lax.dynamic_update_slice(mask1, rank < (m - n), (0, i))
-
-      mask1 = jax.lax.cond(i % m == 0, group_mask, lambda mk: mk, mask1)
-    w = w1[:, i]
-    d = hinv1[i, i]
-    q = jnp.where(mask1[:, i], 0.0, w)
-    err = (w - q) / d
-    row = jnp.where(cols >= i, hinv1[i, :], 0.0)
-    w1 = w1 - err[:, None] * row[None, :]
-    err1 = err1.at[:, i].set(err)
-    return w1, err1, mask1
-
-  w1, err1, mask1 = jax.lax.fori_loop(0, width, body, (w1, jnp.zeros_like(w1), mask0))
-  return jnp.where(mask1, 0.0, w1), err1
-
-
-
-def sparsegpt_prune(
-    weight: jax.Array,
-    xtx: jax.Array,
-    num_rows: int,
-    *,
-    sparsity: float = 0.5,
-    nm: Optional[tuple[int, int]] = None,
-    blocksize: int = 128,
-    percdamp: float = 0.01,
-) -> jax.Array:
-  r"""SparseGPT on one linear map ``y = W x`` (``weight`` in ``(out, in)`` layout).
-
-  With :math:`H = 2XX^\top/n + \delta I` (:math:`\delta` = ``percdamp`` times
-  the mean diagonal; dead inputs get :math:`H_{jj} = 1` and zero weights) and
-  :math:`U` the upper Cholesky factor of :math:`H^{-1}`, columns are visited
-  in order in lazy batches of ``blocksize``. At the start of each batch the
-  mask prunes the ``sparsity`` fraction of the batch with the smallest
-  :math:`w^2 / U_{jj}^2` (adaptive mask selection); N:M picks the ``m - n``
-  smallest in each group of ``m`` when reaching it. Each column's pruning
-  error :math:`e = (w - q)/U_{jj}` is spread over the later columns,
-  :math:`W_{:, j:} \mathrel{-}= e\,U_{j, j:}`.
-
-  Args:
-    weight: ``(out, in)`` matrix.
-    xtx: ``X^T X`` summed over the ``num_rows`` calibration rows, ``(in, in)``.
-    num_rows: ``n``.
-    sparsity: unstructured fraction pruned (ignored with ``nm``).
-    nm: ``(n, m)`` keep ``n`` of every ``m`` inputs.
-    blocksize: lazy batch width (128 in the paper).
-    percdamp: damping fraction (0.01 in the paper).
-
-  Returns:
-    The pruned ``(out, in)`` weight.
-
-  References:
-    Frantar & Alistarh, `SparseGPT: Massive Language Models Can Be Accurately
-    Pruned in One-Shot <https://arxiv.org/abs/2301.00774>`_, ICML 2023 (Alg. 1).
-  """
-  rows, cols = jnp.shape(weight)
-  if nm is not None and (blocksize % nm[1] or cols % nm[1]):
-    raise ValueError(f"N:M {nm} needs blocksize ({blocksize}) and in-features ({cols}) "
-                     f"divisible by m.")
-  if nm is None and not 0.0 <= sparsity < 1.0:
-    raise ValueError(f"`sparsity` must be in [0, 1), got {sparsity}.")
-  counts = tuple(0 if nm is not None else int(np.floor(rows * (min(s + blocksize, cols) - s)
-                                                          * sparsity))
-                 for s in range(0, cols, blocksize))
-  return _sparsegpt_matrix(jnp.asarray(weight, jnp.float32), jnp.asarray(xtx, jnp.float32),
-                           jnp.float32(num_rows), jnp.float32(percdamp),
-                           jnp.asarray(counts, jnp.int32), nm=nm, blocksize=blocksize)
-
-
-@functools.partial(jax.jit, static_argnames=("nm", "blocksize"))
-def _sparsegpt_matrix(w, xtx, num_rows, percdamp, counts, *, nm, blocksize):
-  """The whole matrix in one compilation (lazy batches unrolled, columns in a loop)."""
-  h_chol = _inverse_hessian_chol(xtx, num_rows, percdamp)
-  w = jnp.where((jnp.diag(xtx) == 0)[None, :], 0.0, w)
-  cols = w.shape[1]
-  for index, start in enumerate(range(0, cols, blocksize)):
-    stop = min(start + blocksize, cols)
-    q1, err1 = _sparsegpt_batch(w[:, start:stop], h_chol[start:stop, start:stop],
-                                counts[index], nm)
-    w = w.at[:, start:stop].set(q1)
-    w = w.at[:, stop:].add(-err1 @ h_chol[start:stop, stop:])
-  return w
-
-
 # ----------------------------------------------------------------------------- SAFE
 
 
@@ -475,81 +353,6 @@ def _identity(config: model_lib.LlamaConfig, calibration: np.ndarray, cfg: Prune
   return json.loads(json.dumps(identity, default=str))
 
 
-class PruneState:
-  """A resumable pruning run in a folder.
-
-  ``state.json`` holds the run's identity and the report entries of the
-  finished blocks; ``block_<i>.npz`` each pruned block; ``stream_<k>.npz`` the
-  pruned stream after ``k`` blocks (the inputs of block ``k``). Files are
-  written under temporary names and renamed, and ``state.json`` is written
-  last, so an interruption at any point leaves the last finished block
-  loadable.
-  """
-
-  def __init__(self, folder: os.PathLike, identity: dict[str, Any]):
-    self.folder = pathlib.Path(folder)
-    self.identity = identity
-    saved = self._read()
-    if saved is None:
-      self.folder.mkdir(parents=True, exist_ok=True)
-      self._saved_blocks: list[dict[str, Any]] = []
-    else:
-      old = saved["identity"]
-      differing = sorted(k for k in set(old) | set(identity) if old.get(k) != identity.get(k))
-      if differing:
-        details = "; ".join(f"{k}: saved {old.get(k)!r}, now {identity.get(k)!r}"
-                            for k in differing)
-        raise ValueError(
-            f"'{self.folder}' holds a pruning run with different arguments ({details}). "
-            f"Rerun with the saved arguments to continue it, or start over "
-            f"(safe-optax-llm prune --restart, or delete the folder).")
-      self._saved_blocks = saved["blocks"]
-    self.resumed_blocks = len(self._saved_blocks)
-
-  def _read(self) -> Optional[dict[str, Any]]:
-    file = self.folder / "state.json"
-    return json.loads(file.read_text()) if file.exists() else None
-
-  def blocks(self) -> list[dict[str, Any]]:
-    """Report entries of the blocks already pruned, in order."""
-    return [dict(entry) for entry in self._saved_blocks]
-
-  def load_block(self, index: int, like: dict[str, Any]) -> dict[str, Any]:
-    """Block ``index``'s pruned parameters, in the dtypes of ``like`` (its dense parameters)."""
-    with np.load(self.folder / f"block_{index}.npz") as arrays:
-      flat = {tuple(k.split("/")): arrays[k] for k in arrays.files}
-    loaded = traverse_util.unflatten_dict(flat)
-    return jax.tree.map(lambda a, ref: jnp.asarray(a, dtype=jnp.asarray(ref).dtype), loaded, like)
-
-  def load_stream(self, count: int) -> np.ndarray:
-    with np.load(self.folder / f"stream_{count}.npz") as arrays:
-      return np.array(arrays["x"], np.float32)
-
-  def save(self, block: dict[str, Any], stream: np.ndarray, blocks: list[dict[str, Any]]) -> None:
-    """Saves the newest block of ``blocks``, the stream after it, then the entries."""
-    index, count = blocks[-1]["block"], len(blocks)
-    flat = traverse_util.flatten_dict(block, sep="/")
-    # numpy cannot store bfloat16; float32 holds it exactly and load_block casts back.
-    self._write_npz(f"block_{index}.npz", {k: _savable(v) for k, v in flat.items()})
-    self._write_npz(f"stream_{count}.npz", {"x": stream})
-    tmp = self.folder / "state.json.tmp"
-    tmp.write_text(json.dumps({"identity": self.identity, "blocks": blocks}, indent=1) + "\n")
-    tmp.replace(self.folder / "state.json")
-    stale = self.folder / f"stream_{count - 1}.npz"
-    if stale.exists():
-      stale.unlink()
-
-  def _write_npz(self, name: str, arrays: dict[str, np.ndarray]) -> None:
-    tmp = self.folder / f"{name}.tmp.npz"
-    np.savez(tmp, **arrays)
-    tmp.replace(self.folder / name)
-
-
-def _savable(leaf: Any) -> np.ndarray:
-  array = np.asarray(leaf)
-  return array if array.dtype.kind in "fiu" else array.astype(np.float32)
-
-
 # ----------------------------------------------------------------------------- engine
 
 
@@ -597,8 +400,9 @@ def prune_model(
 
   With ``state_dir``, each pruned block, the stream (the next block's inputs)
   and the report entries are saved there as soon as the block is done
-  (:class:`PruneState`); a later call with the same ``state_dir`` continues
-  from the next block and returns exactly what an uninterrupted run returns.
+  (:class:`~safe_optax.llm.prune_state.PruneState`); a later call with the
+  same ``state_dir`` continues from the next block and returns exactly what
+  an uninterrupted run returns.
   It refuses (``ValueError`` naming the fields) when the saved run had a
   different ``cfg``, model config, calibration windows or ``identity``.
 
