@@ -1,13 +1,14 @@
 """Where the time of a global top-k projection goes on XLA CPU, part by part.
 
-The bar in ``projection.py`` asks for a 20M-weight projection within 8x the
-memory floor (``where(mask, w, 0)``: one read and one write of every leaf).
 This script times, side by side in one process on the same VGG-19-BN kernels
-(20,548,288 weights), the operations such a projection can be built from:
+(20,548,288 weights), the operations a projection can be built from, against
+the memory floor (``where(mask, w, 0)``: one read and one write of every leaf):
 
 * floor:        ``where(mask, w, 0)`` with a precomputed mask per leaf;
 * sum:          ``sum(w)`` per leaf: one read, no write (XLA's fast reduction);
 * count:        ``sum(|w| >= t)`` per leaf: one compare fused into the reduction;
+* concat:       the leaves' keys concatenated into one flat array (the copy
+                ``project_topk``'s select makes);
 * histogram:    one 2**16-bin scatter-add of the high 16 bits of every key,
                 i.e. one radix pass of ``project_topk``'s select;
 * threshold:    ``project_topk``'s exact k-th largest key (two radix passes);
@@ -36,14 +37,16 @@ from _common import run_record, write_report
 from projection import make_params, vgg19_shapes
 
 
+def _flat_keys(kernels: list[jax.Array]) -> jax.Array:
+  return jnp.concatenate([_select.order_keys(jnp.abs(w)).reshape(-1) for w in kernels])
+
+
 def _histogram_pass(kernels: list[jax.Array]) -> jax.Array:
-  keys = [_select.order_keys(jnp.abs(w)) for w in kernels]
-  return _select._histogram([key >> 16 for key in keys])
+  return _select._histogram(_flat_keys(kernels) >> 16)
 
 
 def _threshold(kernels: list[jax.Array], k: jax.Array) -> jax.Array:
-  keys = [_select.order_keys(jnp.abs(w)).reshape(-1) for w in kernels]
-  return _select._threshold(keys, k).key
+  return _select._threshold(_flat_keys(kernels), k).key
 
 
 def parts(kernels: list[jax.Array], sparsity: float) -> dict[str, tuple[Callable, tuple]]:
@@ -55,6 +58,7 @@ def parts(kernels: list[jax.Array], sparsity: float) -> dict[str, tuple[Callable
       "sum": (lambda ws: sum(jnp.sum(w) for w in ws), (kernels,)),
       "count": (lambda ws, t: sum(jnp.sum(jnp.abs(w) >= t) for w in ws),
                 (kernels, jnp.float32(0.01))),
+      "concat": (_flat_keys, (kernels,)),
       "histogram": (_histogram_pass, (kernels,)),
       "threshold": (_threshold, (kernels, k)),
       "project_topk": (lambda ws, s: safe_optax.project_topk(ws, s)[0],
