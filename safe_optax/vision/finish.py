@@ -14,7 +14,7 @@ sparsity report, throughput, per-epoch history) and the plots.
 checkpoint without rewriting anything.
 
 The functions take the run's jitted ``programs``
-(:func:`safe_optax.vision.train.programs`): ``model``, ``eval``, ``project``,
+(:func:`safe_optax.vision.train.build_programs`): ``model``, ``eval``, ``project``,
 ``prepare`` and ``scores``.
 """
 

@@ -251,7 +251,7 @@ class Programs(NamedTuple):
 
 
 def build_programs(config: Config, num_train: int, num_classes: int,
-             image_shape: tuple[int, ...]) -> Programs:
+                   image_shape: tuple[int, ...]) -> Programs:
   """The jitted functions of a configuration (cached, so repeated runs compile once).
 
   The seed only enters the optimizer of the methods whose registry entry says
