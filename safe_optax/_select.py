@@ -202,9 +202,8 @@ def topk_masks(
 ) -> tuple[list[jax.Array], jax.Array]:
   """Keep-masks for the ``k`` largest keys across all ``keys`` leaves together.
 
-  The leaves are concatenated into one flat array (one copy, so the number of
-  operations, and the compile time, does not grow with the leaf count). Two
-  16-bit radix passes find the exact k-th largest key ``t`` without sorting: a
+  The leaves are concatenated into one flat array (one copy, so the histogram
+  passes are two scatters whatever the leaf count). Two 16-bit radix passes find the exact k-th largest key ``t`` without sorting: a
   histogram of the high digit, then one of the low digit among entries in the
   chosen high bin. Entries ``> t`` are kept, plus the first ``k - count(> t)``
   entries equal to ``t`` in flatten order, found by counting ties per block of
@@ -224,7 +223,9 @@ def topk_masks(
   if total == 0:
     return [jnp.zeros(key.shape, bool) for key in keys], jnp.bool_(False)
   k = jnp.asarray(k, jnp.int32)
-  flat = jnp.concatenate([key.reshape(-1) for key in keys if key.size])
+  # Materialised once: fused into both scatters, the concatenation of every leaf
+  # would be compiled (and its keys computed) twice.
+  flat = lax.optimization_barrier(jnp.concatenate([key.reshape(-1) for key in keys if key.size]))
   found = _threshold(flat, k)
   threshold = found.key
   ties_to_keep = k - found.above
@@ -233,11 +234,16 @@ def topk_masks(
                  lambda: _tie_cut(flat, threshold, ties_to_keep, chunk_size))
   # Masks elementwise from each leaf's keys, outside the cond, so the caller's
   # use of a mask (e.g. ``where(mask, leaf, 0)``) fuses with the key computation.
-  masks, offset = [], 0
+  # The cut is carried from leaf to leaf as data, never as a per-leaf offset
+  # constant: then every leaf of one shape runs the same operations, which XLA
+  # compiles once (constants would make each leaf's kernels distinct, ~30 ms of
+  # compile time each).
+  masks = []
   for key in keys:
-    position = offset + lax.iota(jnp.int32, key.size).reshape(key.shape)
-    masks.append((key > threshold) | ((key == threshold) & (position < cut)))
-    offset += key.size
+    cut = lax.optimization_barrier(cut)
+    before_cut = lax.iota(jnp.int32, key.size).reshape(key.shape) < cut
+    masks.append((key > threshold) | ((key == threshold) & before_cut))
+    cut = cut - key.size
   return masks, found.nan
 
 
