@@ -39,10 +39,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import flax.linen as nn
 import jax.numpy as jnp
+
+if TYPE_CHECKING:
+  from safe_optax.vision.configs import Config
 
 ModuleDef = Any
 
@@ -238,3 +241,29 @@ class LeNet5(nn.Module):
 def lenet5(num_classes: int = 10, **kwargs: Any) -> LeNet5:
   """LeNet-5 for 28x28 images (61,470 kernel weights with 10 classes)."""
   return LeNet5(num_classes=num_classes, **kwargs)
+
+
+def create_model(config: "Config", num_classes: int) -> nn.Module:
+  """The Linen model of ``config.model`` (with its ``width``, ``mlp_features``).
+
+  Examples:
+    >>> from safe_optax.vision import configs
+    >>> create_model(configs.get_config("mlp-mnist"), 10)
+    MLP(
+        # attributes
+        features = (300, 100)
+        num_classes = 10
+        dtype = float32
+    )
+  """
+  if config.model == "resnet8":
+    return ResNet(blocks_per_stage=1, num_classes=num_classes, width=config.width)
+  if config.model == "resnet20":
+    return resnet20(num_classes, width=config.width)
+  if config.model == "resnet32":
+    return resnet32(num_classes, width=config.width)
+  if config.model == "vgg19":
+    return vgg19(num_classes)
+  if config.model == "lenet5":
+    return lenet5(num_classes)
+  return MLP(features=tuple(config.mlp_features), num_classes=num_classes)

@@ -57,12 +57,12 @@ from safe_optax.vision import configs
 from safe_optax.vision import finish as finish_lib
 from safe_optax.vision import input_pipeline
 from safe_optax.vision import methods
-from safe_optax.vision import models
 from safe_optax.vision import workdirs
 # Re-exported: the names callers (notebooks, benchmarks) know this module by.
 from safe_optax.vision.datasets import NORMALIZATION, epoch_batches, load_dataset, prepare_images
 from safe_optax.vision.finish import evaluate
 from safe_optax.vision.methods import learning_rate_schedule, make_optimizer
+from safe_optax.vision.models import create_model
 from safe_optax.vision.workdirs import DIVERGED_FILE, TrainingDiverged, claim_workdir
 
 Config = configs.Config
@@ -121,21 +121,6 @@ class Outcome(NamedTuple):
 
 
 # ----------------------------------------------------------------------------- steps
-
-
-def create_model(config: Config, num_classes: int) -> nn.Module:
-  """The Linen model of ``config.model``."""
-  if config.model == "resnet8":
-    return models.ResNet(blocks_per_stage=1, num_classes=num_classes, width=config.width)
-  if config.model == "resnet20":
-    return models.resnet20(num_classes, width=config.width)
-  if config.model == "resnet32":
-    return models.resnet32(num_classes, width=config.width)
-  if config.model == "vgg19":
-    return models.vgg19(num_classes)
-  if config.model == "lenet5":
-    return models.lenet5(num_classes)
-  return models.MLP(features=tuple(config.mlp_features), num_classes=num_classes)
 
 
 def _batch_sharding(mesh: Mesh, size: int) -> NamedSharding:
