@@ -20,6 +20,14 @@ Methods (``PruneConfig.method``):
   final projection; SAFE+ projects with Wanda's saliency
   (:func:`safe_optax.wanda_saliency`), per output row.
 
+Data parallel within a block: with more than one local device, every batch of
+calibration windows (the SAFE minibatches, the chunks of the target and
+statistics passes) is split over a ``'data'`` mesh of the local devices
+(:func:`safe_optax.distributed.data_mesh`) and the block's parameters and
+optimizer state are replicated, so ``jit`` runs each pass on every device and
+sums the gradients and statistics across them. A batch that does not split
+evenly over the devices runs replicated. One device runs exactly as before.
+
 Structures: unstructured or N:M along the input dimension (``(in, out)``
 kernels, the core's ``NM`` axis ``-2``). Unstructured masks are compared per
 matrix (default for magnitude / SAFE) or per output row (default for Wanda /
@@ -44,6 +52,7 @@ import numpy as np
 import optax
 
 import safe_optax
+from safe_optax import distributed
 from safe_optax.llm import model as model_lib
 from safe_optax.llm.prune_state import PruneState
 from safe_optax.llm.sparsegpt import sparsegpt_prune
@@ -204,6 +213,24 @@ def _block_fns(config: model_lib.LlamaConfig, with_hessian: bool):
   return forward, forward_with_stats
 
 
+def calibration_mesh() -> Optional[jax.sharding.Mesh]:
+  """The ``'data'`` mesh over this process's devices, or ``None`` with one device."""
+  devices = jax.local_devices()
+  return distributed.data_mesh(devices) if len(devices) > 1 else None
+
+
+def _place(mesh: Optional[jax.sharding.Mesh], batch: Any) -> Any:
+  """A batch of windows split over the mesh (leading axis); as it is without a mesh."""
+  if mesh is None:
+    return batch
+  return jax.tree.map(lambda x: jax.device_put(x, distributed.batch_sharding(mesh, len(x))),
+                      batch)
+
+
+def _replicate(mesh: Optional[jax.sharding.Mesh], tree: Any) -> Any:
+  return tree if mesh is None else jax.device_put(tree, distributed.replicated(mesh))
+
+
 def _chunks(size: int, chunk: int):
   for start in range(0, size, chunk):
     yield slice(start, min(start + chunk, size))
@@ -294,6 +321,7 @@ def safe_block(
     targets: jax.Array,
     cfg: PruneConfig,
     input_norms: Optional[dict[str, Any]] = None,
+    mesh: Optional[jax.sharding.Mesh] = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
   """SAFE / SAFE+ on one block's reconstruction loss, then the final projection.
 
@@ -308,6 +336,7 @@ def safe_block(
     inputs, targets: ``(n, L, d)`` calibration inputs and dense targets.
     cfg: the :class:`PruneConfig`.
     input_norms: Wanda norms for SAFE+, ``None`` for SAFE.
+    mesh: split each minibatch over this ``'data'`` mesh (:func:`calibration_mesh`).
 
   Returns:
     ``(pruned_linears, info)`` with the last minibatch loss of each epoch.
@@ -321,6 +350,8 @@ def safe_block(
   params = linears
   scales = lr_scales(cfg, linears)
   opt_state = safe_transform(cfg, steps_per_epoch, input_norms, scales).init(params)
+  params, norms, input_norms, scales, opt_state = _replicate(
+      mesh, (params, norms, input_norms, scales, opt_state))
   rng = np.random.default_rng(cfg.seed)
   losses = []
   for _ in range(cfg.epochs):
@@ -328,7 +359,7 @@ def safe_block(
     for b in range(steps_per_epoch):
       idx = order[b * batch:(b + 1) * batch]
       params, opt_state, loss = step(params, norms, input_norms, scales, opt_state,
-                                     inputs[idx], targets[idx])
+                                     *_place(mesh, (inputs[idx], targets[idx])))
     losses.append(float(loss))
   final_scores = None
   if input_norms is not None:
@@ -363,8 +394,12 @@ def prune_block(
     targets: jax.Array,
     stats: dict[str, Any],
     cfg: PruneConfig,
+    mesh: Optional[jax.sharding.Mesh] = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-  """Prunes one block's seven matrices with ``cfg.method``; returns ``(params, info)``."""
+  """Prunes one block's seven matrices with ``cfg.method``; returns ``(params, info)``.
+
+  ``mesh`` splits SAFE's minibatches over its devices (:func:`calibration_mesh`).
+  """
   linears, norms = split_block(block_params)
   num_rows = inputs.shape[0] * inputs.shape[1]
   input_norms = _map_linears(lambda key: jnp.sqrt(stats[model_lib.LINEAR_INPUTS[key]]["sq"]))
@@ -381,7 +416,7 @@ def prune_block(
         percdamp=cfg.percdamp).T)
   else:
     pruned, info = safe_block(config, block_params, inputs, targets, cfg,
-                              input_norms if cfg.method == "safe-plus" else None)
+                              input_norms if cfg.method == "safe-plus" else None, mesh)
   return merge_block(pruned, norms), info
 
 
@@ -452,6 +487,7 @@ def prune_model(
   # targets. Each window's output depends only on that window, so the pruned
   # block's outputs overwrite its inputs chunk by chunk.
   n = calibration.shape[0]
+  mesh = calibration_mesh()
   state = None if state_dir is None else PruneState(
       state_dir, _identity(config, calibration, cfg, identity))
   new_params = dict(params)
@@ -469,18 +505,19 @@ def prune_model(
              disable=not progress, initial=len(blocks), total=config.num_layers)
   for i in bar:
     start = time.perf_counter()
-    block_params = params[f"layers_{i}"]
+    block_params = _replicate(mesh, params[f"layers_{i}"])
     stats = None
     for part in _chunks(n, cfg.chunk):
-      out, st = forward_with_stats(block_params, x[part])
+      out, st = forward_with_stats(block_params, _place(mesh, x[part]))
       targets[part] = out
       stats = st if stats is None else optax.tree.add(stats, st)
-    pruned_block, info = prune_block(config, block_params, x, targets, stats, cfg)
+    pruned_block, info = prune_block(config, block_params, x, targets, stats, cfg, mesh)
     jax.block_until_ready(pruned_block)
     seconds = time.perf_counter() - start
     sq_error = sq_target = 0.0
     for part in _chunks(n, cfg.chunk):
-      out = np.asarray(forward(pruned_block, x[part]), np.float32)
+      out = np.asarray(forward(_replicate(mesh, pruned_block), _place(mesh, x[part])),
+                       np.float32)
       sq_error += float(np.sum(np.square(out - targets[part]), dtype=np.float64))
       sq_target += float(np.sum(np.square(targets[part]), dtype=np.float64))
       x[part] = out
