@@ -22,7 +22,7 @@ LAYERS = {
     "kernels": ("_select", "_prunable", "_structures", "_projection", "_scores", "_schedules"),
     "transforms": ("_dual", "_admm", "_sam", "_cram", "_pruners", "_alias", "_finalize",
                    "__init__"),
-    "helpers": ("flax_utils", "distributed", "_hessian", "_landscape", "plots", "flatness"),
+    "helpers": ("flax_utils", "_flax_linen", "_flax_nnx", "distributed", "_hessian", "_landscape", "plots", "flatness"),
     "experiment": ("experiment",),
     "applications": ("demo", "vision", "llm"),
 }
