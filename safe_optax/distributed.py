@@ -209,6 +209,16 @@ def is_primary() -> bool:
   return jax.process_index() == 0
 
 
+def barrier(name: str) -> None:
+  """Waits until every process has reached the barrier ``name`` (nothing in one process).
+
+  For files: process 0 writes, the others wait here before they read.
+  """
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+    multihost_utils.sync_global_devices(name)
+
+
 def data_mesh(devices: Optional[list[Any]] = None) -> Mesh:
   """A 1-D mesh with axis ``'data'`` over every device of every process (or ``devices``).
 

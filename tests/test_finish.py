@@ -1,7 +1,7 @@
 """The end of a vision run (safe_optax.vision.finish) and the interrupt path of the loop.
 
-* SAFE+'s final-score program takes the training set as an argument (it was a
-  closure constant, folded into the compiled program);
+* SAFE+'s final-score program takes its batch as an argument (the training
+  set was once a closure constant, folded into the compiled program);
 * the evaluation suite rebuilds the deployed model through ``finish.deploy``
   and leaves the run's files alone (it used to re-enter ``train_and_evaluate``,
   which rewrote ``results.json``);
@@ -29,17 +29,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_train  # noqa: E402  (the tiny data set and config of the trainer tests)
 
 
-def test_final_scores_take_the_training_set_as_an_argument():
+def test_final_scores_take_the_batch_as_an_argument():
   config = test_train.tiny_config(method="safe-plus")
   programs = train.build_programs(config, test_train.N_TRAIN, 4, (8, 8, 1))
   data = test_train.tiny_dataset()
   params = programs.init(jax.random.PRNGKey(0)).params
   idx = np.arange(config.batch_size, dtype=np.int32)
   images, labels = jnp.asarray(data.train_images), jnp.asarray(data.train_labels)
-  jaxpr = jax.make_jaxpr(programs.scores)(params, {}, images, labels, idx,
+  jaxpr = jax.make_jaxpr(programs.scores)(params, {}, images[idx], labels[idx],
                                           jax.random.PRNGKey(0))
-  # No constant as large as the training set (100 images of 8 x 8) is baked in.
-  assert all(np.size(c) < images.size for c in jaxpr.consts)
+  # No constant as large as a batch (16 images of 8 x 8) is baked in.
+  assert all(np.size(c) < images[idx].size for c in jaxpr.consts)
   first = finish.final_scores(programs, config, params, {}, images, labels, test_train.N_TRAIN)
   other = finish.final_scores(programs, config, params, {}, 255 - images, labels,
                               test_train.N_TRAIN)
@@ -126,9 +126,10 @@ def test_finish_writes_results_of_the_deployed_model(tmp_path):
   data = test_train.tiny_dataset()
   config = test_train.tiny_config(method="admm", sparsity=0.5, epochs=1, warmup_epochs=0)
   out = train.train_and_evaluate(config, tmp_path, data_dir=None, dataset=data)
-  programs, state, images, labels = train.restore_finished(config, tmp_path, data)
-  params, model_state = finish.deploy(programs, config, state.params, state.model_state, images,
-                                      labels, len(data.train_labels))
+  programs, state = train.restore_finished(config, tmp_path, data)
+  params, model_state = finish.deploy(programs, config, state.params, state.model_state,
+                                      data.train_images, data.train_labels,
+                                      len(data.train_labels))
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(out.sparse_params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert out.results["final"]["sparsity"] == pytest.approx(0.5, abs=0.01)

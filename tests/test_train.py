@@ -187,7 +187,7 @@ def test_sam_pass_leaves_batch_stats_of_the_clean_pass():
     fn = jax.jit(functools.partial(train.train_step, apply_fn=model.apply, tx=tx,
                                    uses_grad_fn=uses_grad_fn, augment=True, mean=mean,
                                    std=std))
-    return fn(state, images, labels, indices)
+    return fn(state, images[indices], labels[indices])
 
   safe = step(optax.chain(safe_optax.sam_perturb(1.0), optax.sgd(0.1)), True)
   sgd = step(optax.sgd(0.1), False)

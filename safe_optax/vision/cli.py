@@ -8,8 +8,19 @@ Examples (shell)::
       --sparsities 0.9 0.95 0.98 --seeds 0 1 2 --data-dir ../shared/data/mnist \\
       --test-only-split 8000 2000 --epochs 20 --warmup-epochs 1 --workdir OUT
 
-Each subcommand is one function (``train``, ``sweep``) registered in
-:func:`build_parser`; a new one adds a subparser and a function.
+Several processes (one per host or per GPU) run the same command with the
+same data and ``--workdir`` (a shared file system), each told its place::
+
+  safe-optax-vision train ... --coordinator HOST0:PORT --num-processes 2 --process-id I
+
+or through ``SAFE_OPTAX_COORDINATOR`` / ``SAFE_OPTAX_NUM_PROCESSES`` /
+``SAFE_OPTAX_PROCESS_ID``, or nothing under SLURM (``srun``), Open MPI
+(``mpirun``) and multi-host Cloud TPU, which JAX detects
+(:func:`safe_optax.distributed.initialize`). Process 0 alone prints and writes
+everything but the checkpoints.
+
+Each subcommand is one function (``train``, ``sweep``, ``evaluate``)
+registered in :func:`build_parser`; a new one adds a subparser and a function.
 """
 
 from __future__ import annotations
@@ -18,6 +29,7 @@ import argparse
 import json
 import math
 import pathlib
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any, Optional
@@ -61,6 +73,37 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
+def _add_launch_options(parser: argparse.ArgumentParser) -> None:
+  """Options of a multi-process launch (all three, or none for auto-detection)."""
+  group = parser.add_argument_group(
+      "multi-process launch", "all three, or none: then the SAFE_OPTAX_COORDINATOR / "
+      "SAFE_OPTAX_NUM_PROCESSES / SAFE_OPTAX_PROCESS_ID variables, or the cluster JAX detects "
+      "(SLURM, Open MPI, Cloud TPU), or one process")
+  group.add_argument("--coordinator", metavar="HOST:PORT",
+                     help="process 0's address and a free port, the same in every process")
+  group.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
+  group.add_argument("--process-id", type=int, metavar="I",
+                     help="this process's index in 0..N-1 (0 writes the outputs)")
+
+
+def _join_runtime(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+  """Joins JAX's distributed runtime before anything touches a device."""
+  from safe_optax import distributed  # pylint: disable=import-outside-toplevel
+  try:
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+  except ValueError as err:
+    # distributed names its arguments; the user typed flags.
+    parser.error(re.sub(r"\b(coordinator|num_processes|process_id)\b",
+                        lambda m: "--" + m.group(1).replace("_", "-"), str(err)))
+
+
+def _say(*args: Any, **kwargs: Any) -> None:
+  """``print`` in process 0 only (every process computes the same)."""
+  from safe_optax import distributed  # pylint: disable=import-outside-toplevel
+  if distributed.is_primary():
+    print(*args, **kwargs)
+
+
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
   names = ("epochs", "batch_size", "learning_rate", "warmup_epochs", "weight_decay", "penalty",
            "admm_penalty",
@@ -87,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
   train_parser.add_argument("--seed", type=int)
   train_parser.add_argument("--restart", action="store_true",
                             help="discard a run of other settings in --workdir and start over")
+  _add_launch_options(train_parser)
   train_parser.set_defaults(func=train, parser=train_parser)
 
   sweep_parser = sub.add_parser(
@@ -95,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
   sweep_parser.add_argument("--methods", nargs="+", choices=configs.METHODS, required=True)
   sweep_parser.add_argument("--sparsities", nargs="+", type=float, required=True)
   sweep_parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+  _add_launch_options(sweep_parser)
   sweep_parser.set_defaults(func=sweep, parser=sweep_parser)
 
   eval_parser = sub.add_parser(
@@ -112,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "(default: all)")
   eval_parser.add_argument("--seed", type=int, default=0)
   eval_parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+  _add_launch_options(eval_parser)
   eval_parser.set_defaults(func=evaluate, parser=eval_parser)
   return parser
 
@@ -161,7 +207,7 @@ def train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     parser.exit(2, f"{parser.prog}: error: {err}\n")
     raise
   final = outcome.results["final"]
-  print(json.dumps({"workdir": str(args.workdir), **final,
+  _say(json.dumps({"workdir": str(args.workdir), **final,
                     "images_per_second": outcome.results["images_per_second"],
                     "wall_seconds": outcome.results["wall_seconds"]}, indent=1))
   return 0
@@ -245,8 +291,8 @@ def sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
   for i, (method, s, seed) in enumerate(jobs):
     config = base.replace(method=method, sparsity=s, seed=seed)
     run_dir = workdir / f"{method}-s{s:g}-seed{seed}"
-    print(f"[{i + 1}/{len(jobs)}] {method} sparsity {s:g} seed {seed}", file=sys.stderr,
-          flush=True)
+    _say(f"[{i + 1}/{len(jobs)}] {method} sparsity {s:g} seed {seed}", file=sys.stderr,
+         flush=True)
     try:
       results = sweeps.run_or_load(config, run_dir, data=data, data_dir=args.data_dir,
                                    progress=not args.no_progress)
@@ -270,15 +316,17 @@ def sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
   command = "safe-optax-vision " + " ".join(sys.argv[1:]) if sys.argv else None
   summary = {"command": command, "config": configs.to_dict(base), "runs": runs,
              "table": table["rows"], "versions": versions()}
-  workdir.mkdir(parents=True, exist_ok=True)
-  with open(workdir / "sweep.json", "w", encoding="utf-8") as f:
-    json.dump(summary, f, indent=1)
-    f.write("\n")
   markdown = (f"Test accuracy (%) after the final projection and BNT, mean ± s.e. over seeds "
               f"{args.seeds}; preset `{args.preset}`.\n\n{table['markdown']}\n")
-  with open(workdir / "table.md", "w", encoding="utf-8") as f:
-    f.write(markdown)
-  print(markdown)
+  from safe_optax import distributed  # pylint: disable=import-outside-toplevel
+  if distributed.is_primary():
+    workdir.mkdir(parents=True, exist_ok=True)
+    with open(workdir / "sweep.json", "w", encoding="utf-8") as f:
+      json.dump(summary, f, indent=1)
+      f.write("\n")
+    with open(workdir / "table.md", "w", encoding="utf-8") as f:
+      f.write(markdown)
+  _say(markdown)
   return 0
 
 
@@ -302,7 +350,7 @@ def evaluate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
   except (FileNotFoundError, RuntimeError) as err:
     parser.exit(2, f"{parser.prog}: error: {err}\n")
     raise
-  print(evaluation.markdown_table([out]))
+  _say(evaluation.markdown_table([out]))
   return 0
 
 
@@ -310,6 +358,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   """Entry point of ``safe-optax-vision``."""
   parser = build_parser()
   args = parser.parse_args(argv)
+  _join_runtime(args.parser, args)
   return args.func(args.parser, args)
 
 

@@ -5,18 +5,21 @@ label noise and validation split (all seeded by ``config.data_seed``);
 :data:`NORMALIZATION` holds each data set's channel means and deviations;
 :func:`prepare_images` turns a uint8 batch into the model's input (with
 pad-crop-flip augmentation when given a key); :func:`epoch_batches` is one
-epoch's minibatch indices.
+epoch's minibatch indices and :func:`gather_batch` turns indices into the
+global batch, each process reading only its rows from host memory.
 """
 
 from __future__ import annotations
 
 import os
 import pathlib
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
+from safe_optax import distributed
 from safe_optax.vision import configs
 from safe_optax.vision import input_pipeline
 
@@ -85,6 +88,29 @@ def epoch_batches(num_examples: int, batch_size: int, seed: int, epoch: int) -> 
   order = input_pipeline.epoch_order(num_examples, seed, epoch).astype(np.int32)
   return [order[i * batch_size:(i + 1) * batch_size]
           for i in range(input_pipeline.num_batches(num_examples, batch_size))]
+
+
+def gather_batch(mesh: Mesh, arrays: tuple[Any, ...], indices: np.ndarray) -> tuple[jax.Array, ...]:
+  """The global batch ``a[indices]`` of each array, sharded over ``mesh``'s ``'data'`` axis.
+
+  Every process holds the whole (host-memory) data set and the same
+  ``indices``; it gathers only its own rows
+  (:func:`~safe_optax.distributed.process_rows`) and
+  :func:`~safe_optax.distributed.global_batch` assembles the global arrays, so
+  no device ever holds the data set and the batch is the one a single process
+  would build.
+
+  Examples:
+    >>> from safe_optax import distributed
+    >>> x, y = gather_batch(distributed.data_mesh(), (np.arange(10) * 10, np.arange(10)),
+    ...                     np.array([3, 1]))
+    >>> x.tolist(), y.tolist()
+    ([30, 10], [3, 1])
+  """
+  indices = np.asarray(indices)
+  rows = indices[distributed.process_rows(mesh, len(indices))]
+  return distributed.global_batch(mesh, tuple(np.asarray(a[rows]) for a in arrays),
+                                  len(indices))
 
 
 def prepare_images(images: jax.Array, key: Optional[jax.Array], mean: tuple[float, ...],

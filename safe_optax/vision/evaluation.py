@@ -16,6 +16,12 @@ the run's files), and measures on the test split:
   (:mod:`safe_optax.flatness`).
 
 Results go to ``eval.json`` and ``eval.md`` in the workdir.
+
+Under several processes the deployed model is rebuilt on the global mesh
+(SAFE+'s scores and BNT read global batches, each process its rows); the
+suite itself then runs in every process on its own devices, on a host copy
+of the deployed model (no speed-up from more processes), and process 0 alone
+writes the files.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from safe_optax import distributed
 from safe_optax import experiment
 from safe_optax import flatness
 from safe_optax.vision import configs
@@ -118,9 +125,15 @@ def evaluate_workdir(
     results = json.load(f)
   config = configs.from_dict(results["config"])
   data = dataset if dataset is not None else datasets.load_dataset(config, data_dir)
-  programs, state, images_dev, labels_dev = train_lib.restore_finished(config, workdir, data)
+  programs, state = train_lib.restore_finished(config, workdir, data)
   params, model_state = finish.deploy(programs, config, state.params, state.model_state,
-                                      images_dev, labels_dev, len(data.train_labels))
+                                      data.train_images, data.train_labels,
+                                      len(data.train_labels))
+  if jax.process_count() > 1:
+    # Replicated over every process's devices; the suite below runs on this process's own.
+    params, model_state = jax.device_put(jax.device_get((params, model_state)),
+                                         jax.local_devices()[0])
+  progress = progress and distributed.is_primary()
   model = programs.model
   mean, std = (jnp.asarray(v, jnp.float32) for v in datasets.NORMALIZATION[config.dataset])
 
@@ -155,11 +168,12 @@ def evaluate_workdir(
     out["hessian"] = _hessian(model, params, model_state, data, config, hessian_examples,
                               batch_size, seed, mean, std, rng)
   out["wall_seconds"] = time.perf_counter() - start
-  with open(workdir / "eval.json", "w", encoding="utf-8") as f:
-    json.dump(out, f, indent=1)
-    f.write("\n")
-  with open(workdir / "eval.md", "w", encoding="utf-8") as f:
-    f.write(markdown_table([out]) + "\n")
+  if distributed.is_primary():
+    with open(workdir / "eval.json", "w", encoding="utf-8") as f:
+      json.dump(out, f, indent=1)
+      f.write("\n")
+    with open(workdir / "eval.md", "w", encoding="utf-8") as f:
+      f.write(markdown_table([out]) + "\n")
   return out
 
 

@@ -14,8 +14,11 @@ sparsity report, throughput, per-epoch history) and the plots.
 checkpoint without rewriting anything.
 
 The functions take the run's jitted ``programs``
-(:func:`safe_optax.vision.train.build_programs`): ``model``, ``eval``, ``project``,
-``prepare`` and ``scores``.
+(:func:`safe_optax.vision.train.build_programs`): ``mesh``, ``model``, ``eval``,
+``project``, ``prepare`` and ``scores``, and the training set in host memory;
+every batch is a global batch of which each process gathers only its rows
+(:func:`~safe_optax.vision.datasets.gather_batch`), so several processes
+compute what one would. Only process 0 writes ``results.json`` and the plots.
 """
 
 from __future__ import annotations
@@ -23,16 +26,19 @@ from __future__ import annotations
 import json
 import pathlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import numpy as np
 import optax
+from jax.sharding import Mesh
 
 import safe_optax
+from safe_optax import distributed
 from safe_optax import experiment
 from safe_optax import flax_utils
 from safe_optax.vision import configs
+from safe_optax.vision import datasets
 from safe_optax.vision import input_pipeline
 from safe_optax.vision import methods
 from safe_optax.vision import plots
@@ -42,15 +48,18 @@ SCORE_BATCHES = 8
 
 
 def evaluate(eval_fn: Callable[..., Any], params: Any, model_state: Any, images: np.ndarray,
-             labels: np.ndarray, batch_size: int) -> dict[str, float]:
+             labels: np.ndarray, batch_size: int, *,
+             mesh: Optional[Mesh] = None) -> dict[str, float]:
   """Accuracy and mean loss over a whole split, in fixed-size padded batches (one compile).
 
   Args:
     eval_fn: ``eval_fn(params, model_state, images, labels, valid) -> (correct, loss_sum)``
       (:func:`safe_optax.vision.train.eval_step`, jitted).
     params, model_state: the model's variables.
-    images, labels: the split (uint8 images, int labels).
+    images, labels: the split (uint8 images, int labels) in host memory.
     batch_size: examples per call; the last batch is padded and masked.
+    mesh: the data mesh the batches are sharded over, each process giving
+      its rows (default :func:`safe_optax.distributed.data_mesh`).
 
   Returns:
     ``{"accuracy", "loss"}``.
@@ -61,17 +70,21 @@ def evaluate(eval_fn: Callable[..., Any], params: Any, model_state: Any, images:
     >>> evaluate(count, None, None, np.zeros((5, 1)), np.array([0, 0, 1, 0, 2]), 2)
     {'accuracy': 0.6, 'loss': 0.0}
   """
+  mesh = distributed.data_mesh() if mesh is None else mesh
+  rows = distributed.process_rows(mesh, batch_size)
   correct, loss, n = 0, 0.0, len(labels)
   results = []
   for start in range(0, n, batch_size):
-    x, y = images[start:start + batch_size], labels[start:start + batch_size]
-    valid = np.ones(batch_size, bool)
-    if len(y) < batch_size:
-      pad = batch_size - len(y)
-      valid[len(y):] = False
+    # This process's rows of the padded batch: examples start + rows, masked past n.
+    positions = np.arange(start + rows.start, start + rows.stop)
+    valid = positions < n
+    x, y = images[positions[valid]], labels[positions[valid]]
+    pad = len(positions) - len(y)
+    if pad:
       x = np.concatenate([x, np.zeros((pad,) + x.shape[1:], x.dtype)])
       y = np.concatenate([y, np.zeros(pad, y.dtype)])
-    results.append(eval_fn(params, model_state, x, y, valid))
+    results.append(eval_fn(params, model_state,
+                           *distributed.global_batch(mesh, (x, y, valid), batch_size)))
   for c, l in jax.device_get(results):
     correct += int(c)
     loss += float(l)
@@ -80,11 +93,11 @@ def evaluate(eval_fn: Callable[..., Any], params: Any, model_state: Any, images:
 
 def score_fn(apply_fn: Callable[..., Any], saliency: str,
              prepare: Callable[..., jax.Array]) -> Callable[..., Any]:
-  """``scores(params, model_state, images, labels, indices, key)``: one batch's SNIP gradient or
-  OBD Hessian diagonal (jit it once per run; the training set is an argument, so it is not a
+  """``scores(params, model_state, images, labels, key)``: one batch's SNIP gradient or
+  OBD Hessian diagonal (jit it once per run; the batch is an argument, so it is not a
   compile-time constant of the program)."""
-  def scores(params, model_state, images, labels, indices, key):
-    batch = (prepare(images[indices], None), labels[indices])
+  def scores(params, model_state, images, labels, key):
+    batch = (prepare(images, None), labels)
     grad_fn = flax_utils.sam_grad_fn(apply_fn, model_state, batch, experiment.cross_entropy)
     if saliency == "snip":
       return grad_fn(params, 0)
@@ -93,19 +106,20 @@ def score_fn(apply_fn: Callable[..., Any], saliency: str,
 
 
 def final_scores(programs: Any, config: configs.Config, params: Any, model_state: Any,
-                 images_dev: jax.Array, labels_dev: jax.Array, num_train: int) -> Any:
+                 images: np.ndarray, labels: np.ndarray, num_train: int) -> Any:
   """SAFE+'s final projection uses the same metric P as training (SNIP or OBD scores).
 
   The mean over :data:`SCORE_BATCHES` training batches (a data stream of its
-  own: the pseudo-epoch ``epochs + 1``) of ``programs.scores``.
+  own: the pseudo-epoch ``epochs + 1``) of ``programs.scores``; ``images``
+  and ``labels`` are the training set in host memory.
   """
   order = input_pipeline.epoch_order(num_train, config.seed, config.epochs + 1).astype(np.int32)
   batches = [order[i * config.batch_size:(i + 1) * config.batch_size]
              for i in range(min(SCORE_BATCHES, num_train // config.batch_size or 1))]
   total = None
   for i, idx in enumerate(batches):
-    part = programs.scores(params, model_state, images_dev, labels_dev, idx,
-                           jax.random.PRNGKey(i))
+    batch = datasets.gather_batch(programs.mesh, (images, labels), idx)
+    part = programs.scores(params, model_state, *batch, jax.random.PRNGKey(i))
     total = part if total is None else optax.tree.add(total, part)
   total = jax.tree.map(lambda t: t / len(batches), total)
   if config.saliency == "snip":
@@ -113,32 +127,39 @@ def final_scores(programs: Any, config: configs.Config, params: Any, model_state
   return safe_optax.obd_scores(params, total)
 
 
-def bnt_batches(programs: Any, config: configs.Config, images_dev: jax.Array,
+def bnt_batches(programs: Any, config: configs.Config, images: np.ndarray,
                 num_train: int) -> Iterator[jax.Array]:
-  """Augmented, normalised training batches covering ``bnt_samples`` examples once."""
+  """Augmented, normalised training batches covering ``bnt_samples`` examples once.
+
+  ``images`` is the training set in host memory; each batch is a global batch
+  sharded over ``programs.mesh``, augmented as a whole.
+  """
   n = min(config.bnt_samples, num_train)
   # A data stream of its own: the pseudo-epoch just past the last training epoch.
   order = input_pipeline.epoch_order(num_train, config.seed, config.epochs)[:n].astype(np.int32)
   key = jax.random.fold_in(jax.random.PRNGKey(config.seed), config.epochs)
   for i, start in enumerate(range(0, n, config.batch_size)):
-    batch = images_dev[order[start:start + config.batch_size]]
+    (batch,) = datasets.gather_batch(programs.mesh, (images,),
+                                     order[start:start + config.batch_size])
     yield programs.prepare(batch, jax.random.fold_in(key, i) if config.augment else None)
 
 
 def recalibrate(programs: Any, config: configs.Config, params: Any, model_state: Any,
-                images_dev: jax.Array, num_train: int) -> Any:
+                images: np.ndarray, num_train: int) -> Any:
   """The BatchNorm statistics of ``params`` re-estimated on :func:`bnt_batches` (BNT)."""
   if not model_state:
     return model_state
   return flax_utils.recalibrate_batch_stats(
       programs.model.apply, params, model_state,
-      bnt_batches(programs, config, images_dev, num_train))
+      bnt_batches(programs, config, images, num_train))
 
 
 def deploy(programs: Any, config: configs.Config, params: Any, model_state: Any,
-           images_dev: jax.Array, labels_dev: jax.Array,
-           num_train: int) -> tuple[Any, Any]:
+           images: np.ndarray, labels: np.ndarray, num_train: int) -> tuple[Any, Any]:
   """The deployed model: ``(sparse params, model state after BNT)``.
+
+  ``images`` and ``labels`` are the training set in host memory (SAFE+'s
+  final scores and BNT read batches of it).
 
   The dense params and state for ``method='dense'``; otherwise the final
   projection (:func:`~safe_optax.vision.methods.projection`, with
@@ -150,15 +171,14 @@ def deploy(programs: Any, config: configs.Config, params: Any, model_state: Any,
   if config.method == "dense":
     return params, model_state
   if config.method == "safe-plus":
-    scores = final_scores(programs, config, params, model_state, images_dev, labels_dev,
-                          num_train)
+    scores = final_scores(programs, config, params, model_state, images, labels, num_train)
     sparse_params, _ = safe_optax.finalize(params, **methods.projection(config), scores=scores)
   else:
     sparse_params = programs.project(params)
   if not all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(sparse_params)):
     raise RuntimeError(f"training diverged: the final {config.method} parameters are not "
                        "finite.")
-  return sparse_params, recalibrate(programs, config, sparse_params, model_state, images_dev,
+  return sparse_params, recalibrate(programs, config, sparse_params, model_state, images,
                                     num_train)
 
 
@@ -192,19 +212,18 @@ def throughput(history: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def finish(programs: Any, config: configs.Config, params: Any, model_state: Any,
-           data: input_pipeline.Dataset, images_dev: jax.Array, labels_dev: jax.Array,
-           history: list[dict[str, Any]], workdir: pathlib.Path, *,
-           wall_seconds: float) -> tuple[Any, Any, dict[str, Any]]:
+           data: input_pipeline.Dataset, history: list[dict[str, Any]],
+           workdir: pathlib.Path, *, wall_seconds: float) -> tuple[Any, Any, dict[str, Any]]:
   """Final projection, BNT, evaluation, ``results.json`` and plots of a finished run.
 
   Args:
     programs: the run's jitted programs.
     config: the run's configuration.
     params, model_state: the final (dense) training state's variables.
-    data: the data set (its ``test_*`` split is evaluated).
-    images_dev, labels_dev: the training set on the device.
+    data: the data set in host memory (its ``test_*`` split is evaluated; its
+      training set feeds SAFE+'s final scores and BNT).
     history: the per-epoch records (``metrics.jsonl``).
-    workdir: where ``results.json`` and the plots go.
+    workdir: where ``results.json`` and the plots go (process 0 writes them).
     wall_seconds: this process's wall time, recorded as such.
 
   Returns:
@@ -215,12 +234,12 @@ def finish(programs: Any, config: configs.Config, params: Any, model_state: Any,
 
   def evaluate_split(params, model_state):
     return evaluate(programs.eval, params, model_state, data.test_images, data.test_labels,
-                    config.eval_batch_size)
+                    config.eval_batch_size, mesh=programs.mesh)
 
   dense = evaluate_split(params, model_state)
   final: dict[str, Any] = {"dense_accuracy": dense["accuracy"], "dense_loss": dense["loss"]}
-  sparse_params, sparse_state = deploy(programs, config, params, model_state, images_dev,
-                                       labels_dev, num_train)
+  sparse_params, sparse_state = deploy(programs, config, params, model_state,
+                                       data.train_images, data.train_labels, num_train)
   if config.method != "dense":
     before = evaluate_split(sparse_params, model_state)
     after = evaluate_split(sparse_params, sparse_state)
@@ -243,9 +262,10 @@ def finish(programs: Any, config: configs.Config, params: Any, model_state: Any,
       **throughput(history),
       "history": history,
   }
-  with open(pathlib.Path(workdir) / "results.json", "w", encoding="utf-8") as f:
-    json.dump(results, f, indent=1)
-    f.write("\n")
-  plots.plot_history(history, workdir, title=f"{config.model} {config.method} "
-                                             f"sparsity {config.sparsity:g}")
+  if distributed.is_primary():
+    with open(pathlib.Path(workdir) / "results.json", "w", encoding="utf-8") as f:
+      json.dump(results, f, indent=1)
+      f.write("\n")
+    plots.plot_history(history, workdir, title=f"{config.model} {config.method} "
+                                               f"sparsity {config.sparsity:g}")
   return sparse_params, sparse_state, results

@@ -28,6 +28,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from safe_optax import distributed
 from safe_optax.vision import configs
 from safe_optax.vision import methods
 
@@ -101,7 +102,8 @@ def run_or_load(config: configs.Config, workdir: os.PathLike, *, data: Any,
       raise ValueError(f"'{workdir}' holds a finished run with other settings ({differ}); "
                        "use another --workdir or delete that folder.")
     return results
-  print(f"  training {pathlib.Path(workdir).name}", file=sys.stderr, flush=True)
+  if distributed.is_primary():
+    print(f"  training {pathlib.Path(workdir).name}", file=sys.stderr, flush=True)
   return train_lib.train_and_evaluate(config, workdir, data_dir=data_dir, dataset=data,
                                       progress=progress).results
 

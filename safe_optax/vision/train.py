@@ -4,14 +4,22 @@ Shaped like the google/flax examples: a pure, jitted :func:`train_step`, an
 :func:`eval_step`, and :func:`train_and_evaluate` (``config, workdir``) that
 runs a whole experiment:
 
-* the training set lives on the device; each step gathers its minibatch by
-  index, augments it (pad 4, random crop, flip) and normalises it in JAX;
-  the per-epoch order is a permutation fixed by ``(seed, epoch)`` and every
-  example is used exactly once per epoch (the last batch may be short);
-* data parallelism with :mod:`jax.sharding`: a 1-D ``Mesh`` over all local
-  devices, the batch sharded over it, parameters and optimizer state
-  replicated (``jax.jit`` does the cross-device means, SAM's second gradient
-  included);
+* the training set stays in host memory; every process computes the same
+  global batch indices (a permutation fixed by ``(seed, epoch)``, every
+  example exactly once per epoch, the last batch may be short), gathers only
+  its own rows of each batch and hands them to the step as one global array
+  (:func:`~safe_optax.vision.datasets.gather_batch`); the step augments the
+  global batch (pad 4, random crop, flip, keyed by the step) and normalises
+  it in JAX;
+* data parallelism with :mod:`jax.sharding` over every device of every
+  process (:func:`safe_optax.distributed.data_mesh`): the batch sharded over
+  the 1-D mesh, parameters and optimizer state replicated (``jax.jit`` does
+  the cross-device means, SAM's second gradient included), so N processes
+  train exactly as one process with as many devices;
+* in a multi-process run (:func:`safe_optax.distributed.initialize`) every
+  process computes everything, but only process 0 writes ``config.json``,
+  metrics, results, plots and prints; every process writes its part of the
+  Orbax checkpoints;
 * SAM / SAFE steps keep the BatchNorm statistics of the clean pass
   (:mod:`safe_optax.flax_utils`);
 * Orbax checkpoints after every epoch and on ``KeyboardInterrupt``; a run
@@ -46,9 +54,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 import safe_optax
+from safe_optax import distributed
 from safe_optax import experiment
 from safe_optax import flax_utils
 from safe_optax.experiment import cross_entropy
@@ -59,7 +68,8 @@ from safe_optax.vision import input_pipeline
 from safe_optax.vision import methods
 from safe_optax.vision import workdirs
 # Re-exported: the names callers (notebooks, benchmarks) know this module by.
-from safe_optax.vision.datasets import NORMALIZATION, epoch_batches, load_dataset, prepare_images
+from safe_optax.vision.datasets import (NORMALIZATION, epoch_batches, gather_batch,
+                                        load_dataset, prepare_images)
 from safe_optax.vision.finish import evaluate
 from safe_optax.vision.methods import learning_rate_schedule, make_optimizer
 from safe_optax.vision.models import create_model
@@ -86,8 +96,8 @@ class EpochMetrics(NamedTuple):
 
 
 def _zero_metrics() -> EpochMetrics:
-  return EpochMetrics(jnp.zeros([], jnp.float32), jnp.zeros([], jnp.int32),
-                      jnp.zeros([], jnp.int32))
+  # Host zeros: device_put places them on any sharding, one over several processes included.
+  return EpochMetrics(np.zeros([], np.float32), np.zeros([], np.int32), np.zeros([], np.int32))
 
 
 class TrainState(NamedTuple):
@@ -123,42 +133,31 @@ class Outcome(NamedTuple):
 # ----------------------------------------------------------------------------- steps
 
 
-def _batch_sharding(mesh: Mesh, size: int) -> NamedSharding:
-  # A batch that does not split evenly (a short last batch) is replicated instead.
-  spec = PartitionSpec("data") if size % mesh.size == 0 else PartitionSpec()
-  return NamedSharding(mesh, spec)
-
-
-def train_step(state: TrainState, images: jax.Array, labels: jax.Array, indices: jax.Array,
+def train_step(state: TrainState, images: jax.Array, labels: jax.Array,
                *, apply_fn: Callable[..., Any], tx: optax.GradientTransformation,
                uses_grad_fn: bool, augment: bool, mean: tuple[float, ...],
-               std: tuple[float, ...], mesh: Optional[Mesh] = None) -> TrainState:
-  """One training step on ``images[indices]`` (pure; jit it with the keywords bound).
+               std: tuple[float, ...]) -> TrainState:
+  """One training step on a global batch (pure; jit it with the keywords bound).
 
-  The augmentation key is ``fold_in(state.rng, step)``, so a resumed run
-  sees the same crops and flips. The clean pass updates the BatchNorm
-  statistics; the SAM pass (``grad_fn``) reuses the same batch and drops its
-  statistics.
+  The augmentation key is ``fold_in(state.rng, step)`` and it augments the
+  global batch, so a resumed run, and a run of any number of processes, sees
+  the same crops and flips. The clean pass updates the BatchNorm statistics;
+  the SAM pass (``grad_fn``) reuses the same batch and drops its statistics.
 
   Args:
     state: the :class:`TrainState`.
-    images, labels: the whole training set on the device (uint8, int32).
-    indices: this minibatch's example indices.
+    images, labels: the batch (uint8, int32), sharded over the data mesh
+      (:func:`~safe_optax.vision.datasets.gather_batch`).
     apply_fn, tx: the model's ``apply`` and the optimizer.
     uses_grad_fn: pass ``grad_fn`` to ``tx.update`` (SAM-style methods).
     augment: pad-crop-flip the batch.
     mean, std: normalisation constants.
-    mesh: the data-parallel mesh; the batch is sharded over its ``'data'`` axis.
 
   Returns:
     The new state (epoch metric sums updated).
   """
   key = jax.random.fold_in(state.rng, state.step)
-  batch_images = images[indices]
-  if mesh is not None:
-    batch_images = jax.lax.with_sharding_constraint(
-        batch_images, _batch_sharding(mesh, indices.shape[0]))
-  batch = (prepare_images(batch_images, key if augment else None, mean, std), labels[indices])
+  batch = (prepare_images(images, key if augment else None, mean, std), labels)
   (loss, (logits, new_model_state)), grads = flax_utils.loss_and_grad_with_state(
       apply_fn, state.params, state.model_state, batch, cross_entropy)
   if uses_grad_fn:
@@ -166,7 +165,7 @@ def train_step(state: TrainState, images: jax.Array, labels: jax.Array, indices:
     updates, opt_state = tx.update(grads, state.opt_state, state.params, grad_fn=grad_fn)
   else:
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
-  n = indices.shape[0]
+  n = labels.shape[0]
   correct = jnp.sum(jnp.argmax(logits, -1) == batch[1]).astype(jnp.int32)
   metrics = EpochMetrics(state.metrics.loss_sum + loss * n, state.metrics.correct + correct,
                          state.metrics.count + n)
@@ -214,15 +213,15 @@ class Programs(NamedTuple):
   tx: optax.GradientTransformation
   """The optimizer (:func:`~safe_optax.vision.methods.make_optimizer`)."""
   mesh: Mesh
-  """The 1-D data-parallel mesh over the local devices."""
+  """The 1-D data-parallel mesh over every device of every process."""
   replicated: NamedSharding
-  """Replicated over ``mesh`` (parameters, optimizer state, the training set)."""
+  """Replicated over ``mesh`` (parameters, optimizer state, metrics)."""
   init: Callable[..., Any]
   """``init(key) -> TrainState``."""
   train: Callable[..., Any]
   """:func:`train_step`, the state donated."""
   eval: Callable[..., Any]
-  """:func:`eval_step`."""
+  """:func:`eval_step` (its sums replicated)."""
   distance: Optional[Callable[..., Any]]
   """``params -> ||x - Proj(x)||`` (``None`` without a sparsity)."""
   project: Optional[Callable[..., Any]]
@@ -232,7 +231,7 @@ class Programs(NamedTuple):
   prepare: Callable[..., Any]
   """``prepare(images, key or None)``: :func:`prepare_images` with the data set's constants."""
   scores: Callable[..., Any]
-  """SAFE+'s per-batch final scores (:func:`safe_optax.vision.finish.score_fn`)."""
+  """SAFE+'s per-batch final scores (:func:`safe_optax.vision.finish.score_fn`), replicated."""
 
 
 def build_programs(config: Config, num_train: int, num_classes: int,
@@ -254,8 +253,8 @@ def _cached_programs(config: Config, num_train: int, num_classes: int,
   model = create_model(config, num_classes)
   method = methods.get(config.method)
   tx = make_optimizer(config, input_pipeline.num_batches(num_train, config.batch_size))
-  mesh = Mesh(np.asarray(jax.devices()), ("data",))
-  replicated = NamedSharding(mesh, PartitionSpec())
+  mesh = distributed.data_mesh()
+  replicated = distributed.replicated(mesh)
   mean, std = NORMALIZATION[config.dataset]
 
   def init(key):
@@ -267,7 +266,7 @@ def _cached_programs(config: Config, num_train: int, num_classes: int,
 
   step = functools.partial(
       train_step, apply_fn=model.apply, tx=tx, uses_grad_fn=method.uses_grad_fn,
-      augment=config.augment, mean=mean, std=std, mesh=mesh)
+      augment=config.augment, mean=mean, std=std)
   evaluate_batch = functools.partial(eval_step, apply_fn=model.apply, mean=mean, std=std)
   prepare = functools.partial(prepare_images, mean=mean, std=std)
   projection = methods.projection(config) if config.sparsity > 0 else None
@@ -275,13 +274,14 @@ def _cached_programs(config: Config, num_train: int, num_classes: int,
       model=model, tx=tx, mesh=mesh, replicated=replicated,
       init=jax.jit(init, out_shardings=replicated),
       train=jax.jit(step, donate_argnums=0, out_shardings=replicated),
-      eval=jax.jit(evaluate_batch),
+      eval=jax.jit(evaluate_batch, out_shardings=replicated),
       distance=jax.jit(functools.partial(distance_to_projection, **projection))
       if projection else None,
       project=jax.jit(lambda p: safe_optax.finalize(p, **projection)[0]) if projection else None,
       distance_to_z=jax.jit(safe_optax.constraint_distance) if method.has_admm_state else None,
       prepare=jax.jit(prepare),
-      scores=jax.jit(finish_lib.score_fn(model.apply, config.saliency, prepare)),
+      scores=jax.jit(finish_lib.score_fn(model.apply, config.saliency, prepare),
+                     out_shardings=replicated),
   )
 
 
@@ -309,6 +309,12 @@ def train_and_evaluate(config: Config, workdir: os.PathLike, *, data_dir: os.Pat
   error names them) unless ``restart``; with the same settings the run
   resumes from its last checkpoint.
 
+  Under several processes (:func:`safe_optax.distributed.initialize`) every
+  process calls this with the same arguments and the same data, and returns
+  the same :class:`Outcome`; only process 0 writes files other than
+  checkpoints, prints, or shows progress bars. ``workdir`` must be one folder
+  that every process sees (a shared file system), as Orbax requires.
+
   Returns:
     An :class:`Outcome`. On ``KeyboardInterrupt`` a checkpoint of the last
     completed step is written and
@@ -327,7 +333,8 @@ def train_and_evaluate(config: Config, workdir: os.PathLike, *, data_dir: os.Pat
   num_train = len(data.train_labels)
   spe = input_pipeline.num_batches(num_train, config.batch_size)
   total_steps = config.epochs * spe
-  programs, images_dev, labels_dev = _on_device(config, data)
+  programs = _programs(config, data)
+  primary = distributed.is_primary()
 
   state = programs.init(jax.random.PRNGKey(config.seed))
   ckpt = checkpoint_lib.Checkpointer(workdir / "checkpoints")
@@ -335,17 +342,21 @@ def train_and_evaluate(config: Config, workdir: os.PathLike, *, data_dir: os.Pat
   latest = ckpt.latest_step()
   if latest is not None:
     state = ckpt.restore(latest, state)
-    print(f"{workdir}: resuming from step {latest} of {total_steps}", file=sys.stderr,
-          flush=True)
+    if primary:
+      print(f"{workdir}: resuming from step {latest} of {total_steps}", file=sys.stderr,
+            flush=True)
   start_step = int(state.step)
   metrics_path = workdir / "metrics.jsonl"
   history = workdirs.read_history(metrics_path, start_step // spe)
-  workdirs.write_history(metrics_path, history)
+  distributed.barrier("train_and_evaluate:history read")  # before process 0 rewrites it
+  if primary:
+    workdirs.write_history(metrics_path, history)
 
   epochs_run = 0
   last_saved = start_step
   bar = experiment.progress(total_steps, initial=start_step,
-                            desc=f"{config.method}@{config.sparsity:g}", enabled=progress)
+                            desc=f"{config.method}@{config.sparsity:g}",
+                            enabled=progress and primary)
   try:
     for epoch in range(start_step // spe, config.epochs):
       if stop_after_epoch is not None and epoch >= stop_after_epoch:
@@ -354,12 +365,12 @@ def train_and_evaluate(config: Config, workdir: os.PathLike, *, data_dir: os.Pat
       position = position_start = int(state.step) - epoch * spe
       batches = epoch_batches(num_train, config.batch_size, config.seed, epoch)
       for indices in batches[position:]:
+        images, labels = gather_batch(programs.mesh, (data.train_images, data.train_labels),
+                                      indices)
         # The step donates the old state's buffers: a Ctrl-C between the dispatch and the
         # rebinding would leave `state` deleted, so it is held back until `state` is new.
         with checkpoint_lib.sigint_deferred():
-          state = programs.train(state, images_dev, labels_dev,
-                                 jax.device_put(indices, _batch_sharding(programs.mesh,
-                                                                         len(indices))))
+          state = programs.train(state, images, labels)
         position += 1
         bar.update(1)
         if on_step is not None:
@@ -373,8 +384,9 @@ def train_and_evaluate(config: Config, workdir: os.PathLike, *, data_dir: os.Pat
       history.append(record)
       bar.set_postfix_str(f"loss {record['train_loss']:.3f} "
                           f"test {record.get('test_accuracy', 0):.3f}")
-      with open(metrics_path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
+      if primary:
+        with open(metrics_path, "a", encoding="utf-8") as f:
+          f.write(json.dumps(record) + "\n")
       if not np.isfinite(record["train_loss"]):
         workdirs.diverged(workdir, history, int(state.step))
       state = state._replace(metrics=jax.device_put(_zero_metrics(), programs.replicated))
@@ -402,8 +414,8 @@ def train_and_evaluate(config: Config, workdir: os.PathLike, *, data_dir: os.Pat
   if int(state.step) < total_steps:
     return Outcome(state, None, None, None)
   sparse_params, model_state, results = finish_lib.finish(
-      programs, config, state.params, state.model_state, data, images_dev, labels_dev, history,
-      workdir, wall_seconds=time.perf_counter() - wall_start)
+      programs, config, state.params, state.model_state, data, history, workdir,
+      wall_seconds=time.perf_counter() - wall_start)
   return Outcome(state, sparse_params, model_state, results)
 
 
@@ -413,27 +425,23 @@ def _alive(state: TrainState) -> bool:
                  if isinstance(leaf, jax.Array))
 
 
-def _on_device(config: Config, data: input_pipeline.Dataset
-               ) -> tuple[Programs, jax.Array, jax.Array]:
-  """The run's programs and its training set, replicated on the devices."""
-  run = build_programs(config, len(data.train_labels), data.num_classes,
-                       tuple(data.train_images.shape[1:]))
-  return (run, jax.device_put(data.train_images, run.replicated),
-          jax.device_put(data.train_labels, run.replicated))
+def _programs(config: Config, data: input_pipeline.Dataset) -> Programs:
+  return build_programs(config, len(data.train_labels), data.num_classes,
+                        tuple(data.train_images.shape[1:]))
 
 
 def restore_finished(config: Config, workdir: os.PathLike, data: input_pipeline.Dataset
-                     ) -> tuple[Programs, TrainState, jax.Array, jax.Array]:
+                     ) -> tuple[Programs, TrainState]:
   """The final training state of the finished run in ``workdir``, read from its checkpoint.
 
   Returns:
-    ``(programs, state, training images, training labels)``, the last two on
-    the devices (what :func:`safe_optax.vision.finish.deploy` takes).
+    ``(programs, state)`` (what :func:`safe_optax.vision.finish.deploy` takes,
+    with the training set).
 
   Raises:
     RuntimeError: the run has no checkpoint of its last step (not finished).
   """
-  programs, images_dev, labels_dev = _on_device(config, data)
+  programs = _programs(config, data)
   total_steps = config.epochs * input_pipeline.num_batches(len(data.train_labels),
                                                            config.batch_size)
   ckpt = checkpoint_lib.Checkpointer(pathlib.Path(workdir) / "checkpoints")
@@ -444,7 +452,7 @@ def restore_finished(config: Config, workdir: os.PathLike, data: input_pipeline.
     state = ckpt.restore(total_steps, programs.init(jax.random.PRNGKey(config.seed)))
   finally:
     ckpt.close()
-  return programs, state, images_dev, labels_dev
+  return programs, state
 
 
 def _epoch_record(programs: Programs, config: Config, state: TrainState,
@@ -465,11 +473,12 @@ def _epoch_record(programs: Programs, config: Config, state: TrainState,
     record["distance_to_z"] = float(programs.distance_to_z(state.params, state.opt_state))
   if (epoch + 1) % config.eval_every == 0 or epoch + 1 == config.epochs:
     dense = evaluate(programs.eval, state.params, state.model_state, data.test_images,
-                     data.test_labels, config.eval_batch_size)
+                     data.test_labels, config.eval_batch_size, mesh=programs.mesh)
     record.update(test_accuracy=dense["accuracy"], test_loss=dense["loss"])
     if config.sparsity > 0 and config.method != "dense":
       sparse = evaluate(programs.eval, programs.project(state.params), state.model_state,
-                        data.test_images, data.test_labels, config.eval_batch_size)
+                        data.test_images, data.test_labels, config.eval_batch_size,
+                        mesh=programs.mesh)
       record["test_accuracy_projected"] = sparse["accuracy"]
   return record
 

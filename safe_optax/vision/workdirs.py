@@ -6,6 +6,9 @@ another run is refused, naming what differs); :func:`read_history` /
 run resumes from; :func:`diverged` records a non-finite training loss in
 ``diverged.json`` and raises :class:`TrainingDiverged`, which a rerun of the
 same settings raises again instead of retraining.
+
+Under several processes every process reads and checks, and raises the same
+errors; only process 0 writes (the others wait for it at a barrier).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from safe_optax import distributed
 from safe_optax.vision import configs
 
 DIVERGED_FILE = "diverged.json"
@@ -47,7 +51,7 @@ class TrainingDiverged(RuntimeError):
 
 
 def diverged(workdir: pathlib.Path, history: list[dict[str, Any]], step: int) -> None:
-  """Writes ``diverged.json`` (the step and the last finite epoch) and raises.
+  """Writes ``diverged.json`` (the step and the last finite epoch; process 0) and raises.
 
   Raises:
     TrainingDiverged: always.
@@ -56,20 +60,22 @@ def diverged(workdir: pathlib.Path, history: list[dict[str, Any]], step: int) ->
   info = {"workdir": str(workdir), "step": step,
           "last_finite_loss": finite[-1]["train_loss"] if finite else None,
           "last_finite_epoch": finite[-1]["epoch"] if finite else None}
-  with open(workdir / DIVERGED_FILE, "w", encoding="utf-8") as f:
-    json.dump(info, f)
+  if distributed.is_primary():
+    with open(workdir / DIVERGED_FILE, "w", encoding="utf-8") as f:
+      json.dump(info, f)
   raise TrainingDiverged(**info)
 
 
 def claim_workdir(workdir: pathlib.Path, config: configs.Config, *, restart: bool = False) -> None:
   """Makes ``workdir`` this run's: writes ``config.json``, refuses a run of other settings.
 
+  Every process checks; process 0 writes, and every process returns once it has.
+
   Raises:
     ValueError: ``workdir`` holds a run (``config.json``, or the config of its
       ``results.json``) whose settings differ from ``config``; the message
       names them and the way to start over.
   """
-  workdir.mkdir(parents=True, exist_ok=True)
   recorded = None
   for name, get in (("config.json", lambda d: d), ("results.json", lambda d: d["config"])):
     if (workdir / name).exists():
@@ -86,16 +92,20 @@ def claim_workdir(workdir: pathlib.Path, config: configs.Config, *, restart: boo
                          if old.get(k) != new[k])
       raise ValueError(f"workdir '{workdir}' holds a run with other settings ({differ}); "
                        "use another workdir, or restart=True (CLI --restart) to discard it.")
-  if restart:
-    for name in _RUN_FILES:
-      path = workdir / name
-      if path.is_dir():
-        shutil.rmtree(path)
-      elif path.exists():
-        path.unlink()
-  with open(workdir / "config.json", "w", encoding="utf-8") as f:
-    json.dump(configs.to_dict(config), f, indent=1)
-    f.write("\n")
+  distributed.barrier("claim_workdir:checked")  # every process has read before any writes
+  if distributed.is_primary():
+    workdir.mkdir(parents=True, exist_ok=True)
+    if restart:
+      for name in _RUN_FILES:
+        path = workdir / name
+        if path.is_dir():
+          shutil.rmtree(path)
+        elif path.exists():
+          path.unlink()
+    with open(workdir / "config.json", "w", encoding="utf-8") as f:
+      json.dump(configs.to_dict(config), f, indent=1)
+      f.write("\n")
+  distributed.barrier("claim_workdir:written")
 
 
 def read_history(path: pathlib.Path, epochs_done: int) -> list[dict[str, Any]]:
