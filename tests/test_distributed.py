@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import os
 import pathlib
-import socket
-import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
@@ -23,63 +20,17 @@ import pytest
 
 from safe_optax import distributed
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import multiprocess  # noqa: E402  (the launcher shared with test_vision_distributed)
+
 WORKER = pathlib.Path(__file__).with_name("distributed_worker.py")
 STEPS = 12
-TIMEOUT = 150  # seconds for a whole launch; a hung peer fails the test instead of CI
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def _env() -> dict[str, str]:
-  env = dict(os.environ)
-  root = str(pathlib.Path(__file__).resolve().parents[1])
-  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-  for name in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES,
-               distributed.ENV_PROCESS_ID):
-    env.pop(name, None)
-  return env
+TIMEOUT = multiprocess.TIMEOUT
 
 
 def launch(num_processes: int, *args: str, timeout: float = TIMEOUT) -> float:
-  """Runs the worker as ``num_processes`` processes; returns the wall time.
-
-  Fails fast: as soon as one process exits with an error, the others are
-  killed and the error is reported (a peer waiting in a collective would
-  otherwise hang); every process is killed on the way out, whatever happens.
-  """
-  start = time.monotonic()
-  if num_processes == 1:
-    commands = [[sys.executable, str(WORKER), *args]]
-  else:
-    port = _free_port()
-    commands = [[sys.executable, str(WORKER), *args, "--coordinator", f"127.0.0.1:{port}",
-                 "--num-processes", str(num_processes), "--process-id", str(i)]
-                for i in range(num_processes)]
-  procs = [subprocess.Popen(c, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True) for c in commands]
-  try:
-    while True:
-      codes = [p.poll() for p in procs]
-      failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
-      if failed:
-        i = failed[0]
-        raise RuntimeError(f"process {i} of {num_processes} exited with {codes[i]}:\n"
-                           f"{procs[i].stdout.read()[-3000:]}")
-      if all(c == 0 for c in codes):
-        return time.monotonic() - start
-      if time.monotonic() - start > timeout:
-        raise TimeoutError(f"{num_processes} processes still running after {timeout} s")
-      time.sleep(0.1)
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-      p.wait()
-      p.stdout.close()
+  """Runs the worker as ``num_processes`` processes (:func:`multiprocess.launch`)."""
+  return multiprocess.launch(WORKER, num_processes, *args, timeout=timeout)
 
 
 def _load(path: pathlib.Path) -> dict[str, np.ndarray]:

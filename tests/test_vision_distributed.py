@@ -1,0 +1,242 @@
+"""``safe-optax-vision train`` under several processes (gloo collectives on localhost CPU).
+
+The same tiny SAFE run (the ``mlp-mnist`` preset on a random MNIST-format data
+set of 8 x 8 images written to a temporary folder: 99 training images in batches of 16, so
+the short last batch of 3 is replicated instead of split) on three layouts:
+two processes with one device each, one process with two forced host devices,
+and one process with one device. Each process reads only its rows of every
+batch. The final parameters (read back from each run's last checkpoint) must
+agree, bit for bit on the same mesh shape, and so must the sparsity masks;
+only process 0 may write anything but checkpoints; a run stopped by two
+processes after its first epoch resumes in one process.
+
+Run as a script, this module is the worker that :func:`multiprocess.launch`
+starts: the ``safe-optax-vision`` command line, with ``--record-writes DIR``
+(each process lists the files it opened for writing, found with an audit hook)
+and ``--stop-after-epoch N``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import multiprocess  # noqa: E402  (the launcher shared with test_distributed)
+
+N_TRAIN, N_TEST = 99, 29
+RUN = ["train", "--preset", "mlp-mnist", "--method", "safe", "--sparsity", "0.8",
+       "--test-only-split", str(N_TRAIN), str(N_TEST), "--epochs", "2", "--warmup-epochs", "0",
+       "--batch-size", "16", "--dual-every", "4", "--bnt-samples", "32", "--no-progress"]
+TWO_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+ONE_DEVICE = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+
+
+# ----------------------------------------------------------------------------- the worker
+
+
+def _record_writes(workdir: pathlib.Path, written: set[str]) -> None:
+  """Adds every file under ``workdir`` that this process opens for writing to ``written``."""
+  root = os.path.abspath(workdir)
+
+  def hook(event, args):
+    if event != "open" or not isinstance(args[0], (str, os.PathLike)):
+      return
+    path = os.path.abspath(os.fspath(args[0]))
+    mode, flags = args[1], args[2]
+    writes = (any(c in mode for c in "wax+") if isinstance(mode, str)
+              else bool(flags & (os.O_WRONLY | os.O_RDWR)))
+    if writes and path.startswith(root + os.sep):
+      written.add(os.path.relpath(path, root))
+
+  sys.addaudithook(hook)
+
+
+def worker(argv: list[str]) -> int:
+  """One process: the ``safe-optax-vision`` command line, its writes recorded."""
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--record-writes")
+  parser.add_argument("--stop-after-epoch", type=int)
+  own, cli_argv = parser.parse_known_args(argv)
+  import jax  # pylint: disable=import-outside-toplevel
+  from safe_optax.vision import cli  # pylint: disable=import-outside-toplevel
+  from safe_optax.vision import train  # pylint: disable=import-outside-toplevel
+
+  cli_args = cli.build_parser().parse_args(cli_argv)
+  written: set[str] = set()
+  _record_writes(pathlib.Path(cli_args.workdir), written)
+  if own.stop_after_epoch is None:
+    cli.main(cli_argv)
+  else:  # the command's run, stopped with a checkpoint after this many epochs
+    cli._join_runtime(cli_args.parser, cli_args)  # pylint: disable=protected-access
+    config = cli._config(cli_args.parser, cli_args,  # pylint: disable=protected-access
+                         method=cli_args.method, seed=cli_args.seed,
+                         sparsity=cli_args.sparsity)
+    train.train_and_evaluate(config, cli_args.workdir, data_dir=cli_args.data_dir,
+                             stop_after_epoch=own.stop_after_epoch)
+  if own.record_writes:
+    out = pathlib.Path(own.record_writes) / f"process{jax.process_index()}.json"
+    with open(out, "w", encoding="utf-8") as f:
+      json.dump({"process_count": jax.process_count(), "device_count": jax.device_count(),
+                 "written": sorted(written)}, f)
+  return 0
+
+
+# ----------------------------------------------------------------------------- the tests
+
+
+def _write_mnist(directory: pathlib.Path) -> None:
+  import test_input_pipeline  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(0)
+  n = N_TRAIN + N_TEST
+  labels = rng.integers(0, 10, n).astype(np.uint8)
+  # Brightness grows with the label, so there is something to learn.
+  # 8 x 8 images keep the MLP's first layer small (64 x 300), so few weights lie within float
+  # rounding of the top-k threshold, where one device and two could choose differently.
+  images = np.clip(20 * labels[:, None, None] + rng.integers(0, 80, (n, 8, 8)), 0, 255)
+  test_input_pipeline._write_idx(directory / "t10k-images-idx3-ubyte", images.astype(np.uint8))
+  test_input_pipeline._write_idx(directory / "t10k-labels-idx1-ubyte", labels)
+
+
+def _run(root: pathlib.Path, name: str, num_processes: int, env: dict[str, str],
+         *extra: str) -> pathlib.Path:
+  """Launches the worker; returns the folder of its recorded writes."""
+  record = root / f"{name}-writes"
+  record.mkdir(exist_ok=True)
+  multiprocess.launch(__file__, num_processes, "--record-writes", str(record), *RUN,
+                      "--data-dir", str(root / "data"), "--workdir", str(root / name), *extra,
+                      env=env)
+  return record
+
+
+def _final(root: pathlib.Path, name: str) -> dict[str, np.ndarray]:
+  """The final params and their projection's mask of a finished run, read in this process."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from safe_optax.vision import configs  # pylint: disable=import-outside-toplevel
+  from safe_optax.vision import train  # pylint: disable=import-outside-toplevel
+  workdir = root / name
+  with open(workdir / "config.json", encoding="utf-8") as f:
+    config = configs.from_dict(json.load(f))
+  programs, state = train.restore_finished(config, workdir,
+                                           train.load_dataset(config, root / "data"))
+  out = {}
+  projected = programs.project(state.params)
+  for (path, leaf), kept in zip(jax.tree_util.tree_leaves_with_path(state.params),
+                                jax.tree.leaves(projected)):
+    key = jax.tree_util.keystr(path)
+    out[key] = np.asarray(leaf)
+    out["mask" + key] = np.asarray(kept) != 0
+  return out
+
+
+def _results(root: pathlib.Path, name: str) -> dict:
+  with open(root / name / "results.json", encoding="utf-8") as f:
+    return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  root = tmp_path_factory.mktemp("vision_distributed")
+  (root / "data").mkdir()
+  _write_mnist(root / "data")
+  records = {
+      "two_processes": _run(root, "two_processes", 2, ONE_DEVICE),
+      "two_devices": _run(root, "two_devices", 1, TWO_DEVICES),
+      "one_device": _run(root, "one_device", 1, ONE_DEVICE),
+  }
+  return root, records
+
+
+def _writes(record: pathlib.Path) -> dict[int, dict]:
+  return {int(p.stem.removeprefix("process")): json.loads(p.read_text())
+          for p in record.glob("process*.json")}
+
+
+def test_two_processes_form_one_global_mesh(runs):
+  root, records = runs
+  two = _writes(records["two_processes"])
+  assert sorted(two) == [0, 1]
+  assert all(w["process_count"] == 2 and w["device_count"] == 2 for w in two.values())
+  assert _writes(records["two_devices"])[0]["device_count"] == 2
+  assert _results(root, "two_processes")["versions"]["device_count"] == 2
+
+
+def test_only_process_0_writes_outside_the_checkpoints(runs):
+  _, records = runs
+  writes = _writes(records["two_processes"])
+  outside = {i: [p for p in w["written"] if not p.startswith("checkpoints")]
+             for i, w in writes.items()}
+  assert outside[1] == []
+  assert {"config.json", "metrics.jsonl", "results.json", "accuracy.png"} <= set(outside[0])
+  # Orbax: both processes take part in writing the checkpoints.
+  assert any(p.startswith("checkpoints") for p in writes[0]["written"])
+
+
+def test_two_processes_match_one_process_with_two_devices(runs):
+  root, _ = runs
+  a, b = _final(root, "two_processes"), _final(root, "two_devices")
+  assert a.keys() == b.keys()
+  for key in a:  # the same program over the same mesh shape: the same bits
+    np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+  assert _results(root, "two_processes")["final"] == _results(root, "two_devices")["final"]
+  history = [r["train_loss"] for r in _results(root, "two_processes")["history"]]
+  assert history == [r["train_loss"] for r in _results(root, "two_devices")["history"]]
+  assert _results(root, "two_processes")["history"][-1]["train_examples"] == N_TRAIN
+
+
+def test_two_processes_match_one_device(runs):
+  root, _ = runs
+  a, b = _final(root, "two_processes"), _final(root, "one_device")
+  for key in a:
+    if key.startswith("mask"):
+      np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+    else:  # one device sums the batch in another order: equal to float rounding
+      np.testing.assert_allclose(a[key], b[key], rtol=0, atol=1e-6, err_msg=key)
+  # Not a trivial agreement: the projection keeps 20 % of the prunable weights.
+  kept = [v for k, v in a.items() if k.startswith("mask") and v.ndim > 1]
+  assert sum(int(v.sum()) for v in kept) / sum(v.size for v in kept) == pytest.approx(0.2,
+                                                                                      abs=1e-3)
+
+
+def test_a_run_stopped_by_two_processes_resumes_in_one(runs):
+  root, _ = runs
+  record = _run(root, "resumed", 2, ONE_DEVICE, "--stop-after-epoch", "1")
+  assert not (root / "resumed" / "results.json").exists()
+  assert [p.name for p in (root / "resumed" / "checkpoints").iterdir() if p.name.isdigit()] == [
+      str(-(-N_TRAIN // 16))]
+  assert [w for w in _writes(record)[1]["written"] if not w.startswith("checkpoints")] == []
+  _run(root, "resumed", 1, TWO_DEVICES)
+  a, b = _final(root, "resumed"), _final(root, "two_devices")
+  for key in b:  # resumed on the mesh shape of the uninterrupted run: bit-identical
+    np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+  history = _results(root, "resumed")["history"]
+  assert [r["epoch"] for r in history] == [0, 1]
+  assert [r["train_loss"] for r in history] == [
+      r["train_loss"] for r in _results(root, "two_devices")["history"]]
+
+
+def test_bad_launch_flags_are_named(capsys):
+  from safe_optax.vision import cli  # pylint: disable=import-outside-toplevel
+  for flags, message in [
+      (["--coordinator", "127.0.0.1:1234", "--num-processes", "2"],
+       r"['--process-id'] is missing"),
+      (["--coordinator", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "2"],
+       "--process-id must lie in [0, 2) for --num-processes=2, got 2"),
+      (["--coordinator", "localhost", "--num-processes", "2", "--process-id", "0"],
+       "--coordinator must be 'host:port'"),
+  ]:
+    with pytest.raises(SystemExit) as info:
+      cli.main(["train", "--preset", "mlp-mnist", "--data-dir", "nowhere", "--workdir",
+                "nowhere", *flags])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+if __name__ == "__main__":
+  sys.exit(worker(sys.argv[1:]))
