@@ -1,0 +1,230 @@
+"""One transformer block: its parameters, its jitted passes, and SAFE / SAFE+ on it.
+
+The helpers :mod:`safe_optax.llm.prune`'s engine walks the blocks with: split
+a block into its seven prunable matrices and the norms it keeps, the jitted
+forward pass (with the activation statistics Wanda and SparseGPT need), the
+placement of calibration batches over the local devices (data parallel
+within a block), and :func:`safe_block`, which minimises the block's
+reconstruction loss with ``sam_perturb -> admm_penalty -> adam`` and projects.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import safe_optax
+from safe_optax import distributed
+from safe_optax.llm import model as model_lib
+from safe_optax.llm.prune_config import PruneConfig
+
+# ----------------------------------------------------------------------------- block helpers
+
+
+def split_block(block_params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+  """``(linears, norms)``: the seven kernels (pruned) and the two norm scales (kept)."""
+  linears = {group: dict(block_params[group]) for group in ("self_attn", "mlp")}
+  norms = {k: v for k, v in block_params.items() if k not in linears}
+  return linears, norms
+
+
+def merge_block(linears: dict[str, Any], norms: dict[str, Any]) -> dict[str, Any]:
+  return {**norms, **linears}
+
+
+def _map_linears(fn: Callable[[tuple[str, str]], Any]) -> dict[str, Any]:
+  """A linears-shaped tree ``{group: {linear: {'kernel': fn((group, linear))}}}``."""
+  tree: dict[str, Any] = {}
+  for group, linear in model_lib.LINEAR_INPUTS:
+    tree.setdefault(group, {})[linear] = {"kernel": fn((group, linear))}
+  return tree
+
+
+class BlockStats(dict):
+  """Per captured input: ``sq`` (sum of squares per feature), ``xtx``, and ``n`` rows."""
+
+
+def _block_fns(config: model_lib.LlamaConfig, with_hessian: bool):
+  block = model_lib.Block(config)
+
+  @jax.jit
+  def forward(block_params, x):
+    return block.apply({"params": block_params}, x)
+
+  @jax.jit
+  def forward_with_stats(block_params, x):
+    out, state = block.apply({"params": block_params}, x, mutable=["intermediates"])
+    inter = state["intermediates"]
+    acts = {
+        "attn_in": inter["self_attn"]["attn_in"][0], "o_in": inter["self_attn"]["o_in"][0],
+        "mlp_in": inter["mlp"]["mlp_in"][0], "down_in": inter["mlp"]["down_in"][0],
+    }
+    stats = {}
+    for name, act in acts.items():
+      flat = act.reshape(-1, act.shape[-1]).astype(jnp.float32)
+      stats[name] = {"sq": jnp.sum(jnp.square(flat), axis=0)}
+      if with_hessian:
+        stats[name]["xtx"] = flat.T @ flat
+    return out, stats
+
+  return forward, forward_with_stats
+
+
+def calibration_mesh() -> Optional[jax.sharding.Mesh]:
+  """The ``'data'`` mesh over this process's devices, or ``None`` with one device."""
+  devices = jax.local_devices()
+  return distributed.data_mesh(devices) if len(devices) > 1 else None
+
+
+def _place(mesh: Optional[jax.sharding.Mesh], batch: Any) -> Any:
+  """A batch of windows split over the mesh (leading axis); as it is without a mesh."""
+  if mesh is None:
+    return batch
+  return jax.tree.map(lambda x: jax.device_put(x, distributed.batch_sharding(mesh, len(x))),
+                      batch)
+
+
+def _replicate(mesh: Optional[jax.sharding.Mesh], tree: Any) -> Any:
+  return tree if mesh is None else jax.device_put(tree, distributed.replicated(mesh))
+
+
+def _chunks(size: int, chunk: int):
+  for start in range(0, size, chunk):
+    yield slice(start, min(start + chunk, size))
+
+
+# ----------------------------------------------------------------------------- SAFE
+
+
+def _safe_schedule(cfg: PruneConfig, steps_per_epoch: int) -> optax.Schedule:
+  """Linear warm-up over ``warmup_epochs`` then linear decay to 0 (paper App. C)."""
+  total = cfg.epochs * steps_per_epoch
+  warmup = min(cfg.warmup_epochs * steps_per_epoch, total - 1)
+  return optax.join_schedules(
+      [optax.linear_schedule(0.0, cfg.learning_rate, max(warmup, 1)),
+       optax.linear_schedule(cfg.learning_rate, 0.0, max(total - warmup, 1))],
+      [warmup])
+
+
+def _scale_by_leaf(scales: Any) -> optax.GradientTransformation:
+  """Multiplies each leaf's update by its entry of ``scales`` (a tree of scalars)."""
+
+  def update_fn(updates, state, params=None):
+    del params
+    return jax.tree.map(lambda u, c: (u * c).astype(u.dtype), updates, scales), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+def lr_scales(cfg: PruneConfig, linears: dict[str, Any]) -> Optional[dict[str, Any]]:
+  """Per-matrix step multipliers for ``cfg.lr_scale``: ``None`` or the dense RMS of each kernel."""
+  if cfg.lr_scale == "none":
+    return None
+  return jax.tree.map(lambda w: jnp.sqrt(jnp.mean(jnp.square(w.astype(jnp.float32)))), linears)
+
+
+def safe_transform(
+    cfg: PruneConfig, steps_per_epoch: int, input_norms: Optional[dict[str, Any]] = None,
+    scales: Optional[dict[str, Any]] = None,
+) -> optax.GradientTransformationExtraArgs:
+  """``sam_perturb(rho) -> admm_penalty(...) -> adam(0.9, 0.95)``, all from the core.
+
+  ``input_norms`` (a linears-shaped tree of ``||X_j||``) makes it SAFE+ with
+  :func:`safe_optax.wanda_saliency`; ``None`` is SAFE (magnitude). Scores
+  compete as ``cfg.grouping`` says. ``scales`` (from :func:`lr_scales`)
+  multiplies each matrix's Adam step.
+  """
+  projection = cfg.projection()
+  scores = None if input_norms is None else safe_optax.wanda_saliency(input_norms)
+  parts = [
+      safe_optax.sam_perturb(cfg.rho),
+      safe_optax.admm_penalty(
+          projection.sparsity, cfg.penalty, dual_every=cfg.dual_every,
+          penalty_schedule="constant", structure=projection.structure,
+          prunable=projection.prunable, scores=scores),
+      optax.adam(_safe_schedule(cfg, steps_per_epoch), b1=0.9, b2=0.95),
+  ]
+  if scales is not None:
+    parts.append(_scale_by_leaf(scales))
+  return optax.chain(*parts)
+
+
+@functools.lru_cache(maxsize=8)
+def _safe_step(config: model_lib.LlamaConfig, cfg: PruneConfig, steps_per_epoch: int):
+  """The jitted SAFE / SAFE+ block step, compiled once for every block of a model."""
+  block = model_lib.Block(config)
+
+  def loss_fn(linears, norms, x, y):
+    out = block.apply({"params": merge_block(linears, norms)}, x)
+    return jnp.mean(jnp.square(out.astype(jnp.float32) - y))
+
+  @jax.jit
+  def step(linears, norms, input_norms, scales, opt_state, x, y):
+    # The transform is rebuilt inside the trace so this block's Wanda norms and
+    # step scales are data, not constants baked into a per-block compilation.
+    tx = safe_transform(cfg, steps_per_epoch, input_norms, scales)
+    loss, grads = jax.value_and_grad(loss_fn)(linears, norms, x, y)
+    grad_fn = lambda p, _: jax.grad(loss_fn)(p, norms, x, y)
+    updates, opt_state = tx.update(grads, opt_state, linears, grad_fn=grad_fn)
+    return optax.apply_updates(linears, updates), opt_state, loss
+
+  return step
+
+
+def safe_block(
+    config: model_lib.LlamaConfig,
+    block_params: dict[str, Any],
+    inputs: jax.Array,
+    targets: jax.Array,
+    cfg: PruneConfig,
+    input_norms: Optional[dict[str, Any]] = None,
+    mesh: Optional[jax.sharding.Mesh] = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+  """SAFE / SAFE+ on one block's reconstruction loss, then the final projection.
+
+  Minimises :math:`\\frac{1}{n}\\|f(X; W) - Y\\|^2` over the block's seven
+  matrices (norm scales fixed) with :func:`safe_transform`, ``cfg.epochs``
+  passes over shuffled minibatches of ``cfg.batch_size`` windows, then
+  projects with :func:`safe_optax.finalize` (SAFE+: Wanda scores).
+
+  Args:
+    config: the model's architecture.
+    block_params: the dense block's parameters.
+    inputs, targets: ``(n, L, d)`` calibration inputs and dense targets.
+    cfg: the :class:`PruneConfig`.
+    input_norms: Wanda norms for SAFE+, ``None`` for SAFE.
+    mesh: split each minibatch over this ``'data'`` mesh (:func:`calibration_mesh`).
+
+  Returns:
+    ``(pruned_linears, info)`` with the last minibatch loss of each epoch.
+  """
+  linears, norms = split_block(block_params)
+  n = inputs.shape[0]
+  batch = min(cfg.batch_size, n)
+  steps_per_epoch = n // batch
+  step = _safe_step(config, cfg, steps_per_epoch)
+  projection = cfg.projection()
+  params = linears
+  scales = lr_scales(cfg, linears)
+  opt_state = safe_transform(cfg, steps_per_epoch, input_norms, scales).init(params)
+  params, norms, input_norms, scales, opt_state = _replicate(
+      mesh, (params, norms, input_norms, scales, opt_state))
+  rng = np.random.default_rng(cfg.seed)
+  losses = []
+  for _ in range(cfg.epochs):
+    order = rng.permutation(n)
+    for b in range(steps_per_epoch):
+      idx = order[b * batch:(b + 1) * batch]
+      params, opt_state, loss = step(params, norms, input_norms, scales, opt_state,
+                                     *_place(mesh, (inputs[idx], targets[idx])))
+    losses.append(float(loss))
+  final_scores = None
+  if input_norms is not None:
+    final_scores = safe_optax.wanda_scores(params, input_norms)
+  pruned, _ = safe_optax.finalize(params, **projection._asdict(), scores=final_scores)
+  return pruned, {"epoch_last_loss": losses, "steps": cfg.epochs * steps_per_epoch}
