@@ -21,16 +21,16 @@ import pytest
 from safe_optax import distributed
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import multiprocess  # noqa: E402  (the launcher shared with test_vision_distributed)
+import process_launcher  # noqa: E402  (the launcher shared with test_vision_distributed)
 
 WORKER = pathlib.Path(__file__).with_name("distributed_worker.py")
 STEPS = 12
-TIMEOUT = multiprocess.TIMEOUT
+TIMEOUT = process_launcher.TIMEOUT
 
 
 def launch(num_processes: int, *args: str, timeout: float = TIMEOUT) -> float:
-  """Runs the worker as ``num_processes`` processes (:func:`multiprocess.launch`)."""
-  return multiprocess.launch(WORKER, num_processes, *args, timeout=timeout)
+  """Runs the worker as ``num_processes`` processes (:func:`process_launcher.launch`)."""
+  return process_launcher.launch(WORKER, num_processes, *args, timeout=timeout)
 
 
 def _load(path: pathlib.Path) -> dict[str, np.ndarray]:

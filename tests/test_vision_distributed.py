@@ -10,7 +10,7 @@ agree, bit for bit on the same mesh shape, and so must the sparsity masks;
 only process 0 may write anything but checkpoints; a run stopped by two
 processes after its first epoch resumes in one process.
 
-Run as a script, this module is the worker that :func:`multiprocess.launch`
+Run as a script, this module is the worker that :func:`process_launcher.launch`
 starts: the ``safe-optax-vision`` command line, with ``--record-writes DIR``
 (each process lists the files it opened for writing, found with an audit hook)
 and ``--stop-after-epoch N``.
@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import multiprocess  # noqa: E402  (the launcher shared with test_distributed)
+import process_launcher  # noqa: E402  (the launcher shared with test_distributed)
 
 N_TRAIN, N_TEST = 99, 29
 RUN = ["train", "--preset", "mlp-mnist", "--method", "safe", "--sparsity", "0.8",
@@ -109,7 +109,7 @@ def _run(root: pathlib.Path, name: str, num_processes: int, env: dict[str, str],
   """Launches the worker; returns the folder of its recorded writes."""
   record = root / f"{name}-writes"
   record.mkdir(exist_ok=True)
-  multiprocess.launch(__file__, num_processes, "--record-writes", str(record), *RUN,
+  process_launcher.launch(__file__, num_processes, "--record-writes", str(record), *RUN,
                       "--data-dir", str(root / "data"), "--workdir", str(root / name), *extra,
                       env=env)
   return record
