@@ -76,3 +76,14 @@ def launch(worker: os.PathLike, num_processes: int, *args: str, timeout: float =
         p.kill()
       p.wait()
       p.stdout.close()
+
+
+def forced_devices_flags(devices: int) -> str:
+  """``XLA_FLAGS`` for ``devices`` forced CPU devices in one process.
+
+  A collective on forced host devices waits for every device's thread; on a
+  loaded 2-core machine one can start late, and XLA's default 40 s
+  termination timeout then kills the process. Tests allow 600 s.
+  """
+  return (f"--xla_force_host_platform_device_count={devices} "
+          "--xla_cpu_collective_call_terminate_timeout_seconds=600")

@@ -37,6 +37,7 @@ import optax
 import pytest
 
 import safe_optax
+import process_launcher  # tests/process_launcher.py: forced-device XLA flags
 
 # --------------------------------------------------------------------------
 # A small MLP in plain JAX: dict params with 2-D kernels and 1-D biases.
@@ -776,7 +777,7 @@ _SHARDED_SCRIPT = textwrap.dedent("""
 
 
 def _launch_sharded_run() -> subprocess.Popen:
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+  env = {**os.environ, "XLA_FLAGS": process_launcher.forced_devices_flags(8),
          "JAX_PLATFORMS": "cpu"}
   return subprocess.Popen([sys.executable, "-c", _SHARDED_SCRIPT], env=env, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -15,6 +15,7 @@ import textwrap
 
 import numpy as np
 import pytest
+import process_launcher  # tests/process_launcher.py: forced-device XLA flags
 
 SCRIPT = textwrap.dedent("""
     import sys
@@ -53,7 +54,7 @@ SCRIPT = textwrap.dedent("""
 
 def _run(tmp_path: pathlib.Path, devices: int) -> dict[str, np.ndarray]:
   env = dict(os.environ)
-  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  env["XLA_FLAGS"] = process_launcher.forced_devices_flags(devices)
   root = str(pathlib.Path(__file__).resolve().parents[1])
   env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
   out = tmp_path / f"devices{devices}.npz"

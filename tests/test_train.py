@@ -34,6 +34,7 @@ from safe_optax.vision import configs
 from safe_optax.vision import finish
 from safe_optax.vision import input_pipeline
 from safe_optax.vision import train
+import process_launcher  # tests/process_launcher.py: forced-device XLA flags
 
 N_TRAIN, N_TEST, BATCH, EPOCHS = 100, 40, 16, 3
 TINY = dict(model="mlp", mlp_features=(16,), dataset="mnist", method="safe", sparsity=0.8,
@@ -75,7 +76,7 @@ _SHARDED_SCRIPT = textwrap.dedent("""
 
 
 def _launch_sharded_run() -> subprocess.Popen:
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+  env = {**os.environ, "XLA_FLAGS": process_launcher.forced_devices_flags(8),
          "JAX_PLATFORMS": "cpu"}
   script = _SHARDED_SCRIPT.format(tests_dir=os.path.dirname(os.path.abspath(__file__)))
   return subprocess.Popen([sys.executable, "-c", script], env=env, text=True,

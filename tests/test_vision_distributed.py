@@ -34,8 +34,8 @@ N_TRAIN, N_TEST = 99, 29
 RUN = ["train", "--preset", "mlp-mnist", "--method", "safe", "--sparsity", "0.8",
        "--test-only-split", str(N_TRAIN), str(N_TEST), "--epochs", "2", "--warmup-epochs", "0",
        "--batch-size", "16", "--dual-every", "4", "--bnt-samples", "32", "--no-progress"]
-TWO_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-ONE_DEVICE = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+TWO_DEVICES = {"XLA_FLAGS": process_launcher.forced_devices_flags(2)}
+ONE_DEVICE = {"XLA_FLAGS": process_launcher.forced_devices_flags(1)}
 
 
 # ----------------------------------------------------------------------------- the worker
