@@ -39,6 +39,7 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Mapping
 from typing import Any, Optional
@@ -228,12 +229,15 @@ def data_mesh(devices: Optional[list[Any]] = None) -> Mesh:
   return Mesh(np.asarray(jax.devices() if devices is None else devices), (DATA_AXIS,))
 
 
+# Both are asked for every step with the same (mesh, size): computed once per pair.
+@functools.lru_cache(maxsize=64)
 def batch_sharding(mesh: Mesh, size: int) -> NamedSharding:
   """Rows split over ``'data'``; a batch that does not split evenly is replicated instead."""
   spec = PartitionSpec(DATA_AXIS) if size % mesh.size == 0 else PartitionSpec()
   return NamedSharding(mesh, spec)
 
 
+@functools.lru_cache(maxsize=64)
 def process_rows(mesh: Mesh, size: int) -> slice:
   """The rows of a global batch of ``size`` that this process holds under :func:`batch_sharding`.
 
