@@ -34,7 +34,7 @@ def parse(argv):
 
 def main(argv=None) -> int:
   args = parse(argv)
-  os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices} --xla_cpu_collective_call_terminate_timeout_seconds=600"
+  os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices} --xla_cpu_collective_call_terminate_timeout_seconds=120"
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel

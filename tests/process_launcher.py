@@ -83,7 +83,9 @@ def forced_devices_flags(devices: int) -> str:
 
   A collective on forced host devices waits for every device's thread; on a
   loaded 2-core machine one can start late, and XLA's default 40 s
-  termination timeout then kills the process. Tests allow 600 s.
+  termination timeout can then kill a run that would finish. Tests allow
+  120 s: long enough for a late thread, short enough that a run whose thread
+  never arrives (a deadlock seen with 8 devices on 2 busy cores) fails soon.
   """
   return (f"--xla_force_host_platform_device_count={devices} "
-          "--xla_cpu_collective_call_terminate_timeout_seconds=600")
+          "--xla_cpu_collective_call_terminate_timeout_seconds=120")

@@ -786,6 +786,12 @@ def _launch_sharded_run() -> subprocess.Popen:
 def test_data_parallel_on_8_devices_matches_single_device():
   proc = _BACKGROUND["sharded"] if "sharded" in _BACKGROUND else _launch_sharded_run()
   stdout, stderr = proc.communicate(timeout=600)
+  if proc.returncode != 0 and "rendezvous" in stderr:
+    # XLA's in-process CPU collectives can deadlock when 8 forced devices share 2 busy
+    # cores (a device thread never reaches the all-reduce; XLA aborts after the timeout of
+    # forced_devices_flags). That is the runtime, not the result: run once more, alone.
+    proc = _launch_sharded_run()
+    stdout, stderr = proc.communicate(timeout=600)
   assert proc.returncode == 0, stderr[-4000:]
   result = json.loads(stdout.strip().splitlines()[-1])
   assert result["devices"] == 8
