@@ -82,6 +82,10 @@ def _write_gguf(path, cfg, params, tokens, merges):
   writer.add_token_list(tokens)
   writer.add_token_types([1] * (len(tokens) - 1) + [3])
   writer.add_token_merges(merges)
+  # What llama.cpp's converter writes for SmolLM2-Instruct besides the vocabulary.
+  writer.add_bos_token_id(len(tokens) - 1)
+  writer.add_eos_token_id(len(tokens) - 1)
+  writer.add_chat_template("{% for m in messages %}{{ m['content'] }}<|end|>{% endfor %}")
   f32 = lambda a: np.ascontiguousarray(np.asarray(a, np.float32))
   writer.add_tensor("token_embd.weight", f32(params["embed_tokens"]["embedding"]))
   writer.add_tensor("output_norm.weight", f32(params["norm"]["scale"]))
@@ -125,6 +129,38 @@ def test_gguf_round_trip_and_tokenizer(tmp_path):
   hf_cfg, hf = checkpoints.load_model(tmp_path / "hf")
   np.testing.assert_allclose(_logits(hf_cfg, hf), _logits(cfg, params), atol=1e-5)
   assert checkpoints.load_tokenizer(tmp_path / "hf").encode("hello").ids == ids[:2]
+
+
+def test_gguf_source_metadata_becomes_hf_side_files(tmp_path):
+  """Context length, special tokens and chat template go to config / generation / tokenizer
+  configs, and the exported tokenizer.json encodes as the GGUF's did."""
+  tokens, merges = _byte_vocab()
+  cfg = dataclasses.replace(CFG, vocab_size=len(tokens), rope_layout="interleaved")
+  path = tmp_path / "tiny.gguf"
+  _write_gguf(path, cfg, _params(cfg), tokens, merges)
+  meta = checkpoints.source_metadata(path)
+  end = len(tokens) - 1
+  assert meta["config.json"] == {"bos_token_id": end, "eos_token_id": end,
+                                 "max_position_embeddings": 64}
+  assert meta["generation_config.json"] == {"bos_token_id": end, "eos_token_id": end}
+  tokenizer_config = meta["tokenizer_config.json"]
+  assert tokenizer_config["tokenizer_class"] == "PreTrainedTokenizerFast"
+  assert tokenizer_config["bos_token"] == tokenizer_config["eos_token"] == "<|end|>"
+  assert tokenizer_config["model_max_length"] == 64
+  assert tokenizer_config["chat_template"].startswith("{% for m in messages %}")
+  config, params = checkpoints.load_model(path)
+  tokenizer = checkpoints.load_tokenizer(path)
+  out = checkpoints.save_safetensors(tmp_path / "hf", config, params, tokenizer,
+                                     source_metadata=meta)
+  written = json.loads((out / "config.json").read_text())
+  assert written["max_position_embeddings"] == 64 and written["eos_token_id"] == end
+  assert json.loads((out / "tokenizer_config.json").read_text()) == tokenizer_config
+  assert json.loads((out / "generation_config.json").read_text()) == meta[
+      "generation_config.json"]
+  text = "hello hell<|end|>"
+  assert checkpoints.load_tokenizer(out).encode(text).ids == tokenizer.encode(text).ids
+  with pytest.raises(FileNotFoundError, match="model"):
+    checkpoints.source_metadata(tmp_path / "nope.gguf")
 
 
 def test_gguf_quantized_tensor_dequantised(tmp_path):
@@ -173,6 +209,9 @@ def test_bad_paths_and_mismatched_config(tmp_path):
   (folder / "config.json").write_text(json.dumps(dict(raw, num_hidden_layers=3)))
   with pytest.raises(ValueError, match="missing"):
     checkpoints.load_safetensors(folder)
+  (folder / "config.json").write_text(json.dumps(dict(raw, rope_scaling={"rope_type": "llama3"})))
+  with pytest.raises(ValueError, match="rope_scaling"):
+    checkpoints.load_safetensors(folder)
   (folder / "config.json").write_text(json.dumps(raw))
   tensors = load_file(str(folder / "model.safetensors"))
   tensors["model.layers.0.mlp.extra.weight"] = np.zeros(3, np.float32)
@@ -204,8 +243,10 @@ def _safetensors_dtypes(file):
   return {v["dtype"] for k, v in header.items() if k != "__metadata__"}
 
 
-@pytest.mark.parametrize("dtype, on_disk", [("bfloat16", "BF16"), ("float16", "F16"),
-                                            ("float32", "F32")])
+_ON_DISK = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+
+
+@pytest.mark.parametrize("dtype, on_disk", list(_ON_DISK.items()))
 def test_export_keeps_the_requested_dtype_and_reloads(tmp_path, dtype, on_disk):
   import ml_dtypes
   params = _params(CFG)
@@ -258,10 +299,15 @@ def _tiny_prune_argv(folder, text, out, *extra):
           "--nsamples", "2", "--seqlen", "16", "--out", str(out), "--quiet", *extra]
 
 
-def test_prune_exports_in_the_source_dtype_unless_asked(tmp_path, capsys):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_prune_exports_in_the_source_dtype_with_sparsity_metadata(tmp_path, capsys, dtype):
+  """bf16 stays bf16, f16 stays f16, f32 stays f32; sparsity.json describes the 2:4 zeros;
+  the source's config fields are carried; --export-dtype overrides the precision only."""
   from safe_optax.llm import cli
   params = _params(CFG)
-  folder = checkpoints.save_safetensors(tmp_path / "bf16", CFG, params, dtype="bfloat16")
+  folder = checkpoints.save_safetensors(tmp_path / dtype, CFG, params, dtype=dtype)
+  raw = json.loads((folder / "config.json").read_text())
+  (folder / "config.json").write_text(json.dumps(dict(raw, max_position_embeddings=8192)))
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers
   vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet())[:CFG.vocab_size])}
   tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -270,15 +316,28 @@ def test_prune_exports_in_the_source_dtype_unless_asked(tmp_path, capsys):
   tokenizer.save(str(folder / "tokenizer.json"))
   text = tmp_path / "calib.txt"
   text.write_text("the quick brown fox jumps over the lazy dog. " * 20)
-  assert cli.main(_tiny_prune_argv(folder, text, tmp_path / "kept")) == 0
-  assert _safetensors_dtypes(tmp_path / "kept" / "model.safetensors") == {"BF16"}
-  report = json.loads((tmp_path / "kept" / "report.json").read_text())
-  assert report["export_dtype"] == "bfloat16"
-  kept_cfg, kept = checkpoints.load_model(tmp_path / "kept")
+  assert cli.main(_tiny_prune_argv(folder, text, tmp_path / "kept", "--nm", "2:4")) == 0
+  kept_dir = tmp_path / "kept"
+  assert _safetensors_dtypes(kept_dir / "model.safetensors") == {_ON_DISK[dtype]}
+  assert json.loads((kept_dir / "report.json").read_text())["export_dtype"] == dtype
+  config = json.loads((kept_dir / "config.json").read_text())
+  assert config["torch_dtype"] == dtype and config["max_position_embeddings"] == 8192
+  kept_cfg, kept = checkpoints.load_model(kept_dir)
   assert kept_cfg == CFG
-  w = kept["layers_0"]["mlp"]["up_proj"]["kernel"]
-  assert (np.asarray(w) == 0).mean() == 0.5
-  assert cli.main(_tiny_prune_argv(folder, text, tmp_path / "f32",
+  sparsity = json.loads((kept_dir / "sparsity.json").read_text())
+  assert (sparsity["method"], sparsity["structure"], sparsity["nm"]["n"], sparsity["nm"]["m"]) == (
+      "wanda", "n:m", 2, 4)
+  assert len(sparsity["pruned"]) == 7 * CFG.num_layers
+  tensors = load_file(str(kept_dir / "model.safetensors"))
+  for name, entry in sparsity["pruned"].items():
+    weight = np.asarray(tensors[name], np.float32)
+    assert entry["nonzero"] == np.count_nonzero(weight) == weight.size // 2, name
+    np.testing.assert_array_equal((weight.reshape(weight.shape[0], -1, 4) != 0).sum(-1), 2)
+  assert (tokenizer.encode("lazy dog").ids
+          == checkpoints.load_tokenizer(kept_dir).encode("lazy dog").ids)
+  if dtype != "bfloat16":
+    return
+  assert cli.main(_tiny_prune_argv(folder, text, tmp_path / "f32", "--nm", "2:4",
                                    "--export-dtype", "float32")) == 0
   assert _safetensors_dtypes(tmp_path / "f32" / "model.safetensors") == {"F32"}
   _, wide = checkpoints.load_model(tmp_path / "f32")

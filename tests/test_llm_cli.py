@@ -56,6 +56,13 @@ def test_prune_exports_sparse_safetensors(tiny, tmp_path, method, nm, capsys):
       groups = weight.reshape(weight.shape[0], -1, 4)
       np.testing.assert_array_equal((groups != 0).sum(-1), 2)
   assert (tensors["model.embed_tokens.weight"] != 0).all()
+  sparsity = json.loads((out / "sparsity.json").read_text())
+  assert sparsity["method"] == method and set(sparsity["pruned"]) == set(linears)
+  assert sparsity["structure"] == ("n:m" if nm else "unstructured")
+  if not nm:
+    assert sparsity["grouping"] == "per lazy batch of 128 input columns (SparseGPT)"
+  for name, entry in sparsity["pruned"].items():
+    assert entry["nonzero"] == np.count_nonzero(linears[name]), name
   report = json.loads((out / "report.json").read_text())
   assert report["sparsity"]["prunable"] == 0.5
   assert len(report["blocks"]) == 2 and all(b["seconds"] > 0 for b in report["blocks"])

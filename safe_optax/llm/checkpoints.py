@@ -1,4 +1,4 @@
-"""Load LLaMA-family checkpoints (safetensors folders, GGUF files) and export to safetensors.
+"""Load LLaMA-family checkpoints (safetensors folders, GGUF files).
 
 * A Hugging Face folder: ``config.json`` plus ``*.safetensors`` with LLaMA /
   SmolLM / Mistral names (``model.layers.{i}.self_attn.q_proj.weight``, ...),
@@ -9,16 +9,18 @@
   model is built with ``rope_layout="interleaved"`` and the weights are used
   as stored. The tokenizer is rebuilt from the file's BPE metadata. A cut or
   damaged file raises ``ValueError`` naming it.
-* :func:`save_safetensors` writes a Hugging Face folder (``"half"`` layout,
-  Q/K rows un-permuted if needed) that :func:`load_safetensors` reads back,
-  in ``float32``, ``bfloat16`` or ``float16``.
 
 Parameters are float32 in memory whatever the source. :func:`source_dtype`
 says what precision the source holds, so an export can keep it (a bf16 model
 is not written at twice its size). A GGUF's quantised matrices (Q4_1, Q8_0,
 ...) count as ``float16``: a dequantised block is an fp16 scale times small
 integers, which float16 holds to within 2^-11 relative error, far below the
-quantisation step, at half the size of float32.
+quantisation step, at half the size of float32. :func:`source_metadata`
+collects what the source says beyond the weights (context length, special
+tokens, chat template) for the export.
+
+Writing is :mod:`safe_optax.llm.export`; :func:`save_safetensors` and the
+RoPE permutations are re-exported here, where callers have always found them.
 """
 
 from __future__ import annotations
@@ -28,25 +30,19 @@ import os
 import pathlib
 from typing import Any, Optional
 
-import ml_dtypes
-
 import jax
 import numpy as np
 
 from safe_optax.llm import model as model_lib
+# Re-exported: the writer and its tables live in export.py.
+from safe_optax.llm.export import EXPORT_DTYPES  # pylint: disable=unused-import
+from safe_optax.llm.export import HF_LINEARS as _HF_LINEARS
+from safe_optax.llm.export import HF_NORMS as _HF_NORMS
+from safe_optax.llm.export import SIDE_FILES
+from safe_optax.llm.export import half_to_interleaved  # pylint: disable=unused-import
+from safe_optax.llm.export import interleaved_to_half  # pylint: disable=unused-import
+from safe_optax.llm.export import save_safetensors  # pylint: disable=unused-import
 
-# Hugging Face name (inside model.layers.{i}.) -> (Flax module path in a block).
-_HF_LINEARS = {
-    "self_attn.q_proj": ("self_attn", "q_proj"),
-    "self_attn.k_proj": ("self_attn", "k_proj"),
-    "self_attn.v_proj": ("self_attn", "v_proj"),
-    "self_attn.o_proj": ("self_attn", "o_proj"),
-    "mlp.gate_proj": ("mlp", "gate_proj"),
-    "mlp.up_proj": ("mlp", "up_proj"),
-    "mlp.down_proj": ("mlp", "down_proj"),
-}
-_HF_NORMS = {"input_layernorm": "input_layernorm",
-             "post_attention_layernorm": "post_attention_layernorm"}
 _GGUF_LINEARS = {
     "attn_q": ("self_attn", "q_proj"), "attn_k": ("self_attn", "k_proj"),
     "attn_v": ("self_attn", "v_proj"), "attn_output": ("self_attn", "o_proj"),
@@ -54,10 +50,6 @@ _GGUF_LINEARS = {
     "ffn_down": ("mlp", "down_proj"),
 }
 _GGUF_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
-
-EXPORT_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
-                 "float16": np.dtype(np.float16)}
-"""Precisions :func:`save_safetensors` writes, by name."""
 _SAFETENSORS_DTYPES = {"F64": "float32", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
@@ -71,6 +63,10 @@ def _config_from_hf(raw: dict[str, Any], path: pathlib.Path) -> model_lib.LlamaC
   absent = [key for key in required if key not in raw]
   if absent:
     raise ValueError(f"'{path}' lacks {absent}; is this a LLaMA-family config.json?")
+  if raw.get("rope_scaling"):
+    # Llama 3.1-style frequency scaling is not in model.py: refusing beats wrong logits.
+    raise ValueError(f"'{path}' sets rope_scaling={raw['rope_scaling']!r}; only plain RoPE "
+                     "(rope_scaling null) is supported.")
   head_dim = raw.get("head_dim")
   if head_dim == raw["hidden_size"] // raw["num_attention_heads"]:
     head_dim = None  # the default; keeps configs equal whether or not the file spells it out
@@ -228,6 +224,65 @@ def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
   return field.contents()
 
 
+def _gguf_metadata(reader: Any) -> dict[str, dict[str, Any]]:
+  """The Hugging Face side files a GGUF's metadata implies (see :func:`source_metadata`)."""
+  tokens = _gguf_field(reader, "tokenizer.ggml.tokens") or []
+  ids = {hf: _gguf_field(reader, f"tokenizer.ggml.{key}_token_id")
+         for hf, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown"))}
+  ids = {k: int(v) for k, v in ids.items() if v is not None}
+  context = _gguf_field(reader, "llama.context_length")
+  config = {f"{k}_token_id": v for k, v in ids.items() if k != "unk"}
+  if context is not None:
+    config["max_position_embeddings"] = int(context)
+  out = {"config.json": config}
+  generation = {k: v for k, v in config.items() if k.endswith("_token_id")}
+  if generation:
+    out["generation_config.json"] = generation
+  if tokens:
+    # PreTrainedTokenizerFast reads tokenizer.json as it is; without this file
+    # AutoTokenizer would pick LlamaTokenizerFast from config.json, which adds
+    # its own "<s>" BOS that SmolLM's vocabulary does not have.
+    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast",
+                        "clean_up_tokenization_spaces": False,
+                        **{f"{k}_token": tokens[v] for k, v in ids.items() if v < len(tokens)}}
+    if context is not None:
+      tokenizer_config["model_max_length"] = int(context)
+    template = _gguf_field(reader, "tokenizer.chat_template")
+    if template:
+      tokenizer_config["chat_template"] = template
+    out["tokenizer_config.json"] = tokenizer_config
+  return out
+
+
+def source_metadata(path: os.PathLike) -> dict[str, dict[str, Any]]:
+  """What a checkpoint says beyond its weights, as Hugging Face files for an export.
+
+  Read from a folder: its ``config.json`` (every field; the export overrides
+  the architecture's) and those of :data:`~safe_optax.llm.export.SIDE_FILES`
+  it has, unchanged. From a GGUF file: ``config.json`` fields for the
+  context length (``max_position_embeddings``) and the special token ids,
+  ``generation_config.json`` with those ids, and ``tokenizer_config.json``
+  (``PreTrainedTokenizerFast``, the special tokens, the chat template).
+
+  Args:
+    path: a safetensors folder or a ``.gguf`` file.
+
+  Returns:
+    ``{file name: JSON object}`` for
+    :func:`~safe_optax.llm.export.save_safetensors`'s ``source_metadata``.
+  """
+  path = pathlib.Path(path)
+  if path.is_dir():
+    out = {}
+    for name in ("config.json",) + SIDE_FILES:
+      if (path / name).is_file():
+        out[name] = json.loads((path / name).read_text())
+    return out
+  if path.is_file() and path.suffix == ".gguf":
+    return _gguf_metadata(_gguf_reader(path))
+  raise _missing(path, "model (a safetensors folder or a .gguf file)")
+
+
 def load_gguf(path: os.PathLike) -> tuple[model_lib.LlamaConfig, dict[str, Any]]:
   """Reads a llama.cpp GGUF file (architecture ``llama``), dequantised to float32.
 
@@ -341,93 +396,3 @@ def load_tokenizer(path: os.PathLike) -> Any:
   if path.is_file() and path.suffix == ".gguf":
     return tokenizer_from_gguf(path)
   raise _missing(path, "tokenizer (a folder with tokenizer.json or a .gguf file)")
-
-
-def interleaved_to_half(kernel: np.ndarray, head_dim: int) -> np.ndarray:
-  """Reorders a Q/K ``(in, heads * head_dim)`` kernel from interleaved to half RoPE order.
-
-  Within each head, output ``2i`` moves to ``i`` and ``2i + 1`` to
-  ``i + head_dim / 2`` (the inverse of llama.cpp's conversion permutation).
-  """
-  rows = kernel.shape[0]
-  heads = kernel.shape[1] // head_dim
-  return (kernel.reshape(rows, heads, head_dim // 2, 2).swapaxes(2, 3)
-          .reshape(rows, heads * head_dim))
-
-
-def half_to_interleaved(kernel: np.ndarray, head_dim: int) -> np.ndarray:
-  """Inverse of :func:`interleaved_to_half` (what llama.cpp's converter does)."""
-  rows = kernel.shape[0]
-  heads = kernel.shape[1] // head_dim
-  return (kernel.reshape(rows, heads, 2, head_dim // 2).swapaxes(2, 3)
-          .reshape(rows, heads * head_dim))
-
-
-def save_safetensors(
-    path: os.PathLike,
-    config: model_lib.LlamaConfig,
-    params: dict[str, Any],
-    tokenizer: Optional[Any] = None,
-    dtype: str = "float32",
-) -> pathlib.Path:
-  """Writes a Hugging Face LLaMA folder: ``config.json``, ``model.safetensors``, tokenizer.
-
-  Interleaved-layout Q/K kernels are reordered to the Hugging Face layout
-  (a row permutation, so sparsity and N:M groups along the input dimension
-  are unchanged).
-
-  Args:
-    path: the folder (created).
-    config: the model's configuration.
-    params: its Flax parameters.
-    tokenizer: a ``tokenizers.Tokenizer`` saved as ``tokenizer.json``.
-    dtype: precision of the written tensors, one of :data:`EXPORT_DTYPES`
-      (``config.json``'s ``torch_dtype`` says which); use
-      :func:`source_dtype` to keep the source's. Zeros stay zeros.
-
-  Returns:
-    The folder.
-
-  Raises:
-    ValueError: ``dtype`` is not one of :data:`EXPORT_DTYPES`.
-  """
-  from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
-
-  if dtype not in EXPORT_DTYPES:
-    raise ValueError(f"save_safetensors dtype must be one of {tuple(EXPORT_DTYPES)}, "
-                     f"got {dtype!r}.")
-  path = pathlib.Path(path)
-  path.mkdir(parents=True, exist_ok=True)
-  tensors = {
-      "model.embed_tokens.weight": np.asarray(params["embed_tokens"]["embedding"], np.float32),
-      "model.norm.weight": np.asarray(params["norm"]["scale"], np.float32),
-  }
-  if not config.tie_embeddings:
-    # safetensors writes the raw buffer: transposed views must be made contiguous.
-    tensors["lm_head.weight"] = np.ascontiguousarray(
-        np.asarray(params["lm_head"]["kernel"], np.float32).T)
-  hf_names = {v: k for k, v in _HF_LINEARS.items()}
-  for i in range(config.num_layers):
-    block = params[f"layers_{i}"]
-    for (group, linear), hf in hf_names.items():
-      kernel = np.asarray(block[group][linear]["kernel"], np.float32)
-      if config.rope_layout == "interleaved" and linear in ("q_proj", "k_proj"):
-        kernel = interleaved_to_half(kernel, config.dim_per_head)
-      tensors[f"model.layers.{i}.{hf}.weight"] = np.ascontiguousarray(kernel.T)
-    for hf, name in _HF_NORMS.items():
-      tensors[f"model.layers.{i}.{hf}.weight"] = np.asarray(block[name]["scale"], np.float32)
-  save_file({name: value.astype(EXPORT_DTYPES[dtype]) for name, value in tensors.items()},
-            str(path / "model.safetensors"))
-  hf_config = {
-      "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-      "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-      "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_layers,
-      "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
-      "head_dim": config.dim_per_head, "rope_theta": config.rope_base,
-      "rms_norm_eps": config.rms_eps, "tie_word_embeddings": config.tie_embeddings,
-      "hidden_act": "silu", "torch_dtype": dtype,
-  }
-  (path / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-  if tokenizer is not None:
-    tokenizer.save(str(path / "tokenizer.json"))
-  return path

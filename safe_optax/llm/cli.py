@@ -8,10 +8,14 @@
 
 ``--model`` is a Hugging Face folder (``config.json``, ``*.safetensors``,
 ``tokenizer.json``) or a ``.gguf`` file. ``prune`` writes ``DIR`` as a
-safetensors folder plus ``report.json`` (arguments, per-block seconds and
+Hugging Face folder (:func:`safe_optax.llm.export.save_safetensors`:
+``model.safetensors``, ``config.json``, the tokenizer and generation files,
+``sparsity.json`` with the method, structure, N:M pattern and per-tensor
+sparsity) plus ``report.json`` (arguments, per-block seconds and
 reconstruction errors, sparsity report, perplexities, package versions).
-The safetensors keep the source's precision (bf16 stays bf16; a quantised
-GGUF is written as float16) unless ``--export-dtype`` says otherwise.
+The safetensors keep the source's precision (bf16 stays bf16, f16 stays
+f16, f32 stays f32; a quantised GGUF is written as float16) unless
+``--export-dtype`` says otherwise.
 
 ``prune`` is resumable: each pruned block and the stream state go to
 ``DIR/prune_state`` as it works, so rerunning an interrupted command (Ctrl-C,
@@ -125,7 +129,9 @@ def _prune(args: argparse.Namespace) -> dict[str, Any]:
   sparsity = safe_optax.sparsity_report(
       pruned, prunable=lambda path, leaf: "layers_" in path_str(path) and leaf.ndim == 2)
   export_dtype = args.export_dtype or checkpoints.source_dtype(args.model)
-  out = checkpoints.save_safetensors(args.out, config, pruned, tokenizer, dtype=export_dtype)
+  out = checkpoints.save_safetensors(
+      args.out, config, pruned, tokenizer, dtype=export_dtype, prune_config=cfg,
+      source_metadata=checkpoints.source_metadata(args.model))
   report = {
       "command": args.command_line,
       "args": {k: v for k, v in vars(args).items() if k not in ("func", "command_line")},
