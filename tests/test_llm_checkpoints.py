@@ -24,8 +24,8 @@ def _params(cfg, seed=0):
   return jax.tree.map(lambda a: a + 0.1 * np.arange(a.shape[0]) if a.ndim == 1 else a, params)
 
 
-def _logits(cfg, params):
-  return np.asarray(jax.jit(model_lib.Llama(cfg).apply)({"params": params}, TOKENS))
+def _logits(cfg, params, tokens=TOKENS):
+  return np.asarray(jax.jit(model_lib.Llama(cfg).apply)({"params": params}, tokens))
 
 
 def _writer_with_fields(reader, path):
@@ -348,3 +348,42 @@ def test_prune_exports_in_the_source_dtype_with_sparsity_metadata(tmp_path, caps
   with pytest.raises(SystemExit):
     cli.main(_tiny_prune_argv(folder, text, tmp_path / "x", "--export-dtype", "int8"))
   assert "--export-dtype" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_gguf_export_reads_in_transformers(tmp_path, tie):
+  """The export of a GGUF model, read by transformers: same logits, same token ids.
+
+  Runs where ``transformers`` (< 5, which still has the Flax Llama; PyTorch
+  not needed) is installed; it is not a dependency of this package.
+  """
+  transformers = pytest.importorskip("transformers")
+  if not hasattr(transformers, "FlaxLlamaForCausalLM"):
+    pytest.skip("this transformers has no Flax Llama (removed in v5)")
+  import safe_optax
+  from safe_optax.llm.prune_config import PruneConfig
+  tokens, merges = _byte_vocab()
+  cfg = dataclasses.replace(CFG, vocab_size=len(tokens), rope_layout="interleaved",
+                            tie_embeddings=tie)
+  path = tmp_path / "tiny.gguf"
+  _write_gguf(path, cfg, _params(cfg, seed=5), tokens, merges)
+  config, params = checkpoints.load_model(path)
+  tokenizer = checkpoints.load_tokenizer(path)
+  pruned, _ = safe_optax.project_topk(
+      params, structure=safe_optax.NM(2, 4),
+      prunable=lambda p, leaf: "layers_" in jax.tree_util.keystr(p) and leaf.ndim == 2)
+  folder = checkpoints.save_safetensors(
+      tmp_path / "hf", config, pruned, tokenizer, dtype="bfloat16",
+      prune_config=PruneConfig("magnitude", nm=(2, 4)),
+      source_metadata=checkpoints.source_metadata(path))
+  text = "hello hell<|end|>"
+  hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+  assert hf_tokenizer(text)["input_ids"] == tokenizer.encode(text).ids
+  model = transformers.FlaxLlamaForCausalLM.from_pretrained(str(folder))
+  hf_params = jax.tree.map(lambda a: np.asarray(a, np.float32), model.params)
+  if tie:  # the Flax port leaves the head untied; PyTorch's LlamaForCausalLM ties it
+    hf_params["lm_head"]["kernel"] = hf_params["model"]["embed_tokens"]["embedding"].T
+  ids = np.array([tokenizer.encode(text).ids])
+  theirs = np.asarray(model(ids, params=hf_params).logits)
+  ours_cfg, ours = checkpoints.load_model(folder)
+  np.testing.assert_allclose(_logits(ours_cfg, ours, ids), theirs, atol=1e-5)
