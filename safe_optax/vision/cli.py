@@ -19,6 +19,20 @@ or through ``SAFE_OPTAX_COORDINATOR`` / ``SAFE_OPTAX_NUM_PROCESSES`` /
 (:func:`safe_optax.distributed.initialize`). Process 0 alone prints and writes
 everything but the checkpoints.
 
+A run's settings come from ``--preset NAME`` or from ``--config FILE`` (a
+Python file whose ``get_config()`` returns an ``ml_collections.ConfigDict``, as
+in :mod:`safe_optax.vision.config_files`, or the ``config.json`` a run wrote),
+then, in this order, each overriding the one before:
+
+1. ``--config.KEY=VALUE`` (or ``--config.KEY VALUE``) for any field of
+   :class:`~safe_optax.vision.configs.Config`, read by the field's type;
+2. the named flags (``--epochs``, ``--sparsity``, ``--method``, ...).
+
+``--method dense`` (or a dense config) trains with sparsity 0. Example::
+
+  safe-optax-vision train --config my_mlp.py --config.dual_every=16 --epochs 20 \\
+      --data-dir DIR --workdir OUT
+
 Each subcommand is one function (``train``, ``sweep``, ``evaluate``)
 registered in :func:`build_parser`; a new one adds a subparser and a function.
 """
@@ -35,13 +49,21 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 from safe_optax.experiment import mean_se, versions
+from safe_optax.vision import config_files
 from safe_optax.vision import configs
+
+_CONFIG_OVERRIDE = "--config."
 
 
 def _add_run_options(parser: argparse.ArgumentParser) -> None:
-  """Options shared by ``train`` and ``sweep``: the preset, data and overrides."""
-  parser.add_argument("--preset", required=True, choices=sorted(configs.PRESETS),
-                      help="named paper configuration")
+  """Options shared by ``train`` and ``sweep``: the preset or config file, data and overrides."""
+  base = parser.add_mutually_exclusive_group(required=True)
+  base.add_argument("--preset", choices=sorted(configs.PRESETS),
+                    help="named paper configuration")
+  base.add_argument("--config", metavar="FILE",
+                    help="config file: a .py whose get_config() returns an ml_collections "
+                         "ConfigDict (see safe_optax/vision/config_files/), or a run's "
+                         "config.json; --config.KEY=VALUE overrides any field")
   parser.add_argument("--data-dir", required=True,
                       help="CIFAR pickles / image folder / .tar.gz, or MNIST idx files")
   parser.add_argument("--workdir", required=True, help="output folder (resumes if it has a "
@@ -68,6 +90,8 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
   over.add_argument("--label-noise", type=float, help="symmetric label-noise ratio")
   over.add_argument("--bnt-samples", type=int, help="training images for BN re-estimation")
   over.add_argument("--eval-every", type=int, help="test evaluation every N epochs")
+  over.add_argument("--log-every", type=int, metavar="N",
+                    help="per-step scalars every N steps of an epoch")
   over.add_argument("--no-augment", dest="augment", action="store_const", const=False,
                     help="no pad-crop-flip augmentation")
   parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -108,7 +132,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
   names = ("epochs", "batch_size", "learning_rate", "warmup_epochs", "weight_decay", "penalty",
            "admm_penalty",
            "rho", "dual_every", "saliency", "train_subset", "test_subset", "label_noise",
-           "bnt_samples", "eval_every", "augment", "gmp_update_every", "validation")
+           "bnt_samples", "eval_every", "augment", "gmp_update_every", "validation", "log_every")
   values = {name: getattr(args, name) for name in names}
   if args.test_only_split is not None:
     values["test_only_split"] = tuple(args.test_only_split)
@@ -124,12 +148,17 @@ def build_parser() -> argparse.ArgumentParser:
 
   train_parser = sub.add_parser("train", help="train and evaluate one configuration")
   _add_run_options(train_parser)
-  train_parser.add_argument("--method", choices=configs.METHODS, default="safe")
+  train_parser.add_argument("--method", choices=configs.METHODS,
+                            help="training method (default: the preset's, safe)")
   train_parser.add_argument("--sparsity", type=float, default=None,
                             help="target sparsity of the prunable weights (default: preset)")
   train_parser.add_argument("--seed", type=int)
   train_parser.add_argument("--restart", action="store_true",
                             help="discard a run of other settings in --workdir and start over")
+  train_parser.add_argument("--tensorboard", action=argparse.BooleanOptionalAction,
+                            default=None,
+                            help="write TensorBoard event files in WORKDIR/tensorboard "
+                                 "(default: when tensorboardX is installed)")
   _add_launch_options(train_parser)
   train_parser.set_defaults(func=train, parser=train_parser)
 
@@ -162,13 +191,81 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
+def _split_config_overrides(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+  """``argv`` without its ``--config.KEY=VALUE`` / ``--config.KEY VALUE`` pairs, and the pairs.
+
+  argparse cannot declare an option per config field, so the pairs are taken
+  out before it parses the rest.
+
+  Raises:
+    ValueError: a ``--config.KEY`` without a value, or an empty key.
+  """
+  rest: list[str] = []
+  overrides: dict[str, str] = {}
+  tokens = iter(argv)
+  for token in tokens:
+    if token == "--":
+      rest += [token, *tokens]
+      break
+    if not token.startswith(_CONFIG_OVERRIDE):
+      rest.append(token)
+      continue
+    key, has_value, value = token[len(_CONFIG_OVERRIDE):].partition("=")
+    if not has_value:
+      value = next(tokens, None)
+      if value is None:
+        raise ValueError(f"argument {token}: expected a value ({token}=VALUE)")
+    if not key:
+      raise ValueError(f"argument {token}: expected a field name ({_CONFIG_OVERRIDE}KEY=VALUE)")
+    overrides[key] = value
+  return rest, overrides
+
+
 def _config(parser: argparse.ArgumentParser, args: argparse.Namespace,
             **fields: Any) -> configs.Config:
+  """The run's config: the preset or ``--config`` file, then ``--config.KEY``, then the flags."""
+  dotted = {}
+  for key, text in args.config_overrides.items():
+    try:
+      dotted.update(config_files.parse_overrides({key: text}))
+    except ValueError as err:
+      parser.error(f"argument {_CONFIG_OVERRIDE}{key}: {err}")
   try:
-    return configs.get_config(args.preset, **_overrides(args), **fields)
-  except ValueError as err:
+    if args.config is not None:
+      base, name = config_files.load(args.config), f"config file '{args.config}'"
+    else:
+      base, name = configs.PRESETS[args.preset], f"preset {args.preset!r}"
+    flags = {**_overrides(args), **fields}
+    overrides = {**dotted, **{k: v for k, v in flags.items() if v is not None}}
+    if overrides.get("method", base.method) == "dense":
+      overrides["sparsity"] = 0.0  # dense training has no target sparsity
+    return configs.override(base, overrides, name=name)
+  except (ValueError, FileNotFoundError) as err:
     parser.error(str(err))
     raise  # parser.error exits; this keeps type checkers quiet
+
+
+def resolved_config(argv: Sequence[str]) -> configs.Config:
+  """The :class:`~safe_optax.vision.configs.Config` that ``train`` would run with ``argv``.
+
+  Args:
+    argv: the arguments after ``safe-optax-vision`` (starting with ``train``).
+
+  Returns:
+    The validated config (nothing is loaded or trained).
+
+  Raises:
+    SystemExit: the arguments are invalid (the message is printed, as the
+      command prints it).
+  """
+  parser, args = _parse(argv)
+  if args.command != "train":
+    parser.error("resolved_config takes the arguments of `train`")
+  return _train_config(args.parser, args)
+
+
+def _train_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> configs.Config:
+  return _config(parser, args, method=args.method, seed=args.seed, sparsity=args.sparsity)
 
 
 def _load(parser: argparse.ArgumentParser, config: configs.Config, data_dir: str):
@@ -191,13 +288,12 @@ def _interrupted(parser: argparse.ArgumentParser, err: KeyboardInterrupt) -> Non
 def train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
   """``train``: one run in ``--workdir``; prints the final accuracies and sparsity."""
   from safe_optax.vision import train as train_lib  # pylint: disable=import-outside-toplevel
-  config = _config(parser, args, method=args.method, seed=args.seed,
-                   sparsity=0.0 if args.method == "dense" else args.sparsity)
+  config = _train_config(parser, args)
   data = _load(parser, config, args.data_dir)
   try:
     outcome = train_lib.train_and_evaluate(config, args.workdir, data_dir=args.data_dir,
                                            dataset=data, progress=not args.no_progress,
-                                           restart=args.restart)
+                                           restart=args.restart, tensorboard=args.tensorboard)
   except KeyboardInterrupt as err:
     _interrupted(parser, err)
     raise
@@ -316,8 +412,9 @@ def sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
   command = "safe-optax-vision " + " ".join(sys.argv[1:]) if sys.argv else None
   summary = {"command": command, "config": configs.to_dict(base), "runs": runs,
              "table": table["rows"], "versions": versions()}
+  source = f"preset `{args.preset}`" if args.preset else f"config `{args.config}`"
   markdown = (f"Test accuracy (%) after the final projection and BNT, mean ± s.e. over seeds "
-              f"{args.seeds}; preset `{args.preset}`.\n\n{table['markdown']}\n")
+              f"{args.seeds}; {source}.\n\n{table['markdown']}\n")
   from safe_optax import distributed  # pylint: disable=import-outside-toplevel
   if distributed.is_primary():
     workdir.mkdir(parents=True, exist_ok=True)
@@ -354,10 +451,24 @@ def evaluate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
   return 0
 
 
+def _parse(argv: Optional[Sequence[str]]) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+  """The parser and the parsed arguments, ``--config.KEY`` overrides in ``config_overrides``."""
+  parser = build_parser()
+  try:
+    rest, overrides = _split_config_overrides(sys.argv[1:] if argv is None else argv)
+  except ValueError as err:
+    parser.error(str(err))
+    raise
+  args = parser.parse_args(rest)
+  if overrides and not hasattr(args, "config"):
+    args.parser.error(f"{_CONFIG_OVERRIDE}KEY overrides apply to train and sweep only")
+  args.config_overrides = overrides
+  return parser, args
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
   """Entry point of ``safe-optax-vision``."""
-  parser = build_parser()
-  args = parser.parse_args(argv)
+  _, args = _parse(argv)
   _join_runtime(args.parser, args)
   return args.func(args.parser, args)
 

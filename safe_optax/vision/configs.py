@@ -20,9 +20,11 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import typing
 import warnings
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from safe_optax.vision import methods
 
@@ -94,6 +96,9 @@ class Config:
   """Seeds the training subset, the t10k split and the label noise (fixed across seeds)."""
   eval_every: int = 1
   checkpoint_every: int = 1
+  log_every: int = 50
+  """Per-step scalars (loss, learning rate, ``lambda_t``, ...) every this many steps of an epoch,
+  kept on the device and written with the epoch's record (:mod:`safe_optax.vision.metrics`)."""
 
   def resolved_penalty(self) -> float:
     """``lambda`` for this model and sparsity."""
@@ -133,7 +138,8 @@ def validate(config: Config) -> Config:
   _one_of(config.penalty_schedule, "penalty_schedule", ("constant", "linear", "cosine"))
   _one_of(config.imp_power, "imp_power", (1, 3))
   for name in ("width", "epochs", "batch_size", "eval_batch_size", "dual_every", "bnt_samples",
-               "eval_every", "checkpoint_every", "imp_every_epochs", "gmp_update_every"):
+               "eval_every", "checkpoint_every", "imp_every_epochs", "gmp_update_every",
+               "log_every"):
     _positive_int(getattr(config, name), name)
   if not 0.0 <= config.sparsity < 1.0:
     raise ValueError(f"`sparsity` must be in [0, 1), got {config.sparsity}.")
@@ -216,15 +222,31 @@ def get_config(preset: str, **overrides: Any) -> Config:
   """
   if preset not in PRESETS:
     raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}.")
-  base = PRESETS[preset]
+  return override(PRESETS[preset], overrides, name=f"preset {preset!r}")
+
+
+def override(base: Config, overrides: Mapping[str, Any], *, name: str = "the config") -> Config:
+  """``base`` with ``overrides`` applied at once and validated (``None`` values are ignored).
+
+  As :func:`get_config` does for a preset: a run whose ``epochs`` does not
+  exceed ``base``'s warm-up, with no ``warmup_epochs`` given, warms up for
+  ``epochs // 10`` epochs instead (with a warning naming ``name``).
+
+  Raises:
+    ValueError: an unknown field, or an invalid value.
+
+  Examples:
+    >>> override(PRESETS["mlp-mnist"], {"epochs": 20, "seed": None}).epochs
+    20
+  """
   epochs = overrides.get("epochs")
   if (epochs is not None and overrides.get("warmup_epochs") is None
       and isinstance(epochs, int) and 0 < epochs <= base.warmup_epochs):
-    # A run shorter than the preset's warm-up: warm up for a tenth of it instead.
+    # A run shorter than the base's warm-up: warm up for a tenth of it instead.
     capped = epochs // 10
-    warnings.warn(f"preset {preset!r} warms up for {base.warmup_epochs} epochs, more than the "
+    warnings.warn(f"{name} warms up for {base.warmup_epochs} epochs, more than the "
                   f"run's {epochs}; warming up for {capped} (set warmup_epochs, CLI "
-                  "--warmup-epochs, to choose).", stacklevel=2)
+                  "--warmup-epochs, to choose).", stacklevel=3)
     overrides = {**overrides, "warmup_epochs": capped}
   return base.replace(**overrides)
 
@@ -247,13 +269,79 @@ def to_dict(config: Config) -> dict[str, Any]:
 
 
 def from_dict(values: Mapping[str, Any]) -> Config:
-  """Inverse of :func:`to_dict` (lists become tuples again)."""
-  fields = {f.name for f in dataclasses.fields(Config)}
+  """Inverse of :func:`to_dict`: lists become tuples again, every value is type-checked.
+
+  Fields left out take the :class:`Config` defaults (not a preset's).
+
+  Raises:
+    ValueError: an unknown field, a value of the wrong type (the message names
+      the field and its type) or an invalid value.
+
+  Examples:
+    >>> from_dict({"model": "mlp", "epochs": 3, "warmup_epochs": 1}).epochs
+    3
+    >>> from_dict({"epochs": "3"})
+    Traceback (most recent call last):
+    ...
+    ValueError: config field `epochs` must be int, got '3'.
+  """
+  hints = field_types()
   converted = {}
   for key, value in values.items():
-    if key not in fields:
-      raise ValueError(f"unknown config field {key!r}.")
-    if isinstance(value, list):
-      value = tuple(tuple(v) if isinstance(v, list) else v for v in value)
-    converted[key] = value
+    if key not in hints:
+      raise ValueError(f"unknown config field {key!r}; known: {sorted(hints)}.")
+    converted[key] = coerce(key, value)
   return validate(Config(**converted))
+
+
+@functools.lru_cache(maxsize=1)
+def field_types() -> dict[str, Any]:
+  """Each :class:`Config` field's type annotation, e.g. ``{"penalty": Optional[float], ...}``."""
+  return typing.get_type_hints(Config)
+
+
+def type_name(hint: Any) -> str:
+  """A field type as a reader writes it: ``int``, ``float or None``, ``tuple[int, ...]``."""
+  if typing.get_origin(hint) is Union:
+    return " or ".join(type_name(a) if a is not type(None) else "None"
+                       for a in typing.get_args(hint))
+  return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
+
+
+def coerce(key: str, value: Any) -> Any:
+  """``value`` checked against the type of field ``key``: lists become tuples, ints floats.
+
+  Raises:
+    ValueError: ``value`` does not fit the field's type (the message names the
+      field and the type).
+  """
+  hint = field_types()[key]
+  try:
+    return _coerce(value, hint)
+  except TypeError:
+    raise ValueError(f"config field `{key}` must be {type_name(hint)}, got {value!r}."
+                     ) from None
+
+
+def _coerce(value: Any, hint: Any) -> Any:
+  """``value`` as type ``hint`` (``TypeError`` when it does not fit)."""
+  origin, args = typing.get_origin(hint), typing.get_args(hint)
+  if origin is Union:
+    if value is None and type(None) in args:
+      return None
+    (inner,) = [a for a in args if a is not type(None)]
+    return _coerce(value, inner)
+  if origin is tuple:
+    if not isinstance(value, (list, tuple)):
+      raise TypeError(hint)
+    if len(args) == 2 and args[1] is Ellipsis:
+      return tuple(_coerce(v, args[0]) for v in value)
+    if len(value) != len(args):
+      raise TypeError(hint)
+    return tuple(_coerce(v, a) for v, a in zip(value, args))
+  # bool is an int to Python, never to a config field.
+  if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+    return float(value)
+  if isinstance(value, hint) and (hint is bool or not isinstance(value, bool)):
+    return value
+  raise TypeError(hint)

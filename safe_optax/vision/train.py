@@ -25,8 +25,12 @@ runs a whole experiment:
 * Orbax checkpoints after every epoch and on ``KeyboardInterrupt``; a run
   restarted in the same ``workdir`` resumes bit-exactly (same step, same data
   order, same augmentation keys);
-* per-epoch JSONL metrics (loss, accuracies, ``||x - Proj(x)||`` and, for
-  the ADMM-based methods, ``||x - z||``), then
+* per-epoch JSONL metrics (loss, accuracies, ``||x - Proj(x)||``, sparsity,
+  images/s and, for the ADMM-based methods, ``||x - z||`` and the mean mask
+  churn), each with the epoch's per-step rows, which the step writes into the
+  state every ``log_every`` steps and the host reads once an epoch
+  (:mod:`~safe_optax.vision.metrics`); the same as TensorBoard scalars in
+  ``tensorboard/`` when ``tensorboardX`` is installed; then
   :func:`safe_optax.vision.finish.finish`: the final projection, BatchNorm
   re-estimation on ``bnt_samples`` training images, ``results.json`` and
   matplotlib plots.
@@ -66,6 +70,7 @@ from safe_optax.vision import configs
 from safe_optax.vision import finish as finish_lib
 from safe_optax.vision import input_pipeline
 from safe_optax.vision import methods
+from safe_optax.vision import metrics as metrics_lib
 from safe_optax.vision import workdirs
 # Re-exported: the names callers (notebooks, benchmarks) know this module by.
 from safe_optax.vision.datasets import (NORMALIZATION, epoch_batches, gather_batch,
@@ -93,11 +98,14 @@ class EpochMetrics(NamedTuple):
   """Correctly classified training examples (clean pass, augmented)."""
   count: jax.Array
   """Training examples used so far in this epoch."""
+  log: metrics_lib.StepLog
+  """This epoch's per-step scalars (:class:`~safe_optax.vision.metrics.StepLogger`)."""
 
 
-def _zero_metrics() -> EpochMetrics:
+def _zero_metrics(log: Optional[metrics_lib.StepLog] = None) -> EpochMetrics:
   # Host zeros: device_put places them on any sharding, one over several processes included.
-  return EpochMetrics(np.zeros([], np.float32), np.zeros([], np.int32), np.zeros([], np.int32))
+  return EpochMetrics(np.zeros([], np.float32), np.zeros([], np.int32), np.zeros([], np.int32),
+                      metrics_lib.empty_log() if log is None else log)
 
 
 class TrainState(NamedTuple):
@@ -136,7 +144,8 @@ class Outcome(NamedTuple):
 def train_step(state: TrainState, images: jax.Array, labels: jax.Array,
                *, apply_fn: Callable[..., Any], tx: optax.GradientTransformation,
                uses_grad_fn: bool, augment: bool, mean: tuple[float, ...],
-               std: tuple[float, ...]) -> TrainState:
+               std: tuple[float, ...],
+               step_logger: Optional[metrics_lib.StepLogger] = None) -> TrainState:
   """One training step on a global batch (pure; jit it with the keywords bound).
 
   The augmentation key is ``fold_in(state.rng, step)`` and it augments the
@@ -152,9 +161,11 @@ def train_step(state: TrainState, images: jax.Array, labels: jax.Array,
     uses_grad_fn: pass ``grad_fn`` to ``tx.update`` (SAM-style methods).
     augment: pad-crop-flip the batch.
     mean, std: normalisation constants.
+    step_logger: writes this step's scalars into ``state.metrics.log`` when due
+      (``None``: the log is left as it is).
 
   Returns:
-    The new state (epoch metric sums updated).
+    The new state (epoch metric sums and log updated).
   """
   key = jax.random.fold_in(state.rng, state.step)
   batch = (prepare_images(images, key if augment else None, mean, std), labels)
@@ -167,11 +178,15 @@ def train_step(state: TrainState, images: jax.Array, labels: jax.Array,
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
   n = labels.shape[0]
   correct = jnp.sum(jnp.argmax(logits, -1) == batch[1]).astype(jnp.int32)
+  params = optax.apply_updates(state.params, updates)
+  log = state.metrics.log
+  if step_logger is not None:
+    log = step_logger.record(log, state.step, loss=loss, accuracy=correct / n, params=params,
+                             old_opt_state=state.opt_state, opt_state=opt_state)
   metrics = EpochMetrics(state.metrics.loss_sum + loss * n, state.metrics.correct + correct,
-                         state.metrics.count + n)
-  return TrainState(optax.safe_increment(state.step), state.rng,
-                    optax.apply_updates(state.params, updates), new_model_state, opt_state,
-                    metrics)
+                         state.metrics.count + n, log)
+  return TrainState(optax.safe_increment(state.step), state.rng, params, new_model_state,
+                    opt_state, metrics)
 
 
 def eval_step(params: Any, model_state: Any, images: jax.Array, labels: jax.Array,
@@ -232,6 +247,10 @@ class Programs(NamedTuple):
   """``prepare(images, key or None)``: :func:`prepare_images` with the data set's constants."""
   scores: Callable[..., Any]
   """SAFE+'s per-batch final scores (:func:`safe_optax.vision.finish.score_fn`), replicated."""
+  step_logger: metrics_lib.StepLogger
+  """What the step logs (its :meth:`~safe_optax.vision.metrics.StepLogger.empty` log)."""
+  sparsity: Callable[..., Any]
+  """``params -> `` the fraction of zeros in the prunable leaves."""
 
 
 def build_programs(config: Config, num_train: int, num_classes: int,
@@ -252,7 +271,9 @@ def _cached_programs(config: Config, num_train: int, num_classes: int,
                      image_shape: tuple[int, ...]) -> Programs:
   model = create_model(config, num_classes)
   method = methods.get(config.method)
-  tx = make_optimizer(config, input_pipeline.num_batches(num_train, config.batch_size))
+  spe = input_pipeline.num_batches(num_train, config.batch_size)
+  tx = make_optimizer(config, spe)
+  step_logger = _step_logger(config, spe)
   mesh = distributed.data_mesh()
   replicated = distributed.replicated(mesh)
   mean, std = NORMALIZATION[config.dataset]
@@ -262,11 +283,11 @@ def _cached_programs(config: Config, num_train: int, num_classes: int,
     variables = model.init(init_key, jnp.zeros((1,) + image_shape, jnp.float32), train=False)
     model_state, params = flax.core.pop(dict(variables), "params")
     return TrainState(jnp.zeros([], jnp.int32), data_key, params, dict(model_state),
-                      tx.init(params), _zero_metrics())
+                      tx.init(params), _zero_metrics(step_logger.empty()))
 
   step = functools.partial(
       train_step, apply_fn=model.apply, tx=tx, uses_grad_fn=method.uses_grad_fn,
-      augment=config.augment, mean=mean, std=std)
+      augment=config.augment, mean=mean, std=std, step_logger=step_logger)
   evaluate_batch = functools.partial(eval_step, apply_fn=model.apply, mean=mean, std=std)
   prepare = functools.partial(prepare_images, mean=mean, std=std)
   projection = methods.projection(config) if config.sparsity > 0 else None
@@ -282,20 +303,37 @@ def _cached_programs(config: Config, num_train: int, num_classes: int,
       prepare=jax.jit(prepare),
       scores=jax.jit(finish_lib.score_fn(model.apply, config.saliency, prepare),
                      out_shardings=replicated),
+      step_logger=step_logger,
+      sparsity=jax.jit(metrics_lib.prunable_sparsity),
   )
+
+
+def _step_logger(config: Config, steps_per_epoch: int) -> metrics_lib.StepLogger:
+  """The per-step scalars of ``config``: its schedules, and ``lambda_t`` for the ADMM methods."""
+  penalty = None
+  if methods.get(config.method).has_admm_state:
+    # As methods.make_optimizer builds them: ADMM's penalty is constant (Zhang et al.).
+    schedule = "constant" if config.method == "admm" else config.penalty_schedule
+    penalty = safe_optax.penalty_schedule(methods.penalty(config), schedule,
+                                          config.epochs * steps_per_epoch)
+  return metrics_lib.StepLogger(config.log_every, steps_per_epoch,
+                                learning_rate_schedule(config, steps_per_epoch), penalty,
+                                config.dual_every)
 
 
 def train_and_evaluate(config: Config, workdir: os.PathLike, *, data_dir: os.PathLike,
                        dataset: Optional[input_pipeline.Dataset] = None,
                        stop_after_epoch: Optional[int] = None,
                        on_step: Optional[Callable[[int], None]] = None,
-                       progress: bool = False, restart: bool = False) -> Outcome:
+                       progress: bool = False, restart: bool = False,
+                       tensorboard: Optional[bool] = None) -> Outcome:
   """Trains ``config`` in ``workdir`` (resuming from its checkpoint), then evaluates.
 
   Args:
     config: a validated :class:`~safe_optax.vision.configs.Config`.
-    workdir: output folder: ``checkpoints/``, ``metrics.jsonl``,
-      ``results.json``, ``accuracy.png``, ``distance.png``.
+    workdir: output folder: ``config.json``, ``checkpoints/``,
+      ``metrics.jsonl`` (one record an epoch, with its per-step rows),
+      ``tensorboard/``, ``results.json``, ``accuracy.png``, ``distance.png``.
     data_dir: where :func:`load_dataset` finds the data.
     dataset: an already loaded data set (skips ``data_dir``).
     stop_after_epoch: stop (with a checkpoint) once this many epochs are done.
@@ -303,6 +341,8 @@ def train_and_evaluate(config: Config, workdir: os.PathLike, *, data_dir: os.Pat
     progress: show tqdm progress bars.
     restart: discard what ``workdir`` holds (checkpoints, metrics, results)
       and train from scratch, whatever settings it was run with.
+    tensorboard: also write the metrics as TensorBoard event files in
+      ``workdir/tensorboard`` (``None``: when ``tensorboardX`` is installed).
 
   A workdir is one run: the resolved config is written to ``config.json`` at
   the start, and a workdir whose run has other settings is refused (the
@@ -323,11 +363,15 @@ def train_and_evaluate(config: Config, workdir: os.PathLike, *, data_dir: os.Pat
 
   Raises:
     ValueError: ``workdir`` holds a run of other settings.
+    ImportError: ``tensorboard=True`` without ``tensorboardX``.
     TrainingDiverged: the training loss of an epoch was not finite (training
       stops at the end of that epoch; ``diverged.json`` records where).
   """
   wall_start = time.perf_counter()
   workdir = pathlib.Path(workdir)
+  if tensorboard and not metrics_lib.tensorboard_available():
+    raise ImportError("tensorboard=True (CLI --tensorboard) needs tensorboardX: "
+                      "pip install tensorboardX, or safe-optax[vision].")
   claim_workdir(workdir, config, restart=restart)
   data = dataset if dataset is not None else load_dataset(config, data_dir)
   num_train = len(data.train_labels)
@@ -351,6 +395,10 @@ def train_and_evaluate(config: Config, workdir: os.PathLike, *, data_dir: os.Pat
   distributed.barrier("train_and_evaluate:history read")  # before process 0 rewrites it
   if primary:
     workdirs.write_history(metrics_path, history)
+  if tensorboard is None:
+    tensorboard = metrics_lib.tensorboard_available()
+  board = (metrics_lib.TensorBoard(workdir / workdirs.TENSORBOARD_DIR, purge_step=start_step)
+           if tensorboard and primary else None)
 
   epochs_run = 0
   last_saved = start_step
@@ -387,9 +435,12 @@ def train_and_evaluate(config: Config, workdir: os.PathLike, *, data_dir: os.Pat
       if primary:
         with open(metrics_path, "a", encoding="utf-8") as f:
           f.write(json.dumps(record) + "\n")
+      if board is not None:
+        board.write(record)
       if not np.isfinite(record["train_loss"]):
         workdirs.diverged(workdir, history, int(state.step))
-      state = state._replace(metrics=jax.device_put(_zero_metrics(), programs.replicated))
+      state = state._replace(metrics=jax.device_put(
+          _zero_metrics(programs.step_logger.empty()), programs.replicated))
       if (epoch + 1) % config.checkpoint_every == 0 or epoch + 1 == config.epochs:
         ckpt.save(int(state.step), state)
         last_saved = int(state.step)
@@ -400,21 +451,20 @@ def train_and_evaluate(config: Config, workdir: os.PathLike, *, data_dir: os.Pat
         and ckpt.latest_step() != int(state.step)):
       ckpt.save(int(state.step), state)
     saved = ckpt.latest_step()
-    bar.close()
-    ckpt.close()
     if saved is None:
       raise
     raise checkpoint_lib.Interrupted(saved, workdir / "checkpoints") from None
-  except TrainingDiverged:
+  finally:
     bar.close()
     ckpt.close()
-    raise
-  bar.close()
-  ckpt.close()
+    if board is not None:
+      board.close()
   if int(state.step) < total_steps:
     return Outcome(state, None, None, None)
+  # results.json keeps the per-epoch history; the per-step rows stay in metrics.jsonl.
   sparse_params, model_state, results = finish_lib.finish(
-      programs, config, state.params, state.model_state, data, history, workdir,
+      programs, config, state.params, state.model_state, data,
+      [metrics_lib.without_step_rows(r) for r in history], workdir,
       wall_seconds=time.perf_counter() - wall_start)
   return Outcome(state, sparse_params, model_state, results)
 
@@ -459,6 +509,7 @@ def _epoch_record(programs: Programs, config: Config, state: TrainState,
                   data: input_pipeline.Dataset, epoch: int, seconds: float, *, trained: int,
                   includes_compile: bool) -> dict[str, Any]:
   metrics = jax.device_get(state.metrics)
+  steps, dual_updates = programs.step_logger.rows(metrics.log)
   record: dict[str, Any] = {
       "epoch": epoch, "step": int(state.step),
       "train_loss": float(metrics.loss_sum) / max(int(metrics.count), 1),
@@ -466,11 +517,15 @@ def _epoch_record(programs: Programs, config: Config, state: TrainState,
       "train_examples": int(metrics.count), "epoch_seconds": seconds,
       # Images this process trained in ``seconds``, and whether they include compiling.
       "trained_images": trained, "includes_compile": includes_compile,
+      "images_per_second": trained / seconds if seconds > 0 else None,
+      "sparsity": float(programs.sparsity(state.params)),
   }
   if programs.distance is not None:
     record["distance_to_projection"] = float(programs.distance(state.params))
   if programs.distance_to_z is not None:
     record["distance_to_z"] = float(programs.distance_to_z(state.params, state.opt_state))
+  if dual_updates:
+    record["mask_churn"] = float(np.mean([r["mask_churn"] for r in dual_updates]))
   if (epoch + 1) % config.eval_every == 0 or epoch + 1 == config.epochs:
     dense = evaluate(programs.eval, state.params, state.model_state, data.test_images,
                      data.test_labels, config.eval_batch_size, mesh=programs.mesh)
@@ -480,6 +535,7 @@ def _epoch_record(programs: Programs, config: Config, state: TrainState,
                         data.test_images, data.test_labels, config.eval_batch_size,
                         mesh=programs.mesh)
       record["test_accuracy_projected"] = sparse["accuracy"]
+  record.update(steps=steps, dual_updates=dual_updates)
   return record
 
 
