@@ -60,7 +60,35 @@ def table(runs: list[dict[str, Any]], methods: list[str]) -> str:
   return "\n".join(lines)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+DEFAULT_GRIDS = {"safe": [1e-3, 1e-2, 1e-1, 1.0], "admm": [1e-4, 1e-3, 1e-2, 1e-1]}
+
+
+def penalty_grids(args: argparse.Namespace, parser: argparse.ArgumentParser
+                  ) -> tuple[dict[str, list[float]], dict[str, dict[str, float]]]:
+  """The lambda grids of the selection, and the fixed lambdas of a run without one.
+
+  Without ``--validation`` nothing is selected, so a grid given on the command
+  line must be a single lambda, which every run of those methods then uses; a
+  longer grid is refused rather than silently ignored.
+  """
+  given = {"safe": args.safe_grid, "admm": args.admm_grid}
+  grids = {m: (given["admm" if m == "admm" else "safe"]
+               or DEFAULT_GRIDS["admm" if m == "admm" else "safe"])
+           for m in sweeps.PENALTY_METHODS}
+  fixed: dict[str, dict[str, float]] = {}
+  if args.validation is None:
+    for name, grid in given.items():
+      if grid is not None and len(grid) != 1:
+        parser.error(f"--{name}-grid has {len(grid)} values but nothing selects among them: "
+                     "pass --validation N, or give one lambda to use for every run")
+    for method in sweeps.PENALTY_METHODS:
+      grid = given["admm" if method == "admm" else "safe"]
+      if grid is not None:
+        fixed[method] = {sweeps.penalty_field(method): grid[0]}
+  return grids, fixed
+
+
+def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--preset", default="resnet20-cifar10", choices=sorted(configs.PRESETS))
   parser.add_argument("--data-dir", required=True)
@@ -76,10 +104,19 @@ def main(argv: Optional[list[str]] = None) -> int:
   parser.add_argument("--validation", type=int, default=None,
                       help="choose lambda on N held-out (equally noisy) training examples")
   parser.add_argument("--select-seeds", type=int, default=1)
-  parser.add_argument("--safe-grid", type=float, nargs="+", default=[1e-3, 1e-2, 1e-1, 1.0])
-  parser.add_argument("--admm-grid", type=float, nargs="+", default=[1e-4, 1e-3, 1e-2, 1e-1])
+  parser.add_argument("--safe-grid", type=float, nargs="+", default=None,
+                      help="lambdas tried for SAFE-type methods with --validation (default "
+                           f"{DEFAULT_GRIDS['safe']}); without --validation, one value: the "
+                           "lambda every run uses")
+  parser.add_argument("--admm-grid", type=float, nargs="+", default=None,
+                      help=f"the same for ADMM (default {DEFAULT_GRIDS['admm']})")
   parser.add_argument("--workdir", default="/tmp/safe_optax_label_noise")
   parser.add_argument("--out", default="results/flatness")
+  return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+  parser = build_parser()
   args = parser.parse_args(argv)
   start = time.perf_counter()
   overrides = {"epochs": args.epochs, "warmup_epochs": args.warmup_epochs,
@@ -88,8 +125,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     overrides["test_only_split"] = tuple(args.test_only_split)
   base = configs.get_config(args.preset, **overrides)
   runs, selections = [], {}
-  grids = {m: (args.admm_grid if m == "admm" else args.safe_grid)
-           for m in sweeps.PENALTY_METHODS}
+  grids, fixed = penalty_grids(args, parser)
   for noise in args.noise:
     noisy = base.replace(label_noise=noise)
     selection = None
@@ -104,7 +140,8 @@ def main(argv: Optional[list[str]] = None) -> int:
       for method in args.methods:
         for seed in args.seeds:
           config = noisy.replace(method=method, sparsity=sparsity, seed=seed,
-                                 **sweeps.chosen_overrides(selection, method, sparsity))
+                                 **sweeps.chosen_overrides(selection, method, sparsity),
+                                 **fixed.get(method, {}))
           results = sweeps.run_or_load(config, sweeps.run_dir(args.workdir, config), data=data,
                                        data_dir=args.data_dir, progress=True)
           runs.append({**sweeps.record(config, results),

@@ -1,0 +1,44 @@
+"""benchmarks/label_noise.py: which lambda each run uses, and no grid silently ignored."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+import label_noise  # noqa: E402  pylint: disable=wrong-import-position
+
+
+def _grids(*argv: str):
+  parser = label_noise.build_parser()
+  args = parser.parse_args(["--data-dir", "unused", *argv])
+  return label_noise.penalty_grids(args, parser)
+
+
+def test_without_validation_a_single_lambda_is_used_by_every_run():
+  grids, fixed = _grids("--safe-grid", "3", "--admm-grid", "0.3")
+  assert fixed["safe"] == {"penalty": 3.0}
+  assert fixed["admm"] == {"admm_penalty": 0.3}
+  assert fixed["safe-plus"] == {"penalty": 3.0}
+  assert grids["admm"] == [0.3]
+
+
+def test_without_validation_and_without_grids_the_preset_lambdas_stay():
+  grids, fixed = _grids()
+  assert fixed == {}
+  assert grids["safe"] == label_noise.DEFAULT_GRIDS["safe"]
+  assert grids["admm"] == label_noise.DEFAULT_GRIDS["admm"]
+
+
+def test_a_grid_nothing_selects_from_is_refused(capsys):
+  with pytest.raises(SystemExit):
+    _grids("--safe-grid", "0.1", "1")
+  assert "--safe-grid has 2 values" in capsys.readouterr().err
+
+
+def test_with_validation_grids_are_selected_over_not_fixed():
+  grids, fixed = _grids("--validation", "100", "--safe-grid", "0.1", "1")
+  assert fixed == {}
+  assert grids["safe"] == [0.1, 1.0]
