@@ -350,8 +350,9 @@ def test_prune_exports_in_the_source_dtype_with_sparsity_metadata(tmp_path, caps
   assert "--export-dtype" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("dtype", list(_ON_DISK))
 @pytest.mark.parametrize("tie", [True, False])
-def test_gguf_export_reads_in_transformers(tmp_path, tie):
+def test_gguf_export_reads_in_transformers(tmp_path, tie, dtype):
   """The export of a GGUF model, read by transformers: same logits, same token ids.
 
   Runs where ``transformers`` (< 5, which still has the Flax Llama; PyTorch
@@ -373,7 +374,7 @@ def test_gguf_export_reads_in_transformers(tmp_path, tie):
       params, structure=safe_optax.NM(2, 4),
       prunable=lambda p, leaf: "layers_" in jax.tree_util.keystr(p) and leaf.ndim == 2)
   folder = checkpoints.save_safetensors(
-      tmp_path / "hf", config, pruned, tokenizer, dtype="bfloat16",
+      tmp_path / "hf", config, pruned, tokenizer, dtype=dtype,
       prune_config=PruneConfig("magnitude", nm=(2, 4)),
       source_metadata=checkpoints.source_metadata(path))
   text = "hello hell<|end|>"
