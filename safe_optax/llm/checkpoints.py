@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import numpy as np
