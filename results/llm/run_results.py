@@ -52,6 +52,13 @@ SAFE_BUDGETS = {
     # SAFE's best 60-step setting (lambda 1e-2: 0.0544 vs 0.0614 with 1e-3).
     "selected-lam1e-2": {"epochs": 30, "warmup_epochs": 2, "dual_every": 32,
                          "learning_rate": 3e-3, "penalty": 1e-2},
+    # 250 steps per block (125 epochs of 2 steps, warm-up round(125 / 15) as in
+    # benchmarks/llm_block_selection.py), where held-out block-0 error chose lr 3e-3 and
+    # lambda 1e-3 for SAFE+ (0.0206) and lambda 1e-2 for SAFE (0.0288).
+    "steps250": {"epochs": 125, "warmup_epochs": 8, "dual_every": 32, "learning_rate": 3e-3,
+                 "penalty": 1e-3},
+    "steps250-lam1e-2": {"epochs": 125, "warmup_epochs": 8, "dual_every": 32,
+                         "learning_rate": 3e-3, "penalty": 1e-2},
 }
 STATE_ROOT = pathlib.Path("/tmp/safe_optax_llm_state")
 METHODS = ("magnitude", "wanda", "sparsegpt", "safe-plus", "safe")
