@@ -23,6 +23,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from safe_optax import _prunable
 from safe_optax import _select
@@ -95,26 +96,31 @@ def _keep_counts(shapes, sparsity, structure):
 @functools.partial(jax.jit, static_argnames=("structure",))
 def _project_leaves(leaves, score_leaves, counts, *, structure):
   """Projects the prunable leaves; ``counts`` holds the keep count of each group."""
-  keys = [_select.order_keys(jnp.abs(leaf) if score is None else score)
-          for leaf, score in zip(leaves, score_leaves)]
+  # Scores are all given or all |v| (project_topk checks), so one key map serves every leaf.
+  by_magnitude = all(score is None for score in score_leaves)
+  ranked = leaves if by_magnitude else score_leaves
+  key_fn = _select.magnitude_keys if by_magnitude else _select.order_keys
   if isinstance(structure, Global):
-    masks, _ = _select.topk_masks(keys, counts[0])
+    masks, _ = _select.topk_masks(ranked, counts[0], key_fn=key_fn)
   elif isinstance(structure, PerLeaf):
-    masks = [_select.topk_masks([key], k)[0][0] for key, k in zip(keys, counts)]
+    masks = [_select.topk_masks([x], k, key_fn=key_fn)[0][0] for x, k in zip(ranked, counts)]
   else:
     masks = [
-        _from_groups(_select.group_topk_mask(_to_groups(key, structure), k), key.shape,
+        _from_groups(_select.group_topk_mask(_to_groups(key_fn(x), structure), k), x.shape,
                      structure)
-        for key, k in zip(keys, counts)
+        for x, k in zip(ranked, counts)
     ]
 
   projected = []
   for leaf, score, mask in zip(leaves, score_leaves, masks):
     # A NaN value or score shows as NaN at its own entry, kept or not: never hidden
     # (the loss and finalize see it) and never spread over the rest of its group.
-    bad = jnp.isnan(leaf) if score is None else jnp.isnan(leaf) | jnp.isnan(score)
-    kept = jnp.where(mask, leaf, jnp.zeros((), leaf.dtype))
-    projected.append(jnp.where(bad, jnp.full((), jnp.nan, leaf.dtype), kept))
+    # (lax ops rather than jnp's wrappers: traced once per leaf, see order_keys.)
+    bad = lax.ne(leaf, leaf)
+    if score is not None:
+      bad = lax.bitwise_or(bad, lax.ne(score, score))
+    kept = lax.select(mask, leaf, lax.full(leaf.shape, 0, leaf.dtype))
+    projected.append(lax.select(bad, lax.full(leaf.shape, jnp.nan, leaf.dtype), kept))
   return projected, masks
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import fractions
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -110,12 +110,26 @@ def order_keys(scores: jax.Array) -> jax.Array:
   set, ``-0.0`` is read as ``+0.0`` (equal scores tie), and every NaN becomes
   ``0xFFFFFFFF`` (above ``+inf``). Low-precision floats widen to float32 exactly.
   """
-  x = scores.astype(jnp.float32)
+  # lax ops, not jnp's wrappers: this runs once per leaf at trace time, and the
+  # wrappers tripled the tracing time of a 300-leaf projection.
+  x = lax.convert_element_type(scores, jnp.float32)
   bits = lax.bitcast_convert_type(x, jnp.uint32)
-  sign = jnp.uint32(0x80000000)
-  bits = jnp.where(bits == sign, jnp.uint32(0), bits)
-  keys = jnp.where((bits & sign) != 0, ~bits, bits | sign)
-  return jnp.where(jnp.isnan(x), jnp.uint32(_NAN_KEY), keys)
+  sign = _full_like(bits, 0x80000000)
+  bits = lax.select(lax.eq(bits, sign), _full_like(bits, 0), bits)
+  negative = lax.ne(lax.bitwise_and(bits, sign), _full_like(bits, 0))
+  keys = lax.select(negative, lax.bitwise_not(bits), lax.bitwise_or(bits, sign))
+  return lax.select(lax.ne(x, x), _full_like(bits, _NAN_KEY), keys)
+
+
+def magnitude_keys(values: jax.Array) -> jax.Array:
+  """``order_keys(abs(values))`` in fewer operations (no negative scores to flip)."""
+  x = lax.abs(lax.convert_element_type(values, jnp.float32))
+  keys = lax.bitwise_or(lax.bitcast_convert_type(x, jnp.uint32), np.uint32(0x80000000))
+  return lax.select(lax.ne(x, x), _full_like(keys, _NAN_KEY), keys)
+
+
+def _full_like(x: jax.Array, value: int) -> jax.Array:
+  return lax.full(x.shape, value, x.dtype)
 
 
 def _histogram(digits: jax.Array, keep: jax.Array | None = None) -> jax.Array:
@@ -198,20 +212,31 @@ def _tie_cut(flat: jax.Array, threshold: jax.Array, ties_to_keep: jax.Array,
 
 
 def topk_masks(
-    keys: Sequence[jax.Array], k, *, chunk_size: int = 1 << 12
+    keys: Sequence[jax.Array], k, *, key_fn: Callable[[jax.Array], jax.Array] | None = None,
+    chunk_size: int = 1 << 12,
 ) -> tuple[list[jax.Array], jax.Array]:
   """Keep-masks for the ``k`` largest keys across all ``keys`` leaves together.
 
   The leaves are concatenated into one flat array (one copy, so the histogram
-  passes are two scatters whatever the leaf count). Two 16-bit radix passes find the exact k-th largest key ``t`` without sorting: a
-  histogram of the high digit, then one of the low digit among entries in the
-  chosen high bin. Entries ``> t`` are kept, plus the first ``k - count(> t)``
-  entries equal to ``t`` in flatten order, found by counting ties per block of
-  ``chunk_size`` entries only when some ties must be dropped.
+  passes are two scatters whatever the leaf count). Two 16-bit radix passes
+  find the exact k-th largest key ``t`` without sorting: a histogram of the
+  high digit, then one of the low digit among entries in the chosen high bin.
+  Entries ``> t`` are kept, plus the first ``k - count(> t)`` entries equal to
+  ``t`` in flatten order, found by counting ties per block of ``chunk_size``
+  entries only when some ties must be dropped.
+
+  Compile time is nearly flat in the leaf count: per leaf there is one
+  elementwise kernel (the mask, fused with whatever the caller does with it),
+  the same for every leaf of one shape and dtype, which XLA compiles once.
 
   Args:
-    keys: ``uint32`` arrays from :func:`order_keys`, any shapes.
+    keys: ``uint32`` arrays from :func:`order_keys`, any shapes; or, with
+      ``key_fn``, arrays that ``key_fn`` maps to such keys.
     k: number of entries to keep, ``1 <= k <= total size`` (int or traced int32).
+    key_fn: elementwise map from the given arrays to keys (e.g.
+      ``lambda w: order_keys(jnp.abs(w))``), applied to their concatenation
+      and again where each leaf's mask is formed, so keys are never stored per
+      leaf (one pass and one compiled kernel per leaf shape fewer).
     chunk_size: entries per block when ranking ties at the threshold.
 
   Returns:
@@ -219,32 +244,48 @@ def topk_masks(
     ``True`` entries in all, and whether any key is a NaN key (read off the
     histograms, so NaN detection costs no pass of its own).
   """
-  total = sum(key.size for key in keys)
+  to_keys = key_fn if key_fn is not None else (lambda x: x)
+  total = sum(x.size for x in keys)
   if total == 0:
-    return [jnp.zeros(key.shape, bool) for key in keys], jnp.bool_(False)
+    return [jnp.zeros(x.shape, bool) for x in keys], jnp.bool_(False)
   k = jnp.asarray(k, jnp.int32)
   # Materialised once: fused into both scatters, the concatenation of every leaf
-  # would be compiled (and its keys computed) twice.
-  flat = lax.optimization_barrier(jnp.concatenate([key.reshape(-1) for key in keys if key.size]))
-  found = _threshold(flat, k)
+  # would be compiled (and copied) twice.
+  flat = lax.optimization_barrier(jnp.concatenate([x.reshape(-1) for x in keys if x.size]))
+  found = _threshold(to_keys(flat), k)
   threshold = found.key
   ties_to_keep = k - found.above
   # Ties at the threshold are rare for real weights; skip the counting pass then.
   cut = lax.cond(ties_to_keep == found.equal, lambda: jnp.int32(total),
-                 lambda: _tie_cut(flat, threshold, ties_to_keep, chunk_size))
-  # Masks elementwise from each leaf's keys, outside the cond, so the caller's
-  # use of a mask (e.g. ``where(mask, leaf, 0)``) fuses with the key computation.
-  # The cut is carried from leaf to leaf as data, never as a per-leaf offset
-  # constant: then every leaf of one shape runs the same operations, which XLA
-  # compiles once (constants would make each leaf's kernels distinct, ~30 ms of
-  # compile time each).
-  masks = []
-  for key in keys:
-    cut = lax.optimization_barrier(cut)
-    before_cut = lax.iota(jnp.int32, key.size).reshape(key.shape) < cut
-    masks.append((key > threshold) | ((key == threshold) & before_cut))
-    cut = cut - key.size
+                 lambda: _tie_cut(to_keys(flat), threshold, ties_to_keep, chunk_size))
+  # Masks elementwise from each leaf, outside the cond, so the caller's use of a
+  # mask (e.g. ``where(mask, leaf, 0)``) fuses with the key computation.
+  masks, start = [], 0
+  for x in keys:
+    key = to_keys(x)
+    at = lax.full(key.shape, threshold, key.dtype)
+    before_cut = lax.lt(_positions(key.shape, start), lax.full(key.shape, cut, jnp.int32))
+    masks.append(lax.bitwise_or(lax.gt(key, at), lax.bitwise_and(lax.eq(key, at), before_cut)))
+    start += key.size
   return masks, found.nan
+
+
+def _positions(shape: tuple[int, ...], start: int) -> jax.Array:
+  """Flat positions ``start, start + 1, ...`` of a leaf's entries, in its shape.
+
+  Built as a column iota plus an array constant of row starts, never as an iota
+  plus the scalar ``start``: XLA:CPU bakes scalar constants into the kernel, so
+  each leaf would compile a kernel of its own (~30 ms each, compile time linear
+  in the leaf count with a large slope), while array constants are passed to the
+  kernel as buffers, so every leaf of one shape runs one compiled kernel.
+  """
+  size = math.prod(shape)
+  rows = shape[0] if len(shape) >= 2 and size else 1
+  cols = size // rows
+  row_starts = np.asarray(start + np.arange(rows, dtype=np.int64) * cols, np.int32)
+  positions = lax.add(lax.broadcast_in_dim(jnp.asarray(row_starts), (rows, cols), (0,)),
+                      lax.broadcasted_iota(jnp.int32, (rows, cols), 1))
+  return lax.reshape(positions, shape)
 
 
 def group_topk_mask(keys: jax.Array, k) -> jax.Array:
