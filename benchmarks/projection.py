@@ -25,6 +25,9 @@ slower one a sample; each method gets at most ``--reps`` samples and about
 Xeon) get one sample per sparsity. The full run takes 15-35 min with machine
 load, 10-25 min of it sort and top_k at 100M, which ``--skip-slow`` drops.
 
+The table's ``ours cs`` / ``sort cs`` columns are compile seconds (trace, lower
+and XLA compile of one jitted call).
+
 Checks: ours keeps exactly ``n - floor(s*n)`` kernel entries, its kept set is
 inside the sort baseline's (so equal to it when there are no ties at the
 threshold), and biases are unchanged.
@@ -39,8 +42,12 @@ Further tables (``--parts``; ``sizes`` is the table above):
   outliers at 10x) and He-normal rounded to 2 decimals (a few dozen distinct
   values: ties). ``--compare-kernel FILE`` times another ``_select.py`` (e.g.
   ``git show REV:safe_optax/_select.py > old.py``) in the same rounds;
-* ``compile``: compile time against the number of leaves (3 / 22 / 100 / 300
-  leaves of 1024 x 1025), ours against sort (and the compared kernel);
+* ``compile``: compile time (trace, lower and XLA compile, from cleared caches)
+  against the number of leaves (3 / 22 / 100 / 300 leaves of 1024 x 1025),
+  ours against sort and the compared kernel, interleaved, median of
+  ``--compile-reps``; ``growth`` is ours over ours at 3 leaves; with the
+  projection's runtime (ours and the compared kernel, same kept sets checked)
+  up to ``--compile-runtime-max-leaves`` leaves;
 * ``share``: the projection's share of SAFE training at ``dual_every`` K = 32:
   ``t_proj / (K * t_step + t_proj)``, with ``t_step`` a SAFE step without dual
   update (``benchmarks/_common.py``'s ``safe_nodual``) and ``t_proj`` the jitted
@@ -50,7 +57,8 @@ Further tables (``--parts``; ``sizes`` is the table above):
   weights, block-output MSE on ``--share-batch`` x 128 tokens).
 
 Bars on this CPU: ours >= 50x faster than sort at 1.1M and at 20M, compile
-< 10 s, the slowest distribution within 1.3x of the fastest.
+< 10 s, compile at 300 leaves within 2x of compile at 3 leaves, the slowest
+distribution within 1.3x of the fastest.
 """
 
 from __future__ import annotations
@@ -244,7 +252,7 @@ def bench_size(size: str, sparsities: list[float], reps: int, skip_slow: bool) -
 
 
 HEADER = (f"{'size':>6} {'s':>5} {'ours ms':>9} {'sort ms':>9} {'top_k ms':>9} {'floor ms':>9}"
-          f" {'vs sort':>8} {'/floor':>7} {'cmp ours':>9} {'cmp sort':>9}  check")
+          f" {'vs sort':>8} {'/floor':>7} {'ours cs':>9} {'sort cs':>9}  check")
 
 
 def _fmt(x: float | None, spec: str, suffix: str = "") -> str:
@@ -324,18 +332,24 @@ def load_select(path: str) -> Any:
 
 
 def kernel_projection(select: Any) -> Callable[[list[jax.Array], jax.Array], list[jax.Array]]:
-  """``project_topk``'s global scope on a list of kernels, built on ``select``'s kernel."""
+  """``project_topk``'s global scope on a list of kernels, built on ``select``'s kernel.
+
+  A kernel with ``magnitude_keys`` gets the raw kernels and maps them to keys
+  itself (as ``project_topk`` calls it); an older one gets per-leaf keys.
+  """
   def project(kernels: list[jax.Array], k: jax.Array) -> list[jax.Array]:
-    keys = [select.order_keys(jnp.abs(w)) for w in kernels]
-    masks, _ = select.topk_masks(keys, k)
+    if hasattr(select, "magnitude_keys"):
+      masks, _ = select.topk_masks(kernels, k, key_fn=select.magnitude_keys)
+    else:
+      masks, _ = select.topk_masks([select.order_keys(jnp.abs(w)) for w in kernels], k)
     return [jnp.where(m, w, 0.0) for m, w in zip(masks, kernels)]
-  return jax.jit(project)
+  return project
 
 
 def bench_distributions(sizes: list[str], reps: int, compare: Any) -> list[dict]:
-  kernels = {"ours": kernel_projection(_select)}
+  kernels = {"ours": jax.jit(kernel_projection(_select))}
   if compare is not None:
-    kernels["compared"] = kernel_projection(compare)
+    kernels["compared"] = jax.jit(kernel_projection(compare))
   rows = []
   for size in sizes:
     shapes = SIZES[size]()
@@ -378,28 +392,74 @@ def bench_distributions(sizes: list[str], reps: int, compare: Any) -> list[dict]
 # --------------------------------------------------------------------------- #
 
 
-def bench_compile(leaf_counts: list[int], compare: Any, compare_max_leaves: int) -> list[dict]:
-  k = jax.ShapeDtypeStruct((), jnp.int32)
-  methods = {"ours": kernel_projection(_select),
-             "sort": jax.jit(lambda ws, k: [jnp.where(m, w, 0.0) for m, w in zip(
-                 _sort_masks(ws, k), ws)])}
+def bench_compile(leaf_counts: list[int], compare: Any, compare_max_leaves: int, reps: int,
+                  runtime_max_leaves: int) -> list[dict]:
+  """Compile (trace + lower + XLA) seconds per method and leaf count, and runtime.
+
+  Every compile starts from cleared caches; methods and leaf counts are
+  interleaved round-robin ``reps`` times and the median kept, so machine load
+  drifts into all of them alike. ``growth`` is ours over ours at the first leaf
+  count. Runtime (ours and the compared kernel, sparsity 0.9, round-robin) is
+  measured up to ``runtime_max_leaves`` leaves (the arrays take 4 bytes x 1M
+  entries x leaves, several times over).
+  """
+  methods = {"ours": kernel_projection(_select), "sort": _sort_projection}
   if compare is not None:
     methods["compared"] = kernel_projection(compare)
+  k_spec = jax.ShapeDtypeStruct((), jnp.int32)
+  samples: dict[tuple[int, str], list[float]] = {}
+  for _ in range(reps):
+    for count in leaf_counts:
+      kernels = [jax.ShapeDtypeStruct(COMPILE_LEAF_SHAPE, jnp.float32)] * count
+      for name, fn in methods.items():
+        if name == "compared" and count > compare_max_leaves:
+          continue
+        jax.clear_caches()
+        start = time.perf_counter()
+        jax.jit(fn).lower(kernels, k_spec).compile()
+        samples.setdefault((count, name), []).append(time.perf_counter() - start)
   rows = []
-  print(f"\n{'leaves':>6} " + " ".join(f"{m + ' s':>12}" for m in methods))
   for count in leaf_counts:
-    kernels = [jax.ShapeDtypeStruct((1024, 1025), jnp.float32)] * count
-    row = {"leaves": count, "leaf_shape": [1024, 1025], "compile_s": {}}
-    for name, fn in methods.items():
-      if name == "compared" and count > compare_max_leaves:
-        continue
-      start = time.perf_counter()
-      fn.lower(kernels, k).compile()
-      row["compile_s"][name] = time.perf_counter() - start
-    rows.append(row)
-    print(f"{count:>6} " + " ".join(f"{_fmt(row['compile_s'].get(m), '12.2f'):>12}"
-                                    for m in methods), flush=True)
+    compile_s = {name: statistics.median(samples[(count, name)])
+                 for name in methods if (count, name) in samples}
+    rows.append({"leaves": count, "leaf_shape": list(COMPILE_LEAF_SHAPE), "compile_s": compile_s,
+                 "growth": compile_s["ours"] / statistics.median(samples[(leaf_counts[0], "ours")]),
+                 "raw_compile_s": {name: samples[(count, name)] for name in compile_s}})
+  for row in rows:
+    if row["leaves"] <= runtime_max_leaves:
+      row["runtime_ms"] = _compile_table_runtime(row["leaves"], methods, compare is not None)
+  cols = list(methods)
+  print(f"\n{'leaves':>6} " + " ".join(f"{m + ' s':>11}" for m in cols) + f" {'growth':>7}"
+        f" {'ours ms':>9} {'cmp ms':>9} {'ours/cmp':>8}")
+  for row in rows:
+    t = row.get("runtime_ms", {})
+    print(f"{row['leaves']:>6} " + " ".join(f"{_fmt(row['compile_s'].get(m), '11.2f'):>11}"
+                                          for m in cols)
+          + f" {row['growth']:>6.2f}x {_fmt(t.get('ours'), '9.1f'):>9}"
+          f" {_fmt(t.get('compared'), '9.1f'):>9}"
+          f" {_fmt(t.get('compared') and t['ours'] / t['compared'], '7.2f', 'x'):>8}", flush=True)
   return rows
+
+
+COMPILE_LEAF_SHAPE = (1024, 1025)
+
+
+def _compile_table_runtime(count: int, methods: dict[str, Callable], compare: bool) -> dict:
+  """Median ms of ours (and the compared kernel) on ``count`` random leaves, round-robin."""
+  key = jax.random.key(0)
+  kernels = [jax.random.normal(jax.random.fold_in(key, i), COMPILE_LEAF_SHAPE)
+             for i in range(count)]
+  k = jnp.int32(safe_optax.num_keep(count * math.prod(COMPILE_LEAF_SHAPE), 0.9))
+  names = ["ours"] + (["compared"] if compare else [])
+  calls = {name: functools.partial(jax.jit(methods[name]), kernels, k) for name in names}
+  samples, outputs = time_methods(calls, reps=5)
+  if compare:  # the same kept set, leaf by leaf
+    assert all(np.array_equal(a, b) for a, b in zip(outputs["ours"], outputs["compared"]))
+  return {name: 1e3 * statistics.median(samples[name]) for name in names}
+
+
+def _sort_projection(kernels: list[jax.Array], k: jax.Array) -> list[jax.Array]:
+  return [jnp.where(m, w, 0.0) for m, w in zip(_sort_masks(kernels, k), kernels)]
 
 
 def _sort_masks(kernels: list[jax.Array], k: jax.Array) -> list[jax.Array]:
@@ -505,8 +565,12 @@ def main() -> None:
   parser.add_argument("--dist-sizes", default="1.1M,20M")
   parser.add_argument("--compile-leaves", default="3,22,100,300")
   parser.add_argument("--compare-kernel", help="another _select.py to time side by side")
-  parser.add_argument("--compare-compile-max-leaves", type=int, default=100,
+  parser.add_argument("--compare-compile-max-leaves", type=int, default=300,
                       help="compile the compared kernel only up to this many leaves")
+  parser.add_argument("--compile-reps", type=int, default=3,
+                      help="interleaved compiles per method and leaf count (median kept)")
+  parser.add_argument("--compile-runtime-max-leaves", type=int, default=100,
+                      help="time the projection itself up to this many 1M-entry leaves")
   parser.add_argument("--share-batch", type=int, default=32)
   parser.add_argument("--share-reps", type=int, default=5)
   parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__),
@@ -528,13 +592,16 @@ def main() -> None:
                                                         args.skip_slow)]
   dist_rows = bench_distributions(dist_sizes, args.reps, compare) if dist_sizes else []
   compile_rows = (bench_compile([int(c) for c in args.compile_leaves.split(",")], compare,
-                                args.compare_compile_max_leaves)
+                                args.compare_compile_max_leaves, args.compile_reps,
+                                args.compile_runtime_max_leaves)
                   if "compile" in parts else [])
   share_rows = bench_share(args.share_batch, args.share_reps) if "share" in parts else []
   verdicts = bars(rows)
   for size in dist_sizes:
     times = [r["median_ms"] for r in dist_rows if r["kernel"] == "ours" and r["size"] == size]
     verdicts[f"slowest / fastest distribution <= 1.3x at {size}"] = max(times) / min(times) <= 1.3
+  if compile_rows and compile_rows[0]["leaves"] == 3 and compile_rows[-1]["leaves"] == 300:
+    verdicts["ours compile at 300 leaves <= 2x at 3 leaves"] = compile_rows[-1]["growth"] <= 2
   for name, met in verdicts.items():
     print(f"bar {name}: {'n/a' if met is None else 'met' if met else 'NOT met'}")
   report = {

@@ -7,8 +7,8 @@ the memory floor (``where(mask, w, 0)``: one read and one write of every leaf):
 * floor:        ``where(mask, w, 0)`` with a precomputed mask per leaf;
 * sum:          ``sum(w)`` per leaf: one read, no write (XLA's fast reduction);
 * count:        ``sum(|w| >= t)`` per leaf: one compare fused into the reduction;
-* concat:       the leaves' keys concatenated into one flat array (the copy
-                ``project_topk``'s select makes);
+* concat:       the leaves concatenated into one flat array (the copy
+                ``project_topk``'s select makes) and mapped to keys;
 * histogram:    one 2**16-bin scatter-add of the high 16 bits of every key,
                 i.e. one radix pass of ``project_topk``'s select;
 * threshold:    ``project_topk``'s exact k-th largest key (two radix passes);
@@ -38,7 +38,8 @@ from projection import make_params, vgg19_shapes
 
 
 def _flat_keys(kernels: list[jax.Array]) -> jax.Array:
-  return jnp.concatenate([_select.order_keys(jnp.abs(w)).reshape(-1) for w in kernels])
+  # As project_topk: the raw leaves concatenated, keys computed on the flat copy.
+  return _select.magnitude_keys(jnp.concatenate([w.reshape(-1) for w in kernels]))
 
 
 def _histogram_pass(kernels: list[jax.Array]) -> jax.Array:

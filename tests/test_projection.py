@@ -612,6 +612,30 @@ def test_unstructured_matches_reference(data):
       assert_optimal(flat, keep)
 
 
+def many_mixed_template(mk):
+  """45 leaves: repeated kernel shapes (one compiled kernel per shape, each leaf
+  with its own flat positions), one-row kernels, three float dtypes, empty,
+  1-D and integer (not prunable) leaves in between."""
+  shapes = [((3, 5), F32), ((1, 7), BF16), ((3, 5), F32), ((2, 2, 3), F16), ((0, 4), F32),
+            ((4,), F32), ((3, 5), BF16), ((5, 1), F32), ((3, 3), I32)]
+  return {f"layer_{i:02d}": mk(shape, dtype) for i, (shape, dtype) in enumerate(shapes * 5)}
+
+
+@given(data=st.data())
+def test_many_mixed_leaves_match_reference(data):
+  """Global projection of a many-leaf tree: exact masks, values and counts, ties across leaves."""
+  use_scores = data.draw(st.booleans(), label="scores")
+  s = float(data.draw(sparsities, label="sparsity"))
+  case = draw_case(data, many_mixed_template, use_scores=use_scores)
+  out, masks = jit_project(case.tree, jnp.float32(s), case.scores)
+  ref = ref_unstructured(case.leaves, case.flags, case.score_leaves, "global",
+                         lambda n: keep_traced(n, s))
+  assert_matches(out, masks, case.treedef, case.leaves, ref)
+  pruned = [i for i, f in enumerate(case.flags) if f]
+  n = sum(case.leaves[i].size for i in pruned)
+  assert sum(int(jax.tree.leaves(masks)[i].sum()) for i in pruned) == keep_traced(n, s)
+
+
 STATIC_CASES = [("tuple", "per_leaf", "0.999", True), ("custom", None, "0", True)]
 
 
