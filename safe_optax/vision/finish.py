@@ -7,7 +7,8 @@ trained with, :func:`final_scores`), re-estimates the BatchNorm statistics of
 the sparse model on ``bnt_samples`` training images (:func:`bnt_batches`,
 :func:`safe_optax.flax_utils.recalibrate_batch_stats`), evaluates it again,
 and writes ``results.json`` (config, versions, data sizes, final accuracies,
-sparsity report, throughput, per-epoch history) and the plots.
+sparsity report, throughput, per-epoch history), the plots, and the
+deployed model as safetensors (:func:`export_sparse_model`).
 
 :func:`deploy` alone is the deployed model, which
 :mod:`~safe_optax.vision.evaluation` rebuilds from a finished run's last
@@ -18,12 +19,14 @@ The functions take the run's jitted ``programs``
 ``project``, ``prepare`` and ``scores``, and the training set in host memory;
 every batch is a global batch of which each process gathers only its rows
 (:func:`~safe_optax.vision.datasets.gather_batch`), so several processes
-compute what one would. Only process 0 writes ``results.json`` and the plots.
+compute what one would. Only process 0 writes ``results.json``, the plots and
+the safetensors.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
@@ -37,11 +40,13 @@ import safe_optax
 from safe_optax import distributed
 from safe_optax import experiment
 from safe_optax import flax_utils
+from safe_optax._prunable import path_str
 from safe_optax.vision import configs
 from safe_optax.vision import datasets
 from safe_optax.vision import input_pipeline
 from safe_optax.vision import methods
 from safe_optax.vision import plots
+from safe_optax.vision import workdirs
 
 SCORE_BATCHES = 8
 """Batches of training data whose mean gradient gives SAFE+'s final scores."""
@@ -182,6 +187,68 @@ def deploy(programs: Any, config: configs.Config, params: Any, model_state: Any,
                                     num_train)
 
 
+def _named_arrays(tree: Any) -> dict[str, np.ndarray]:
+  """``tree``'s leaves as host arrays named by their ``/``-joined paths (as sparsity reports)."""
+  return {path_str(path): np.asarray(jax.device_get(leaf))
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def export_sparse_model(workdir: os.PathLike, config: configs.Config, sparse_params: Any,
+                        model_state: Any, report: safe_optax.SparsityReport) -> list[pathlib.Path]:
+  """Writes the deployed model as safetensors in ``workdir`` (next to ``results.json``).
+
+  Files (:data:`~safe_optax.vision.workdirs.EXPORT_FILES`), each tensor named
+  by its ``/``-joined Flax path (``Dense_0/kernel``, as in the sparsity report):
+
+  * ``sparse_params.safetensors``: every parameter after the final projection;
+  * ``masks.safetensors``: a ``bool`` array per prunable leaf, ``True`` where
+    the weight is nonzero (the entries the sparsity counts as kept);
+  * ``<collection>.safetensors`` per non-empty model-state collection,
+    ``batch_stats.safetensors`` for BatchNorm models: the statistics after BNT.
+
+  Every file carries the same string metadata: ``format``, ``safe_optax_version``,
+  ``model``, ``dataset``, ``method``, ``structure``, ``target_sparsity`` (the
+  requested sparsity), ``sparsity`` (the measured one, over prunable leaves)
+  and ``config`` (the run's configuration as JSON). Read them with
+  ``safetensors.numpy.load_file`` and ``safetensors.safe_open(...).metadata()``.
+
+  Args:
+    workdir: the run's folder.
+    config: the run's configuration.
+    sparse_params, model_state: the deployed model (:func:`deploy`).
+    report: ``safe_optax.sparsity_report(sparse_params)``.
+
+  Returns:
+    The written files.
+
+  Raises:
+    ImportError: ``safetensors`` is not installed.
+  """
+  try:
+    from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
+  except ImportError as err:
+    raise ImportError("exporting the sparse model needs safetensors: pip install "
+                      "safetensors (or safe-optax[vision]).") from err
+  metadata = {
+      "format": workdirs.EXPORT_FORMAT, "safe_optax_version": safe_optax.__version__,
+      "model": config.model, "dataset": config.dataset, "method": config.method,
+      "structure": repr(methods.projection(config)["structure"]),
+      "target_sparsity": repr(config.sparsity), "sparsity": repr(report.sparsity),
+      "config": json.dumps(configs.to_dict(config)),
+  }
+  params = _named_arrays(sparse_params)
+  tensors = {"sparse_params": params,
+             "masks": {leaf.path: params[leaf.path] != 0 for leaf in report.leaves
+                       if leaf.prunable}}
+  tensors.update({collection: _named_arrays(tree) for collection, tree in model_state.items()})
+  written = []
+  for name, flat in tensors.items():
+    if flat:
+      written.append(pathlib.Path(workdir) / f"{name}.safetensors")
+      save_file(flat, str(written[-1]), metadata=metadata)
+  return written
+
+
 def throughput(history: list[dict[str, Any]]) -> dict[str, Any]:
   """Training images and seconds of the whole run, from its per-epoch records.
 
@@ -268,4 +335,5 @@ def finish(programs: Any, config: configs.Config, params: Any, model_state: Any,
       f.write("\n")
     plots.plot_history(history, workdir, title=f"{config.model} {config.method} "
                                                f"sparsity {config.sparsity:g}")
+    export_sparse_model(workdir, config, sparse_params, sparse_state, report)
   return sparse_params, sparse_state, results

@@ -29,6 +29,11 @@ TENSORBOARD_DIR = "tensorboard"
 _RUN_FILES = ("checkpoints", "metrics.jsonl", "results.json", "eval.json", "eval.md",
               "accuracy.png", "distance.png", DIVERGED_FILE, TENSORBOARD_DIR)
 
+EXPORT_FORMAT = "safe_optax.vision.sparse_model/1"
+"""The ``format`` metadata of a finished run's safetensors."""
+EXPORT_FILES = ("sparse_params.safetensors", "masks.safetensors", "batch_stats.safetensors")
+"""The deployed model of a finished run (:func:`safe_optax.vision.finish.export_sparse_model`)."""
+
 
 class TrainingDiverged(RuntimeError):
   """The training loss stopped being finite; the run is stopped at the end of that epoch.
@@ -98,7 +103,7 @@ def claim_workdir(workdir: pathlib.Path, config: configs.Config, *, restart: boo
   if distributed.is_primary():
     workdir.mkdir(parents=True, exist_ok=True)
     if restart:
-      for name in _RUN_FILES:
+      for name in _RUN_FILES + EXPORT_FILES:
         path = workdir / name
         if path.is_dir():
           shutil.rmtree(path)

@@ -1,0 +1,262 @@
+"""A vision run's files for other tools: Orbax checkpoints plain Orbax reads, the safetensors export.
+
+* A checkpoint of the trainer is restored in a subprocess that cannot import
+  safe_optax (an import hook refuses it), with Orbax, JAX and NumPy only; its
+  ``params``, ``batch_stats``, ``step``, ``rng`` and ``opt_state`` equal the
+  trainer's final state.
+* The finished run's ``sparse_params`` / ``masks`` / ``batch_stats``
+  safetensors, read with ``safetensors.numpy.load_file``, equal the deployed
+  model; the masks are its nonzeros and their sparsity is the requested one.
+* A run in a relative workdir resumes from another current directory.
+* A checkpoint of the earlier format (the state's leaves as one unnamed list)
+  is still read: a run resumes from it to the uninterrupted result.
+
+Cost: the trainer runs a tiny MLP with BatchNorm (the project's models with
+BatchNorm are convolutional, and compile for minutes on a busy 2-core CPU)
+and the MLP of tests/test_train.py on 100 generated 8x8 images.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import load_file
+
+import safe_optax
+from safe_optax.vision import checkpoint as checkpoint_lib
+from safe_optax.vision import train
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import test_train  # noqa: E402  (the tiny data set and config of the trainer tests)
+
+
+class BatchNormMLP(nn.Module):
+  """Dense - BatchNorm - ReLU - Dense: a model with a ``batch_stats`` collection."""
+
+  num_classes: int
+
+  @nn.compact
+  def __call__(self, x, train: bool = False):
+    x = nn.Dense(12)(x.reshape((x.shape[0], -1)))
+    x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9)(x))
+    return nn.Dense(self.num_classes)(x)
+
+
+# mlp_features=(12,) keeps this configuration's cached programs apart from test_train's.
+BN_CONFIG = dict(mlp_features=(12,), epochs=2, warmup_epochs=0, sparsity=0.75, bnt_samples=48)
+
+
+@pytest.fixture(scope="module")
+def bn_run(tmp_path_factory):
+  """A finished SAFE run of :class:`BatchNormMLP` in ``runs/my-run`` (the docs' path) under
+  ``base``: ``(outcome, base)``."""
+  base = tmp_path_factory.mktemp("bn")
+  workdir = base / "runs" / "my-run"
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(train, "create_model", lambda config, n: BatchNormMLP(n))
+    out = train.train_and_evaluate(test_train.tiny_config(**BN_CONFIG), workdir,
+                                   data_dir=None, dataset=test_train.tiny_dataset())
+  assert list(out.state.model_state) == ["batch_stats"]
+  return out, base
+
+
+def _docs_python_blocks() -> list[str]:
+  """The ```python blocks of docs/checkpoints.md, in order (the recipes this file runs)."""
+  text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "checkpoints.md").read_text()
+  return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+
+
+_NO_SAFE_OPTAX = textwrap.dedent("""
+    import importlib.abc, sys
+
+    class NoSafeOptax(importlib.abc.MetaPathFinder):
+      def find_spec(self, name, path, target=None):
+        if name.split(".")[0] == "safe_optax":
+          raise ImportError("this reader must not need safe_optax")
+
+    sys.meta_path.insert(0, NoSafeOptax())
+""")
+
+_SAVE_RESTORED = textwrap.dedent("""
+    import jax
+    flat = {"step": step, "rng": rng}
+    for item, tree in (("params", params), ("batch_stats", batch_stats),
+                       ("opt_state", opt_state)):
+      for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        assert all(isinstance(p, jax.tree_util.DictKey) for p in path)  # plain nested dicts
+        flat[item + "/" + "/".join(p.key for p in path)] = np.asarray(leaf)
+    assert not [m for m in sys.modules if m.split(".")[0] == "safe_optax"]
+    np.savez("restored.npz", **flat)
+""")
+
+
+
+def _flat(tree, prefix: str) -> dict[str, np.ndarray]:
+  return {prefix + "/" + "/".join(str(getattr(p, "key", p)) for p in path): np.asarray(leaf)
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def test_plain_orbax_restores_the_trainers_checkpoint_without_safe_optax(bn_run, tmp_path):
+  out, base = bn_run
+  script = _NO_SAFE_OPTAX + _docs_python_blocks()[0] + _SAVE_RESTORED
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                        env=env, cwd=base, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  restored = dict(np.load(base / "restored.npz"))
+  state = out.state
+  want = {**_flat(state.params, "params"),
+          **_flat(state.model_state["batch_stats"], "batch_stats"),
+          # opt_state: a nested dict keyed by the optax state's path (checkpoint.encode).
+          **_flat(checkpoint_lib.encode(state.opt_state), "opt_state"),
+          "step": np.asarray(state.step), "rng": np.asarray(state.rng)}
+  assert sorted(restored) == sorted(want)
+  assert any(name.startswith("opt_state/") for name in want)
+  for name, value in want.items():
+    np.testing.assert_array_equal(restored[name], value, err_msg=name)
+    assert restored[name].dtype == value.dtype, name
+  assert int(restored["step"]) == 2 * 7  # two epochs of seven batches
+
+
+def test_the_export_is_the_deployed_model_at_the_requested_sparsity(bn_run, monkeypatch):
+  out, base = bn_run
+  workdir = base / "runs" / "my-run"
+  params = load_file(str(workdir / "sparse_params.safetensors"))
+  masks = load_file(str(workdir / "masks.safetensors"))
+  stats = load_file(str(workdir / "batch_stats.safetensors"))
+  want = {k.partition("/")[2]: v for k, v in _flat(out.sparse_params, "p").items()}
+  assert sorted(params) == sorted(want) == ["BatchNorm_0/bias", "BatchNorm_0/scale",
+                                            "Dense_0/bias", "Dense_0/kernel",
+                                            "Dense_1/bias", "Dense_1/kernel"]
+  for name, value in want.items():
+    np.testing.assert_array_equal(params[name], value, err_msg=name)
+  # The dense model differs: the export is the projected one.
+  assert not np.array_equal(params["Dense_0/kernel"], np.asarray(out.state.params["Dense_0"]["kernel"]))
+  assert sorted(masks) == ["Dense_0/kernel", "Dense_1/kernel"]  # the prunable leaves
+  for name, mask in masks.items():
+    assert mask.dtype == np.bool_
+    np.testing.assert_array_equal(mask, params[name] != 0, err_msg=name)
+  kept, size = sum(int(m.sum()) for m in masks.values()), sum(m.size for m in masks.values())
+  assert kept == safe_optax.num_keep(size, BN_CONFIG["sparsity"])
+  assert 1 - kept / size == pytest.approx(BN_CONFIG["sparsity"], abs=1 / size)
+  for name, value in _flat(out.model_state["batch_stats"], "s").items():
+    np.testing.assert_array_equal(stats[name.partition("/")[2]], value)
+  with safe_open(str(workdir / "masks.safetensors"), "np") as f:
+    metadata = f.metadata()
+  assert metadata["method"] == "safe" and metadata["structure"] == "Global()"
+  assert metadata["safe_optax_version"] == safe_optax.__version__
+  assert float(metadata["target_sparsity"]) == BN_CONFIG["sparsity"]
+  assert float(metadata["sparsity"]) == out.results["final"]["sparsity"] == 1 - kept / size
+  assert json.loads(metadata["config"])["mlp_features"] == [12]
+  # The docs' recipe reads the same.
+  monkeypatch.chdir(base)
+  recipe: dict = {}
+  exec(_docs_python_blocks()[1], recipe)  # pylint: disable=exec-used
+  assert recipe["metadata"] == metadata and recipe["sparsity"] == 1 - kept / size
+
+
+MLP_CONFIG = dict(epochs=2, warmup_epochs=0)
+
+
+@pytest.fixture(scope="module")
+def whole_mlp_run(tmp_path_factory):
+  return train.train_and_evaluate(test_train.tiny_config(**MLP_CONFIG),
+                                  tmp_path_factory.mktemp("whole"), data_dir=None,
+                                  dataset=test_train.tiny_dataset())
+
+
+def _assert_same(a, b):
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert len(la) == len(lb)
+  for x, y in zip(la, lb):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_a_relative_workdir_resumes_from_another_current_directory(whole_mlp_run, tmp_path,
+                                                                   monkeypatch, capsys):
+  config, data = test_train.tiny_config(**MLP_CONFIG), test_train.tiny_dataset()
+  (tmp_path / "elsewhere").mkdir()
+  monkeypatch.chdir(tmp_path)
+  stopped = train.train_and_evaluate(config, os.path.join("runs", "a"), data_dir=None,
+                                     dataset=data, stop_after_epoch=1)
+  assert int(stopped.state.step) == 7
+  assert checkpoint_lib.Checkpointer(tmp_path / "runs" / "a" / "checkpoints").latest_step() == 7
+  monkeypatch.chdir(tmp_path / "elsewhere")
+  resumed = train.train_and_evaluate(config, os.path.join("..", "runs", "a"), data_dir=None,
+                                     dataset=data)
+  assert "resuming from step 7 of 14" in capsys.readouterr().err
+  _assert_same(resumed.state, whole_mlp_run.state)
+  assert (tmp_path / "runs" / "a" / "sparse_params.safetensors").is_file()
+  assert not (tmp_path / "elsewhere" / "runs").exists()
+
+
+def _save_format_1(directory, step: int, state) -> None:
+  """What the earlier Checkpointer.save wrote: the state's leaves as one unnamed item."""
+  options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
+  with ocp.CheckpointManager(directory, options=options) as manager:
+    manager.save(step, args=ocp.args.StandardSave(jax.tree.leaves(state)))
+
+
+def test_a_run_resumes_from_a_checkpoint_of_the_earlier_format(whole_mlp_run, tmp_path):
+  config, data = test_train.tiny_config(**MLP_CONFIG), test_train.tiny_dataset()
+  stopped = train.train_and_evaluate(config, tmp_path, data_dir=None, dataset=data,
+                                     stop_after_epoch=1)
+  checkpoints = tmp_path / "checkpoints"
+  ckpt = checkpoint_lib.Checkpointer(checkpoints)
+  ckpt._manager.delete(7)  # pylint: disable=protected-access
+  ckpt.close()
+  _save_format_1(checkpoints, 7, stopped.state)
+  assert (checkpoints / "7" / "default").is_dir()
+  resumed = train.train_and_evaluate(config, tmp_path, data_dir=None, dataset=data)
+  _assert_same(resumed.state, whole_mlp_run.state)
+  # The run went on in the current format, next to the old step.
+  assert sorted(os.listdir(checkpoints)) == ["14", "7"]
+  assert (checkpoints / "14" / "layout").is_dir()
+
+
+class _TwiceX:
+  """A pytree node whose two children are both keyed ``x`` (a custom node may do so)."""
+
+  def __init__(self, a, b):
+    self.a, self.b = a, b
+
+
+jax.tree_util.register_pytree_with_keys(
+    _TwiceX, lambda n: (((jax.tree_util.GetAttrKey("x"), n.a),
+                         (jax.tree_util.GetAttrKey("x"), n.b)), None),
+    lambda _, children: _TwiceX(*children))
+
+
+def test_encode_keys_optax_states_by_path_and_decode_inverts_it():
+  params = {"conv": {"kernel": jnp.ones((2, 3))}, "bias": jnp.zeros(3)}
+  tx = safe_optax.safe(0.1, 0.5, penalty=1e-2, total_steps=10)
+  state = tx.init(params)
+  encoded = checkpoint_lib.encode(state)
+  leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+  assert len(jax.tree.leaves(encoded)) == len(leaves)
+  # Every leaf sits at the keys of its path; MaskedNode placeholders leave nothing.
+  for path, leaf in leaves:
+    node = encoded
+    for entry in path:
+      node = node[jax.tree_util.keystr((entry,), simple=True)]
+    assert node is leaf
+  assert jax.tree.structure(state) == jax.tree.structure(checkpoint_lib.decode(encoded, state))
+  with pytest.raises(KeyError, match="no leaf"):
+    checkpoint_lib.decode({}, state)
+  with pytest.raises(ValueError, match="both named 'x'"):
+    checkpoint_lib.encode(_TwiceX(jnp.ones(1), jnp.ones(2)))
+  assert checkpoint_lib.encode(optax.sgd(0.1).init(params)) == {}  # no leaves
