@@ -1,9 +1,10 @@
 """A vision run's files for other tools: Orbax checkpoints plain Orbax reads, the safetensors export.
 
-* A checkpoint of the trainer is restored in a subprocess that cannot import
-  safe_optax (an import hook refuses it), with Orbax, JAX and NumPy only; its
-  ``params``, ``batch_stats``, ``step``, ``rng`` and ``opt_state`` equal the
-  trainer's final state.
+* A checkpoint of the trainer is restored by docs/checkpoints.md's recipe in
+  a subprocess that cannot import safe_optax (an import hook refuses it),
+  with Orbax, JAX and NumPy only; its ``params``, ``batch_stats``, ``step``,
+  ``rng`` and ``opt_state`` equal the trainer's final state. The recipe also
+  reads, on one device, a checkpoint written with two.
 * The finished run's ``sparse_params`` / ``masks`` / ``batch_stats``
   safetensors, read with ``safetensors.numpy.load_file``, equal the deployed
   model; the masks are its nonzeros and their sparsity is the requested one.
@@ -25,6 +26,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -41,6 +43,7 @@ from safe_optax.vision import checkpoint as checkpoint_lib
 from safe_optax.vision import train
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import process_launcher  # noqa: E402  (forced-device XLA flags)
 import test_train  # noqa: E402  (the tiny data set and config of the trainer tests)
 
 
@@ -110,26 +113,78 @@ def _flat(tree, prefix: str) -> dict[str, np.ndarray]:
           for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def test_plain_orbax_restores_the_trainers_checkpoint_without_safe_optax(bn_run, tmp_path):
-  out, base = bn_run
+def _restore_with_the_docs_recipe(base: pathlib.Path) -> dict[str, np.ndarray]:
+  """Runs docs/checkpoints.md's Orbax recipe on ``base/runs/my-run`` in a one-device process
+  that cannot import safe_optax; returns what it restored, flattened."""
   script = _NO_SAFE_OPTAX + _docs_python_blocks()[0] + _SAVE_RESTORED
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
   proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                         env=env, cwd=base, timeout=300, check=False)
   assert proc.returncode == 0, proc.stderr[-4000:]
-  restored = dict(np.load(base / "restored.npz"))
-  state = out.state
-  want = {**_flat(state.params, "params"),
-          **_flat(state.model_state["batch_stats"], "batch_stats"),
+  return dict(np.load(base / "restored.npz"))
+
+
+def _assert_restored(restored: dict[str, np.ndarray], state: dict[str, Any]) -> None:
+  want = {**_flat(state["params"], "params"),
+          **_flat(state["model_state"]["batch_stats"], "batch_stats"),
           # opt_state: a nested dict keyed by the optax state's path (checkpoint.encode).
-          **_flat(checkpoint_lib.encode(state.opt_state), "opt_state"),
-          "step": np.asarray(state.step), "rng": np.asarray(state.rng)}
+          **_flat(checkpoint_lib.encode(state["opt_state"]), "opt_state"),
+          "step": np.asarray(state["step"]), "rng": np.asarray(state["rng"])}
   assert sorted(restored) == sorted(want)
   assert any(name.startswith("opt_state/") for name in want)
   for name, value in want.items():
     np.testing.assert_array_equal(restored[name], value, err_msg=name)
     assert restored[name].dtype == value.dtype, name
-  assert int(restored["step"]) == 2 * 7  # two epochs of seven batches
+
+
+def test_plain_orbax_restores_the_trainers_checkpoint_without_safe_optax(bn_run):
+  out, base = bn_run
+  _assert_restored(_restore_with_the_docs_recipe(base), out.state._asdict())
+  assert int(out.state.step) == 2 * 7  # the last checkpoint: two epochs of seven batches
+
+
+_TWO_DEVICE_SAVE = textwrap.dedent("""
+    import sys
+    import jax, jax.numpy as jnp, numpy as np, optax
+    import safe_optax
+    from safe_optax.vision import checkpoint
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    params = {"Dense_0": {"kernel": jnp.arange(12.0).reshape(3, 4), "bias": jnp.ones(4)}}
+    tx = safe_optax.safe(0.1, 0.5, penalty=1e-2, total_steps=10)
+    state = jax.device_put({
+        "step": jnp.int32(5), "rng": jax.random.PRNGKey(3), "params": params,
+        "model_state": {"batch_stats": {"BatchNorm_0": {"mean": jnp.full(4, 0.5),
+                                                        "var": jnp.full(4, 2.0)}}},
+        "opt_state": tx.init(params)}, replicated)
+    assert jax.device_count() == 2
+    checkpoint.Checkpointer(sys.argv[1]).save(5, state)
+    np.savez(sys.argv[2], **{"/".join(str(getattr(p, "key", p)) for p in path): np.asarray(x)
+                             for path, x in jax.tree_util.tree_flatten_with_path(state)[0]})
+""")
+
+
+def test_the_docs_recipe_reads_a_checkpoint_of_two_devices_on_one(tmp_path):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu",
+         "XLA_FLAGS": process_launcher.forced_devices_flags(2)}
+  proc = subprocess.run([sys.executable, "-c", _TWO_DEVICE_SAVE,
+                         str(tmp_path / "runs" / "my-run" / "checkpoints"),
+                         str(tmp_path / "saved.npz")], capture_output=True, text=True, env=env,
+                        timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  # The state the 2-device process saved, rebuilt here (1 device) from its leaves.
+  params = {"Dense_0": {"kernel": jnp.zeros((3, 4)), "bias": jnp.zeros(4)}}
+  like = {"step": jnp.int32(0), "rng": jax.random.PRNGKey(0), "params": params,
+          "model_state": {"batch_stats": {"BatchNorm_0": {"mean": jnp.zeros(4),
+                                                          "var": jnp.zeros(4)}}},
+          "opt_state": safe_optax.safe(0.1, 0.5, penalty=1e-2, total_steps=10).init(params)}
+  saved = np.load(tmp_path / "saved.npz")
+  names = ["/".join(str(getattr(p, "key", p)) for p in path)
+           for path, _ in jax.tree_util.tree_flatten_with_path(like)[0]]
+  state = jax.tree.unflatten(jax.tree.structure(like), [saved[n] for n in names])
+  assert float(state["model_state"]["batch_stats"]["BatchNorm_0"]["var"][0]) == 2.0
+  _assert_restored(_restore_with_the_docs_recipe(tmp_path), state)
 
 
 def test_the_export_is_the_deployed_model_at_the_requested_sparsity(bn_run, monkeypatch):
