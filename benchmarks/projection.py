@@ -342,7 +342,8 @@ def kernel_projection(select: Any) -> Callable[[list[jax.Array], jax.Array], lis
       masks, _ = select.topk_masks(kernels, k, key_fn=select.magnitude_keys)
     else:
       masks, _ = select.topk_masks([select.order_keys(jnp.abs(w)) for w in kernels], k)
-    return [jnp.where(m, w, 0.0) for m, w in zip(masks, kernels)]
+    # lax.select, as project_topk: jnp.where's wrapper is traced once per leaf.
+    return [jax.lax.select(m, w, jnp.zeros_like(w)) for m, w in zip(masks, kernels)]
   return project
 
 

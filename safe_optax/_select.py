@@ -29,6 +29,7 @@ _RADIX_BITS = 16
 _NUM_BINS = 1 << _RADIX_BITS
 _NAN_KEY = 0xFFFFFFFF
 _COPIES = 4
+_MANY_ENTRIES = 1 << 20
 
 
 def is_python_number(value: Any) -> bool:
@@ -135,21 +136,26 @@ def _full_like(x: jax.Array, value: int) -> jax.Array:
 def _histogram(digits: jax.Array, keep: jax.Array | None = None) -> jax.Array:
   """Counts of each value in ``[0, _NUM_BINS)`` of the flat ``digits``, where ``keep``.
 
-  The scatter-add runs over ``_COPIES`` histograms, entry ``i`` adding to copy
-  ``i % _COPIES``, summed at the end: when most entries share a bin (all-equal
-  or mostly-zero inputs, a few distinct values), consecutive increments of one
-  counter would each wait for the previous one. Entries outside ``keep`` get an
-  out-of-range index and are dropped by the scatter, which costs less than
-  counting them in a spill bin (where they would all collide).
+  From ``_MANY_ENTRIES`` entries on, the scatter-add runs over ``_COPIES``
+  histograms, entry ``i`` adding to copy ``i % _COPIES``, summed at the end:
+  when most entries share a bin (all-equal or mostly-zero inputs, a few
+  distinct values), consecutive increments of one counter would each wait for
+  the previous one. Below, clearing and summing the extra copies costs more
+  than the waits (266K entries: 1.6 against 2.2 ms a projection, 2.0 against
+  2.7 ms with rounded weights). Entries outside ``keep`` get an out-of-range
+  index and are dropped by the scatter, which costs less than counting them in
+  a spill bin (where they would all collide).
   """
-  copy = lax.broadcasted_iota(jnp.int32, digits.shape, 0) & (_COPIES - 1)
-  index = digits.astype(jnp.int32) + copy * _NUM_BINS
-  size = _COPIES * _NUM_BINS
+  copies = _COPIES if digits.size >= _MANY_ENTRIES else 1
+  index = digits.astype(jnp.int32)
+  if copies > 1:
+    index = index + (lax.broadcasted_iota(jnp.int32, digits.shape, 0) & (copies - 1)) * _NUM_BINS
+  size = copies * _NUM_BINS
   if keep is not None:
     index = jnp.where(keep, index, size)
   hist = jnp.zeros(size, jnp.int32).at[index].add(
       1, mode="promise_in_bounds" if keep is None else "drop")
-  return hist.reshape(_COPIES, _NUM_BINS).sum(axis=0)
+  return hist.reshape(copies, _NUM_BINS).sum(axis=0)
 
 
 def _pick_bin(hist: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -615,8 +615,9 @@ def test_unstructured_matches_reference(data):
 def many_mixed_template(mk):
   """45 leaves: repeated kernel shapes (one compiled kernel per shape, each leaf
   with its own flat positions), one-row kernels, three float dtypes, empty,
-  1-D and integer (not prunable) leaves in between."""
-  shapes = [((3, 5), F32), ((1, 7), BF16), ((3, 5), F32), ((2, 2, 3), F16), ((0, 4), F32),
+  1-D and integer (not prunable) leaves in between (zero-size prunable leaves:
+  test_zero_size_prunable_leaves_anywhere)."""
+  shapes = [((3, 5), F32), ((1, 7), BF16), ((3, 5), F32), ((2, 2, 3), F16), ((0,), F32),
             ((4,), F32), ((3, 5), BF16), ((5, 1), F32), ((3, 3), I32)]
   return {f"layer_{i:02d}": mk(shape, dtype) for i, (shape, dtype) in enumerate(shapes * 5)}
 

@@ -228,3 +228,16 @@ def test_compiled_per_leaf_kernels_do_not_grow_with_the_leaf_count():
   kernel of its own (the count would grow with the leaves).
   """
   assert _per_leaf_kernels(40) == _per_leaf_kernels(12) <= 3
+
+
+@pytest.mark.parametrize("size", [1000, _select._MANY_ENTRIES + 7], ids=["one_copy", "copies"])
+@pytest.mark.parametrize("with_keep", [False, True])
+def test_histogram_counts_like_bincount(size, with_keep):
+  """Both histogram layouts (one copy for small inputs, interleaved copies for large)."""
+  rng = np.random.default_rng(size)
+  # Few distinct digits, so many entries collide in one bin (the case the copies are for).
+  digits = rng.choice(np.array([0, 1, 7, _select._NUM_BINS - 1], np.uint32), size)
+  keep = rng.random(size) < 0.5 if with_keep else None
+  got = jax.jit(_select._histogram)(jnp.asarray(digits), None if keep is None else jnp.asarray(keep))
+  want = np.bincount(digits[keep] if with_keep else digits, minlength=_select._NUM_BINS)
+  np.testing.assert_array_equal(got, want)
