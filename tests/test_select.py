@@ -241,3 +241,23 @@ def test_histogram_counts_like_bincount(size, with_keep):
   got = jax.jit(_select._histogram)(jnp.asarray(digits), None if keep is None else jnp.asarray(keep))
   want = np.bincount(digits[keep] if with_keep else digits, minlength=_select._NUM_BINS)
   np.testing.assert_array_equal(got, want)
+
+
+_pick_bin = jax.jit(_select._pick_bin)
+
+
+@given(data=st.data())
+def test_pick_bin_matches_suffix_sums(data):
+  """The two-level bin pick equals a plain suffix-sum search (bins at row edges included)."""
+  bins = data.draw(st.lists(st.one_of(st.sampled_from([0, 255, 256, 65279, 65280, 65535]),
+                                      st.integers(0, _select._NUM_BINS - 1)),
+                            min_size=1, max_size=8), label="bins")
+  counts = data.draw(st.lists(st.integers(1, 50), min_size=len(bins), max_size=len(bins)))
+  hist = np.zeros(_select._NUM_BINS, np.int32)
+  np.add.at(hist, bins, counts)
+  k = data.draw(st.integers(1, int(hist.sum())), label="k")
+  at_or_above = np.cumsum(hist[::-1])[::-1]
+  want = int(np.flatnonzero(at_or_above >= k)[-1])
+  b, above = _pick_bin(jnp.asarray(hist), jnp.int32(k))
+  assert (int(b), int(above)) == (want, int(at_or_above[want] - hist[want]))
+
