@@ -37,6 +37,18 @@ shared machine the process CPU time per step (``time.process_time``, summed
 over XLA's threads) is recorded too: it is far less sensitive to other
 processes' load than wall time.
 
+Page faults: each step's minor page faults (``ru_minflt``) and XLA's
+temporary buffer size are recorded. XLA:CPU allocates the temporary buffer
+at every call; SAFE's buffer includes the dual branch's temporaries (the
+projection's flat copy and histograms: 4.7 MB against 1.3 MB for the MLP),
+and when glibc serves it with fresh pages (its mmap threshold adapts at run
+time, so this changes from run to run) every touched page faults, a few
+hundred faults and about 1 ms per MLP step, dual update or not.
+``--fixed-malloc`` fixes glibc's thresholds (:func:`fix_malloc_thresholds`,
+the same as ``MALLOC_MMAP_THRESHOLD_=67108864 MALLOC_TRIM_THRESHOLD_=268435456``
+in the environment) so that the comparison measures compute, not the
+allocator; run with and without it to see both.
+
 ``--llm-block`` adds the check that a SAFE step without a dual update pays
 nothing for the projection branch its ``lax.cond`` carries: the jitted LLM
 block step of :mod:`safe_optax.llm.prune` (SAM + ADMM penalty + Adam, per-matrix
@@ -52,9 +64,12 @@ Results go to ``benchmarks/results/step_overhead.json`` (``--out``).
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import functools
 import json
 import os
+import resource
 import statistics
 import time
 from typing import Any
@@ -125,7 +140,9 @@ def bench_model(name: str, methods: list[str], steps: int, block: int, warmup: i
       *state, loss = step(*state, batch)
     jax.block_until_ready((state, loss))
     runs[method] = {"step": step, "state": state, "count": 1 + warmup, "times": [],
-                    "cpu_times": [],
+                    "cpu_times": [], "page_faults": [],
+                    "temp_mb": step.lower(*state, batch).compile().memory_analysis()
+                    .temp_size_in_bytes / 2**20,
                     "dual": [], "round": [], "first_call_s": first_call,
                     "first_loss": float(loss)}
     print(f"  {method:12s} compile+first step {first_call:6.1f} s", flush=True)
@@ -139,11 +156,13 @@ def bench_model(name: str, methods: list[str], steps: int, block: int, warmup: i
       run = runs[method]
       step, state = run["step"], run["state"]
       for _ in range(n):
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         c0, t0 = time.process_time(), time.perf_counter()
         *state, loss = step(*state, batch)
         jax.block_until_ready((state, loss))
         run["times"].append(time.perf_counter() - t0)
         run["cpu_times"].append(time.process_time() - c0)
+        run["page_faults"].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
         run["dual"].append(method in DUAL_PERIODS
                            and run["count"] % DUAL_PERIODS[method] == 0)
         run["round"].append(r)
@@ -162,9 +181,14 @@ def bench_model(name: str, methods: list[str], steps: int, block: int, warmup: i
              "p25_ms": 1e3 * sorted(run["times"])[len(run["times"]) // 4],
              "first_loss": run["first_loss"], "last_loss": run["last_loss"],
              "cpu": summary(run["cpu_times"]),
+             "page_faults_median": statistics.median(run["page_faults"]),
+             "page_faults_mean": statistics.fmean(run["page_faults"]),
+             "temp_mb": run["temp_mb"],
              "times_s": run["times"], "cpu_times_s": run["cpu_times"],
              "dual_update": run["dual"], "round": run["round"]}
     if any(run["dual"]):
+      entry["dual_page_faults_median"] = statistics.median(
+          [f for f, d in zip(run["page_faults"], run["dual"]) if d])
       dual = [t for t, d in zip(run["times"], run["dual"]) if d]
       plain = [t for t, d in zip(run["times"], run["dual"]) if not d]
       entry["dual_steps_median_ms"] = 1e3 * statistics.median(dual)
@@ -251,6 +275,25 @@ def bench_llm_block(steps: int, seed: int = 0) -> dict[str, Any]:
   return out
 
 
+MMAP_THRESHOLD_BYTES = 64 << 20
+TRIM_THRESHOLD_BYTES = 256 << 20
+
+
+def fix_malloc_thresholds() -> None:
+  """Fixed glibc thresholds, as ``MALLOC_MMAP_THRESHOLD_=64MiB MALLOC_TRIM_THRESHOLD_=256MiB``.
+
+  XLA:CPU allocates a step's temporary buffer at every call. Above glibc's
+  mmap threshold (adjusted at run time from earlier frees, so it differs from
+  run to run) that is fresh pages from the kernel, and every page the step
+  touches faults. Fixed thresholds keep such buffers on the reused heap.
+  """
+  libc = ctypes.CDLL(ctypes.util.find_library("c"))
+  m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's mallopt parameter numbers
+  if not (libc.mallopt(m_mmap_threshold, MMAP_THRESHOLD_BYTES)
+          and libc.mallopt(m_trim_threshold, TRIM_THRESHOLD_BYTES)):
+    raise RuntimeError("mallopt failed: --fixed-malloc needs glibc")
+
+
 def ratios(entries: dict[str, dict[str, Any]], rounds: int) -> dict[str, dict[str, float]]:
   out = {}
   for num, den in (("safe", "sam"), ("sam", "sgd"), ("admm", "sgd"), ("safe_nodual", "sam"),
@@ -279,12 +322,13 @@ def ratios(entries: dict[str, dict[str, Any]], rounds: int) -> dict[str, dict[st
 def print_table(name: str, result: dict[str, Any]) -> None:
   print(f"\n{name}: step time (ms; wall, and process CPU time summed over threads)")
   print(f"  {'method':12s} {'median':>9s} {'mean':>9s} {'p10':>9s} {'p90':>9s} {'n':>5s}"
-        f" {'dual median':>11s} {'cpu median':>10s} {'cpu mean':>9s}")
+        f" {'dual median':>11s} {'cpu median':>10s} {'cpu mean':>9s} {'faults':>7s}"
+        f" {'temp MB':>8s}")
   for method, e in result["methods"].items():
     dual = f"{e['dual_steps_median_ms']:11.2f}" if "dual_steps_median_ms" in e else " " * 11
     print(f"  {method:12s} {e['median_ms']:9.2f} {e['mean_ms']:9.2f} {e['p10_ms']:9.2f} "
           f"{e['p90_ms']:9.2f} {e['n']:5d} {dual} {e['cpu']['median_ms']:10.2f} "
-          f"{e['cpu']['mean_ms']:9.2f}")
+          f"{e['cpu']['mean_ms']:9.2f} {e['page_faults_median']:7.0f} {e['temp_mb']:8.2f}")
   for key, r in result["ratios"].items():
     bar = BARS.get(key)
     verdict = ""
@@ -308,6 +352,8 @@ def main() -> None:
   parser.add_argument("--warmup", type=int, default=None, help="warm-up steps after compile")
   parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                     "step_overhead.json"))
+  parser.add_argument("--fixed-malloc", action="store_true",
+                      help="fix glibc's mmap and trim thresholds (see the module docstring)")
   parser.add_argument("--llm-block", type=int, default=0, metavar="STEPS",
                       help="also time STEPS interleaved non-dual LLM block steps (0: skip)")
   args = parser.parse_args()
@@ -319,7 +365,10 @@ def main() -> None:
     parser.error(f"unknown methods {sorted(unknown)}; choose from {list(ALL_METHODS)}")
   steps = parse_steps(args.steps, models, DEFAULT_STEPS)
 
-  report: dict[str, Any] = {**run_record(), "batch": BATCH, "bars": BARS, "models": {}}
+  if args.fixed_malloc:
+    fix_malloc_thresholds()
+  report: dict[str, Any] = {**run_record(), "batch": BATCH, "bars": BARS, "models": {},
+                            "fixed_malloc": args.fixed_malloc}
   start = time.perf_counter()
   for name in models:
     warmup = DEFAULT_WARMUP[name] if args.warmup is None else args.warmup
