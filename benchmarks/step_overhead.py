@@ -209,8 +209,14 @@ LLM_BLOCK = dict(vocab_size=256, hidden_size=576, intermediate_size=1536, num_la
 LLM_BATCH = (4, 128)  # windows x tokens
 
 
-def bench_llm_block(steps: int, seed: int = 0) -> dict[str, Any]:
-  """Non-dual LLM block steps with the dual branch compiled in (K = 32, K = 2**30) and without."""
+def llm_block_case(seed: int = 0) -> tuple[Any, tuple[jax.Array, jax.Array], Any]:
+  """A SmolLM2-135M-shaped block (random weights) on random data, and its step builder.
+
+  Returns ``(linears, (x, y), make)``: the block's seven matrices, a batch of
+  inputs and targets, and ``make(tx) -> (jitted step, tx)`` where ``step(lin,
+  opt_state, x, y) -> (lin, opt_state, loss)`` minimises the block-output MSE
+  with ``tx`` (params and optimizer state donated).
+  """
   from safe_optax.llm import model as model_lib
   from safe_optax.llm import prune
 
@@ -234,21 +240,40 @@ def bench_llm_block(steps: int, seed: int = 0) -> dict[str, Any]:
       return optax.apply_updates(lin, updates), opt_state, loss
     return jax.jit(step, donate_argnums=(0, 1)), tx
 
-  cfg = {k: prune.PruneConfig("safe", dual_every=k) for k in (32, 2**30)}
-  txs = {"safe_k32": prune.safe_transform(cfg[32], 1000),
-         "safe_k_huge": prune.safe_transform(cfg[2**30], 1000),
-         "sam_adam": optax.chain(safe_optax.sam_perturb(cfg[32].rho), optax.adam(2e-4, 0.9, 0.95))}
+  return linears, (x, y), make
+
+
+def llm_block_transforms(dual_every: int = DUAL_EVERY) -> dict[str, optax.GradientTransformation]:
+  """The block's SAFE transform with ``dual_every`` and with 2**30, and SAM + Adam alone."""
+  from safe_optax.llm import prune
+
+  cfg = {k: prune.PruneConfig("safe", dual_every=k) for k in (dual_every, 2**30)}
+  return {f"safe_k{dual_every}": prune.safe_transform(cfg[dual_every], 1000),
+          "safe_k_huge": prune.safe_transform(cfg[2**30], 1000),
+          "sam_adam": optax.chain(safe_optax.sam_perturb(cfg[dual_every].rho),
+                                  optax.adam(2e-4, 0.9, 0.95))}
+
+
+def xla_flops(compiled: Any) -> float:
+  """XLA's FLOP estimate of a compiled program (both branches of every ``cond`` counted)."""
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  return float(cost.get("flops", float("nan")))
+
+
+def bench_llm_block(steps: int, seed: int = 0) -> dict[str, Any]:
+  """Non-dual LLM block steps with the dual branch compiled in (K = 32, K = 2**30) and without."""
+  linears, (x, y), make = llm_block_case(seed)
   runs = {}
-  for name, tx in txs.items():
+  for name, tx in llm_block_transforms().items():
     step, tx = make(tx)
     lin = jax.tree.map(jnp.copy, linears)
     state = tx.init(lin)
-    cost = step.lower(lin, state, x, y).compile().cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
+    flops = xla_flops(step.lower(lin, state, x, y).compile())
     lin, state, loss = step(lin, state, x, y)  # step 0 runs the first projection
     jax.block_until_ready(loss)
     runs[name] = {"step": step, "state": [lin, state], "count": 1, "times": [],
-                  "xla_flops": float(cost.get("flops", float("nan")))}
+                  "xla_flops": flops}
   names = list(runs)
   loadavg = []
   for i in range(steps):
