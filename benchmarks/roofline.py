@@ -1,7 +1,9 @@
 """How close SAFE's training steps come to this CPU's matmul throughput (a roofline).
 
-The roof: the GFLOP/s of one large float32 ``jnp.dot`` (``--matmul-sizes``
-square matrices, ``2 n**3`` FLOPs each, the best size kept). The steps, each
+The roof: the GFLOP/s of large float32 ``jnp.dot`` products (``--matmul-chain``
+products of ``--matmul-sizes`` square matrices in one call, ``2 n**3`` FLOPs
+each, the best size on a short trial kept), timed in the same interleaved
+rounds as the steps, so machine load affects roof and steps alike. The steps, each
 jitted whole (forward, backward, SAM's second gradient, the optimizer):
 
 * ``llm_safe``: the SAFE step of a SmolLM2-135M-shaped LLaMA block (random
@@ -23,6 +25,12 @@ the FLOPs of the step compiled without the branch ("net"). The same-program
 check: ``llm_safe`` against ``llm_safe_no_branch`` (time, page faults, XLA's
 temporary buffer), interleaved one step at a time with the matmul and the
 other steps, medians over ``--rounds``.
+
+Page faults per call are recorded: XLA:CPU allocates each call's temporary
+buffer (and the matmul library its packing buffers) afresh, and with glibc's
+adaptive mmap threshold those can be new pages every call (tens of thousands
+of faults for the 2048 matmul chain or the ResNet step). ``--fixed-malloc``
+(:func:`step_overhead.fix_malloc_thresholds`) keeps them on the reused heap.
 
 Results go to ``benchmarks/results/roofline.json`` (``--out``).
 """
@@ -101,21 +109,26 @@ def _memory_mb(compiled: Any) -> float:
   return compiled.memory_analysis().temp_size_in_bytes / 2**20
 
 
-def matmul_case(sizes: list[int], reps: int = 3) -> Case:
-  """The float32 ``jnp.dot`` size with the best GFLOP/s on a short trial."""
+def matmul_case(sizes: list[int], chain: int, reps: int = 3) -> Case:
+  """``chain`` float32 ``jnp.dot`` products of ``n x n`` matrices in one call, best ``n``.
+
+  Chained in one jitted loop so the output buffer (allocated, and page-faulted,
+  at every call) is amortised over ``chain`` products; each product is scaled
+  by ``1 / sqrt(n)`` to keep the values bounded.
+  """
   best = None
-  dot = jax.jit(jnp.dot)
   for n in sizes:
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32) / np.sqrt(n)
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
-    jax.block_until_ready(dot(a, b))
-    t = min(_timed(lambda: dot(a, b)) for _ in range(reps))
-    rate = 2 * n**3 / t
-    print(f"  matmul {n}x{n}: {rate / 1e9:.1f} GFLOP/s (best of {reps})", flush=True)
+    products = jax.jit(lambda a, b: jax.lax.fori_loop(0, chain, lambda _, c: jnp.dot(c, b), a))
+    jax.block_until_ready(products(a, b))
+    t = min(_timed(lambda: products(a, b)) for _ in range(reps))
+    rate = chain * 2 * n**3 / t
+    print(f"  matmul {n}x{n} x {chain}: {rate / 1e9:.1f} GFLOP/s (best of {reps})", flush=True)
     if best is None or rate > best[0]:
-      best = (rate, n, a, b)
-  _, n, a, b = best
-  return Case(f"matmul_{n}", functools.partial(dot, a, b), 2.0 * n**3, 0.0)
+      best = (rate, n, functools.partial(products, a, b))
+  _, n, call = best
+  return Case(f"matmul_{n}x{chain}", call, chain * 2.0 * n**3, 0.0)
 
 
 def _timed(fn: Callable[[], Any]) -> float:
@@ -183,7 +196,8 @@ def vision_case(dual_every: int) -> Case:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--matmul-sizes", default="1024,2048,3072")
+  parser.add_argument("--matmul-sizes", default="1024,2048")
+  parser.add_argument("--matmul-chain", type=int, default=8)
   parser.add_argument("--rounds", type=int, default=30,
                       help="interleaved rounds (one call of every case each)")
   parser.add_argument("--dual-every", type=int, default=_common.DUAL_EVERY)
@@ -199,7 +213,7 @@ def main() -> None:
                             "dual_every": args.dual_every, "llm_config": step_overhead.LLM_BLOCK,
                             "llm_batch": step_overhead.LLM_BATCH, "vision_batch": VISION_BATCH}
   print("compiling", flush=True)
-  roof = matmul_case([int(n) for n in args.matmul_sizes.split(",")])
+  roof = matmul_case([int(n) for n in args.matmul_sizes.split(",")], args.matmul_chain)
   cases = [roof, *llm_cases(args.dual_every), vision_case(args.dual_every)]
   for r in range(args.rounds):
     for case in cases[r % len(cases):] + cases[:r % len(cases)]:
