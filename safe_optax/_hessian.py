@@ -2,19 +2,38 @@ r"""Hessian measures of any loss over a list of batches: lambda_max, trace, Hv, 
 
 The sharpness half of :mod:`safe_optax.flatness` (where its conventions for
 ``loss_fn``, ``batches`` and ``support`` are described):
-:func:`max_hessian_eigenvalue` (power iteration on Hessian-vector products in
-one ``lax.while_loop``), :func:`hessian_trace` (Hutchinson), the building
-blocks :func:`hessian_vector_product` and :func:`mean_loss`, and
+:func:`max_hessian_eigenvalue` (power iteration on Hessian-vector products),
+:func:`hessian_trace` (Hutchinson), the building blocks
+:func:`hessian_vector_product` and :func:`mean_loss`, and
 :func:`support_mask`, the kept weights of a sparse model.
+
+Two ways to run the Hessian-vector products, with the same arithmetic:
+
+* called outside ``jax.jit`` (concrete arrays), the loops over iterations,
+  probes and batches run in Python around one jitted program, "add ``H_b v``
+  of one batch to a running sum" (compiled once per ``loss_fn`` and shapes,
+  cached); one scalar per power iteration comes back to the host;
+* called inside ``jax.jit`` (traced arrays), they are ``lax.while_loop`` /
+  ``lax.fori_loop`` / ``lax.scan`` loops, so the whole measurement is one
+  program.
+
+The first is the fast one for convolutional nets on CPU: XLA:CPU rewrites a
+convolution whose dimension order its Eigen kernel cannot take (the
+kernel-gradient and input-gradient convolutions of the backward pass) only
+in a program's top-level computation (``ConvCanonicalization`` walks the
+entry computation alone), so inside a loop body they fall back to a naive
+loop nest, 20-60x slower (jax-ml/jax#12868; ``benchmarks/eval_speed.py``).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax import lax
 
 from safe_optax import _prunable
@@ -100,23 +119,27 @@ def mean_loss(loss_fn: LossFn, params: Any, batches: Sequence[Any]) -> jax.Array
   return total / len(batches)
 
 
-def _mean_grad_fn(loss_fn: LossFn, params: Any, batches: Sequence[Any],
-                  support: Any) -> Callable[[Any], Any]:
-  """``p -> grad`` of the batch-averaged loss restricted to ``support``.
+def _restricted_grad(loss_fn: LossFn, params: Any, support: Any) -> Callable[[Any, Any], Any]:
+  """``(p, batch) -> grad`` of one batch's loss restricted to ``support``.
 
   With pruned weights frozen at their value in ``params`` (zero for a pruned
   model) the Hessian of ``p -> f(P p + (1 - P) params)`` is ``P H P``.
   """
-  batches = _prepare(batches)
-  stacked = _stack(batches)
-  num = len(batches)
-
   def restricted(p, batch):
     if support is not None:
       p = jax.tree.map(lambda x, x0, m: jnp.where(m, x, x0), p, params, support)
     return loss_fn(p, batch)
 
-  grad = jax.grad(restricted)
+  return jax.grad(restricted)
+
+
+def _mean_grad_fn(loss_fn: LossFn, params: Any, batches: Sequence[Any],
+                  support: Any) -> Callable[[Any], Any]:
+  """``p -> grad`` of the batch-averaged loss restricted to ``support`` (a ``lax.scan``)."""
+  batches = _prepare(batches)
+  stacked = _stack(batches)
+  num = len(batches)
+  grad = _restricted_grad(loss_fn, params, support)
 
   def mean_grad(p):
     zeros = jax.tree.map(jnp.zeros_like, p)
@@ -125,6 +148,47 @@ def _mean_grad_fn(loss_fn: LossFn, params: Any, batches: Sequence[Any],
     return jax.tree.map(lambda t: t / num, total)
 
   return mean_grad
+
+
+def _traced(*trees: Any) -> bool:
+  """Whether any leaf is a tracer: the call is inside ``jit``, ``vmap``, ``grad``..."""
+  return any(isinstance(leaf, jax.core.Tracer) for tree in trees for leaf in jax.tree.leaves(tree))
+
+
+@functools.lru_cache(maxsize=8)
+def _add_hvp_program(loss_fn: LossFn) -> Callable[..., Any]:
+  """``(total, params, support, vector, batch) -> total + H_b v``, jitted once per ``loss_fn``.
+
+  Cached (a few entries, like the vision trainer's programs) so the repeated
+  calls of a measurement, and measurements of one ``loss_fn`` at several
+  points, reuse the compiled program; the running sum is donated.
+  """
+  def add_hvp(total, params, support, vector, batch):
+    grad = _restricted_grad(loss_fn, params, support)
+    hv = jax.jvp(lambda p: grad(p, batch), (params,), (vector,))[1]
+    return jax.tree.map(jnp.add, total, hv)
+
+  return jax.jit(add_hvp, donate_argnums=0)
+
+
+def _device_batches(batches: Sequence[Any]) -> list[Any]:
+  """The validated batches, on the device once (not one host transfer per product)."""
+  batches = _prepare(batches)
+  jax.eval_shape(_stack, batches)  # the same checks and errors as the stacked path, no copy
+  return [jax.device_put(b) for b in batches]
+
+
+def _summed_hvp(loss_fn: LossFn, params: Any, batches: list[Any], support: Any,
+                vector: Any) -> Any:
+  """``sum_b H_b v`` by one jitted product per batch (the Python loop of the eager path)."""
+  try:
+    add_hvp = _add_hvp_program(loss_fn)
+  except TypeError:  # an unhashable loss_fn: compiled for this call only
+    add_hvp = _add_hvp_program.__wrapped__(loss_fn)
+  total = jax.tree.map(jnp.zeros_like, params)
+  for batch in batches:
+    total = add_hvp(total, params, support, vector, batch)
+  return total
 
 
 def hessian_vector_product(loss_fn: LossFn, params: Any, batches: Sequence[Any], vector: Any,
@@ -148,8 +212,14 @@ def hessian_vector_product(loss_fn: LossFn, params: Any, batches: Sequence[Any],
     >>> hessian_vector_product(loss_fn, jnp.array([1., 2.]), [jnp.ones(2)], jnp.ones(2))
     Array([ 6., 12.], dtype=float32)
   """
-  mean_grad = _mean_grad_fn(loss_fn, params, batches, support)
-  return jax.jvp(mean_grad, (params,), (_apply_support(vector, support),))[1]
+  vector = _apply_support(vector, support)
+  if _traced(params, batches, vector, support):
+    mean_grad = _mean_grad_fn(loss_fn, params, batches, support)
+    return jax.jvp(mean_grad, (params,), (vector,))[1]
+  batches = _device_batches(batches)
+  params, support = jax.device_put((params, support))
+  total = _summed_hvp(loss_fn, params, batches, support, vector)
+  return jax.tree.map(lambda t: t / len(batches), total)
 
 
 def _vdot(a: Any, b: Any) -> jax.Array:
@@ -167,6 +237,33 @@ def _normalize(tree: Any) -> Any:
 def _check_positive_int(name: str, value: Any) -> None:
   if isinstance(value, bool) or not isinstance(value, int) or value < 1:
     raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
+
+
+def _power_update(vector: Any, product: Any, previous: jax.Array,
+                  tol: float) -> tuple[jax.Array, Any, jax.Array]:
+  """One power-iteration update from ``w = H v``: ``(v^T w, w / |w|, converged)``.
+
+  ``converged``: the relative change from ``previous`` is at most ``tol``.
+  """
+  eigenvalue = _vdot(vector, product)
+  done = jnp.abs(eigenvalue - previous) <= tol * jnp.abs(eigenvalue)
+  return eigenvalue, _normalize(product), done
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def _eager_power_update(vector: Any, total: Any, previous: jax.Array, num: int,
+                        tol: float) -> tuple[jax.Array, Any, jax.Array]:
+  """:func:`_power_update` of the batch mean ``total / num`` (one program per iteration)."""
+  return _power_update(vector, jax.tree.map(lambda t: t / num, total), previous, tol)
+
+
+def _start_vector(key: jax.Array, params: Any, support: Any) -> Any:
+  """A unit Gaussian vector shaped like ``params``, zero off ``support``."""
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(key, len(leaves))
+  start = jax.tree.unflatten(treedef, [
+      jax.random.normal(k, jnp.shape(x), jnp.result_type(x)) for k, x in zip(keys, leaves)])
+  return _normalize(_apply_support(start, support))
 
 
 def max_hessian_eigenvalue(
@@ -193,10 +290,15 @@ def max_hessian_eigenvalue(
   :math:`\lambda_{\max}`, the sharpness the SAFE paper reports. Each iteration
   costs one forward-over-reverse product per batch (about two gradients).
 
-  The loop is a ``lax.while_loop``: the function is traceable, so jit the
-  whole measurement once (``loss_fn`` must be a traceable function), passing
-  ``batches`` as an argument of the jitted function rather than closing over
-  them (closed-over arrays become constants of the compiled program).
+  Called with concrete arrays, the iterations run in Python around one
+  jitted product per batch (compiled once per ``loss_fn``, kept for later
+  calls), reading one scalar per iteration back to decide whether to stop:
+  call it this way for convolutional nets on CPU (see the module notes).
+  Called inside ``jax.jit`` (``loss_fn`` must then be traceable), the loop
+  is one ``lax.while_loop``; pass ``batches`` as an argument of the jitted
+  function rather than closing over them (closed-over arrays become
+  constants of the compiled program). Both give the same result up to float
+  rounding.
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> scalar`` (mean loss of one batch).
@@ -231,39 +333,48 @@ def max_hessian_eigenvalue(
   if not isinstance(tol, (int, float)) or isinstance(tol, bool) or not tol >= 0:
     raise ValueError(f"`tol` must be a float >= 0, got {tol!r}.")
   _check_positive_int("max_iterations", max_iterations)
+  tol = float(tol)
+  if not _traced(params, batches, key, support):
+    return _eager_power_iteration(loss_fn, params, batches, key, tol, max_iterations, support)
   mean_grad = _mean_grad_fn(loss_fn, params, batches, support)
-
-  def hvp(v):
-    return jax.jvp(mean_grad, (params,), (v,))[1]
-
-  leaves, treedef = jax.tree.flatten(params)
-  keys = jax.random.split(key, len(leaves))
-  start = jax.tree.unflatten(treedef, [
-      jax.random.normal(k, jnp.shape(x), jnp.result_type(x)) for k, x in zip(keys, leaves)])
-  start = _normalize(_apply_support(start, support))
 
   class Carry(NamedTuple):
     step: jax.Array
     vector: Any
     eigenvalue: jax.Array
-    previous: jax.Array
-
-  def done(c: Carry) -> jax.Array:
-    return jnp.abs(c.eigenvalue - c.previous) <= tol * jnp.abs(c.eigenvalue)
+    converged: jax.Array
 
   def cond(c: Carry) -> jax.Array:
-    return (c.step < max_iterations) & ((c.step < 2) | ~done(c))
+    return (c.step < max_iterations) & ((c.step < 2) | ~c.converged)
 
   def body(c: Carry) -> Carry:
-    w = hvp(c.vector)
-    eigenvalue = _vdot(c.vector, w)
-    return Carry(c.step + 1, _normalize(w), eigenvalue, c.eigenvalue)
+    w = jax.jvp(mean_grad, (params,), (c.vector,))[1]
+    eigenvalue, vector, done = _power_update(c.vector, w, c.eigenvalue, tol)
+    return Carry(c.step + 1, vector, eigenvalue, done)
 
-  init = Carry(jnp.zeros((), jnp.int32), start, jnp.zeros((), jnp.float32),
-               jnp.full((), jnp.inf, jnp.float32))
+  init = Carry(jnp.zeros((), jnp.int32), _start_vector(key, params, support),
+               jnp.zeros((), jnp.float32), jnp.zeros((), bool))
   final = lax.while_loop(cond, body, init)
-  converged = (final.step >= 2) & done(final)
-  return PowerIterationResult(final.eigenvalue, final.vector, final.step, converged)
+  return PowerIterationResult(final.eigenvalue, final.vector, final.step,
+                              (final.step >= 2) & final.converged)
+
+
+def _eager_power_iteration(loss_fn: LossFn, params: Any, batches: Sequence[Any],
+                           key: jax.Array, tol: float, max_iterations: int,
+                           support: Any) -> PowerIterationResult:
+  """:func:`max_hessian_eigenvalue`'s loop in Python over jitted products (concrete inputs)."""
+  batches = _device_batches(batches)
+  params, support = jax.device_put((params, support))  # once, not per product
+  vector = _start_vector(key, params, support)
+  eigenvalue = jnp.zeros((), jnp.float32)
+  step, converged = 0, False
+  while step < max_iterations and (step < 2 or not converged):
+    total = _summed_hvp(loss_fn, params, batches, support, vector)
+    eigenvalue, vector, done = _eager_power_update(vector, total, eigenvalue, len(batches), tol)
+    step += 1
+    converged = bool(done)  # the one host read of an iteration
+  return PowerIterationResult(eigenvalue, vector, jnp.asarray(step, jnp.int32),
+                              jnp.asarray(step >= 2 and converged))
 
 
 def hessian_trace(
@@ -279,7 +390,10 @@ def hessian_trace(
 
   :math:`\mathrm{tr}(H) \approx \frac{1}{m}\sum_{i=1}^m z_i^\top H z_i` with
   Rademacher probes :math:`z_i` (restricted to ``support``), through
-  :func:`safe_optax.hutchinson_diagonal`. Exact for a diagonal Hessian.
+  :func:`safe_optax.hutchinson_diagonal` inside ``jax.jit``, or the same
+  probes and sums in a Python loop over jitted products when called with
+  concrete arrays (as :func:`max_hessian_eigenvalue`). Exact for a diagonal
+  Hessian.
 
   Args:
     loss_fn, params, batches, support: as in :func:`max_hessian_eigenvalue`.
@@ -298,9 +412,37 @@ def hessian_trace(
     7.0
   """
   _check_positive_int("num_probes", num_probes)
-  mean_grad = _mean_grad_fn(loss_fn, params, batches, support)
-  diagonal = _scores.hutchinson_diagonal(lambda p, _: mean_grad(p), params, key, num_probes)
+  if _traced(params, batches, key, support):
+    mean_grad = _mean_grad_fn(loss_fn, params, batches, support)
+    diagonal = _scores.hutchinson_diagonal(lambda p, _: mean_grad(p), params, key, num_probes)
+  else:
+    diagonal = _eager_hutchinson_diagonal(loss_fn, params, batches, key, num_probes, support)
   # Off the support the restricted Hessian has zero rows, so its diagonal
   # estimate is already 0 there; the mask only guards against -0/NaN noise.
   diagonal = _apply_support(diagonal, support)
   return sum(jnp.sum(d).astype(jnp.float32) for d in jax.tree.leaves(diagonal))
+
+
+@functools.partial(jax.jit, static_argnums=3, donate_argnums=0)
+def _add_probe(total: Any, probe: Any, product_sum: Any, num: int) -> Any:
+  """``total + z * (H z)`` with ``H z`` the batch mean ``product_sum / num``."""
+  return optax.tree.add(total, optax.tree.mul(probe, jax.tree.map(lambda t: t / num,
+                                                                  product_sum)))
+
+
+def _eager_hutchinson_diagonal(loss_fn: LossFn, params: Any, batches: Sequence[Any],
+                               key: jax.Array, num_probes: int, support: Any) -> Any:
+  """:func:`safe_optax.hutchinson_diagonal` of the mean Hessian, probe by probe in Python.
+
+  The probes are the ones ``hutchinson_diagonal`` draws (``split(key,
+  num_probes)``, Rademacher), so both paths estimate from the same vectors.
+  """
+  batches = _device_batches(batches)
+  params, support = jax.device_put((params, support))  # once, not per product
+  probe_keys = jax.random.split(key, num_probes)
+  total = optax.tree.zeros_like(params)
+  for i in range(num_probes):
+    probe = optax.tree.random_like(probe_keys[i], params, jax.random.rademacher)
+    total = _add_probe(total, probe, _summed_hvp(loss_fn, params, batches, support, probe),
+                       len(batches))
+  return optax.tree.scale(1.0 / num_probes, total)

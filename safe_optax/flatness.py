@@ -5,9 +5,11 @@ measurable for any model:
 
 * :func:`max_hessian_eigenvalue`: :math:`\lambda_{\max}` of the Hessian of the
   loss averaged over a fixed list of evaluation batches, by power iteration on
-  Hessian-vector products (forward-over-reverse, ``jax.jvp`` of ``jax.grad``),
-  run inside one ``lax.while_loop`` (no host round-trip per iteration) with a
-  relative tolerance and an iteration cap;
+  Hessian-vector products (forward-over-reverse, ``jax.jvp`` of ``jax.grad``)
+  with a relative tolerance and an iteration cap: called outside ``jax.jit``
+  a Python loop over one jitted product per batch (one scalar to the host an
+  iteration; XLA:CPU runs a convolution's backward pass 20-60x slower inside
+  a loop body), inside ``jax.jit`` one ``lax.while_loop``;
 * :func:`hessian_trace`: Hutchinson's estimate :math:`E_z[z^\top H z]`
   (reusing :func:`safe_optax.hutchinson_diagonal`);
 * :func:`filter_normalized_direction`, :func:`loss_line` and
@@ -23,9 +25,10 @@ This module gathers them for import; they live by topic in
 
 Conventions: ``loss_fn(params, batch) -> scalar`` is the mean loss of one
 batch; ``batches`` is a non-empty sequence of batches with identical shapes
-(every batch is a pytree of arrays), stacked once and scanned, so the averaged
-Hessian is :math:`H = \frac{1}{B}\sum_b \nabla^2 \ell(\theta; b)` and memory
-holds one batch at a time.
+(every batch is a pytree of arrays), taken one at a time (a Python loop over
+jitted products outside ``jax.jit``, a ``lax.scan`` inside), so the averaged
+Hessian is :math:`H = \frac{1}{B}\sum_b \nabla^2 \ell(\theta; b)` and the
+intermediate values of one batch are alive at a time.
 
 ``support`` restricts everything to a subset of the weights, e.g. the kept
 weights of a sparse model: a pytree of bools (or 0/1 arrays) shaped like

@@ -26,6 +26,7 @@ writes the files.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -68,6 +69,19 @@ def parse_suite(text: str) -> tuple[str, ...]:
 def _batched(fn, images: np.ndarray, batch_size: int) -> np.ndarray:
   return np.concatenate([np.asarray(fn(images[i:i + batch_size]))
                          for i in range(0, len(images), batch_size)])
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _predict(model: Any, variables: Any, mean: jax.Array, std: jax.Array,
+             images: jax.Array) -> jax.Array:
+  """Predicted classes of uint8 images (inference mode).
+
+  The variables are arguments, not constants folded into the program (a
+  closure over them would be), and the program is compiled once per model
+  and batch shape.
+  """
+  pixels = images.astype(jnp.float32) / 255.0
+  return jnp.argmax(model.apply(variables, (pixels - mean) / std, train=False), -1)
 
 
 def evaluate_workdir(
@@ -141,7 +155,7 @@ def evaluate_workdir(
     """Logits of pixel-space images in [0, 1]; the normalisation is part of the model."""
     return model.apply({"params": params, **model_state}, (pixels - mean) / std, train=False)
 
-  predict = jax.jit(lambda images: jnp.argmax(apply_fn(images.astype(jnp.float32) / 255.0), -1))
+  predict = functools.partial(_predict, model, {"params": params, **model_state}, mean, std)
   rng = np.random.default_rng([seed, 1])
   test_indices = input_pipeline.sample_indices(len(data.test_labels), test_subset, rng)
   test_x, test_y = data.test_images[test_indices], data.test_labels[test_indices]
@@ -193,17 +207,13 @@ def _hessian(model, params, model_state, data, config, examples, batch_size, see
     return experiment.cross_entropy(logits, batch[1])
 
   support = flatness.support_mask(params) if config.method != "dense" else None
-
-  # The batches are arguments, not closure constants XLA would fold into the program.
-  @jax.jit
-  def run(params, batches, key):
-    k1, k2 = jax.random.split(key)
-    full = flatness.max_hessian_eigenvalue(loss_fn, params, batches, key=k1, max_iterations=100)
-    kept = flatness.max_hessian_eigenvalue(loss_fn, params, batches, key=k2, max_iterations=100,
-                                           support=support)
-    return full, kept
-
-  full, kept = run(params, batches, jax.random.PRNGKey(seed))
+  # Called outside jit: the power iterations run in Python around one jitted Hessian-vector
+  # product, which keeps XLA:CPU's fast convolutions (inside a while loop they are 20-60x
+  # slower; safe_optax/_hessian.py).
+  k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+  full = flatness.max_hessian_eigenvalue(loss_fn, params, batches, key=k1, max_iterations=100)
+  kept = flatness.max_hessian_eigenvalue(loss_fn, params, batches, key=k2, max_iterations=100,
+                                         support=support)
   return {"lambda_max": float(full.eigenvalue), "converged": bool(full.converged),
           "lambda_max_support": float(kept.eigenvalue),
           "converged_support": bool(kept.converged), "num_examples": n}
