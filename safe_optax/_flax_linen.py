@@ -7,6 +7,7 @@ BatchNorm re-estimation after pruning (:func:`recalibrate_batch_stats`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Optional, Union
 
@@ -271,9 +272,15 @@ def recalibrate_batch_stats(
     rng: ``None``; a PRNG key (the ``'dropout'`` stream) or a mapping of
       keys, folded with the batch index, for models with dropout.
 
+  The per-batch pass is compiled once per ``apply_fn`` and batch shape and
+  kept for later calls; every batch is dispatched before the moments are
+  read back.
+
   Returns:
     ``model_state`` with every BatchNorm layer's ``mean`` and ``var`` in
-    ``'batch_stats'`` replaced (same dtypes); other entries unchanged.
+    ``'batch_stats'`` replaced (same dtypes, and the same shardings where the
+    old statistics are ``jax.Array``s, so programs compiled for the old state
+    take the new one); other entries unchanged.
 
   Raises:
     ValueError: ``batches`` is empty, or ``model_state`` has no statistics
@@ -304,16 +311,21 @@ def recalibrate_batch_stats(
   if "batch_stats" not in model_state:
     raise ValueError("`model_state` has no 'batch_stats' collection to recalibrate.")
   rngs_base = _rngs(rng)
+  try:
+    moments = _moments_program(apply_fn)
+  except TypeError:  # an unhashable apply_fn: compiled for this call only
+    moments = _moments_program.__wrapped__(apply_fn)
 
-  @jax.jit
-  def moments(params, model_state, inputs, rngs):
-    return _batch_moments(apply_fn, {**model_state, "params": params}, inputs, rngs)
-
-  totals: dict[tuple[str, ...], list[Any]] = {}
+  # Every batch is dispatched before any result is read (the per-channel moments are
+  # small), so the host feeds the next batch while the device works on this one.
+  per_batch = []
   for index, inputs in enumerate(batches):
     rngs = None if rngs_base is None else {
         name: jax.random.fold_in(key, index) for name, key in rngs_base.items()}
-    for path, calls in jax.device_get(moments(params, model_state, inputs, rngs)).items():
+    per_batch.append(moments(params, model_state, inputs, rngs))
+  totals: dict[tuple[str, ...], list[Any]] = {}
+  for found in jax.device_get(per_batch):
+    for path, calls in found.items():
       for count, mean, var in calls:
         _add_moments(totals, path, count, mean, var)
   if not totals:
@@ -330,6 +342,28 @@ def recalibrate_batch_stats(
       raise ValueError(
           f"`model_state['batch_stats']` has no mean/var for BatchNorm '{'/'.join(path)}'."
       ) from err
-    node["mean"] = jnp.asarray(mean, jnp.result_type(old_mean))
-    node["var"] = jnp.asarray(m2 / n, jnp.result_type(old_var))
+    node["mean"] = _like(mean, old_mean)
+    node["var"] = _like(m2 / n, old_var)
   return {**model_state, "batch_stats": stats}
+
+
+@functools.lru_cache(maxsize=8)
+def _moments_program(apply_fn: ApplyFn) -> Callable[..., Any]:
+  """:func:`_batch_moments` jitted once per ``apply_fn`` (a BNT after every run of a sweep,
+  or before and after pruning, compiles once)."""
+  def moments(params, model_state, inputs, rngs):
+    return _batch_moments(apply_fn, {**model_state, "params": params}, inputs, rngs)
+  return jax.jit(moments)
+
+
+def _like(value: np.ndarray, old: Any) -> Any:
+  """``value`` with the dtype of ``old``, and its sharding when ``old`` is a ``jax.Array``.
+
+  The same placement as the statistics it replaces, so a jitted evaluation
+  compiled for the old state takes the new one without recompiling.
+  """
+  value = np.asarray(value, jnp.result_type(old))
+  if isinstance(old, jax.Array):
+    # Every process holds the same host totals, so each fills its own shards.
+    return jax.make_array_from_callback(value.shape, old.sharding, lambda index: value[index])
+  return jnp.asarray(value)
