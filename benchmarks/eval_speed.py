@@ -8,22 +8,30 @@ images and labels (the cost does not depend on the values):
   on ``--train-batch`` images;
 * ``eval_step`` / ``eval_step_128``: ``programs.eval`` (inference mode) on one
   batch of ``--eval-batch`` / 128 images;
+* ``predict``: the evaluation suite's clean / corruption classifier
+  (:mod:`safe_optax.vision.evaluation`) on one batch of ``--eval-batch``
+  images;
 * ``evaluate``: :func:`safe_optax.vision.finish.evaluate` over
   ``2 * --eval-batch`` test images (host gather, padding, transfers included);
 * ``bnt``: :func:`safe_optax.vision.finish.recalibrate` (BatchNorm
   re-estimation through :func:`safe_optax.flax_utils.recalibrate_batch_stats`)
-  on ``4 * --train-batch`` training images, a whole call;
+  on ``2 * --train-batch`` training images (all of them), a whole call;
 * ``gradient``: a plain jitted gradient of the inference-mode loss over the
   ``--hvp-batches`` Hessian batches of ``--hvp-batch`` images;
 * ``lambda_max_jit`` / ``lambda_max``: one power iteration (one Hessian-vector
   product per batch) of :func:`safe_optax.flatness.max_hessian_eigenvalue`,
-  inside ``jax.jit`` / called as the evaluation suite calls it; the
+  inside ``jax.jit`` (a ``lax.while_loop``) / called outside it, as the
+  evaluation suite now calls it; the
   per-iteration cost is the slope between ``max_iterations`` 1 and 3 (so
   start-up and dispatch cancel);
-* ``trace``: one probe of :func:`safe_optax.flatness.hessian_trace` (slope
-  between 1 and 3 probes);
+* ``trace``: one probe of :func:`safe_optax.flatness.hessian_trace` called
+  outside ``jax.jit`` (slope between 1 and 3 probes; the "before" run of
+  issue 14 called it inside ``jax.jit``, then the only fast way);
 * ``loss_line`` / ``loss``: :func:`safe_optax.flatness.loss_line` at 4 points
-  against one plain jitted loss over the same batches.
+  against one plain jitted loss over the same batches;
+* ``pgd``: :func:`safe_optax.vision.robustness.pgd_attack` (10 l_inf steps,
+  each an input gradient) on the Hessian images, as the evaluation suite
+  calls it.
 
 FLOPs are XLA's cost analysis of the compiled program
 (``jitted.lower(...).compile().cost_analysis()``); a program with a loop is
@@ -60,8 +68,10 @@ from _common import run_record, write_report
 from safe_optax import flatness
 from safe_optax.experiment import cross_entropy
 from safe_optax.vision import configs
+from safe_optax.vision import evaluation
 from safe_optax.vision import finish as finish_lib
 from safe_optax.vision import input_pipeline
+from safe_optax.vision import robustness
 from safe_optax.vision import train as train_lib
 
 GOAL_EVAL = 2.0
@@ -100,7 +110,7 @@ class Case:
     self.config = configs.get_config(
         "resnet20x2-cifar10", method="safe", sparsity=0.9, width=args.width, epochs=1,
         warmup_epochs=0, batch_size=args.train_batch, eval_batch_size=args.eval_batch,
-        bnt_samples=4 * args.train_batch)
+        bnt_samples=2 * args.train_batch)
     rng = np.random.default_rng(0)
     self.num_train = 2 * args.train_batch
     self.num_test = 2 * args.eval_batch
@@ -153,6 +163,14 @@ def build_paths(case: Case) -> dict[str, dict[str, Any]]:
                            p.eval(params, model_state, ex, ey, valid)),
                    "flops": flops(p.eval, params, model_state, ex, ey, valid), "images": size}
 
+  variables = {"params": params, **model_state}
+  mean, std = (jnp.asarray(v, jnp.float32) for v in train_lib.NORMALIZATION["cifar10"])
+  px = jnp.asarray(data.test_images[:args.eval_batch])
+  paths["predict"] = {
+      "run": lambda: evaluation._predict(p.model, variables, mean, std, px),
+      "flops": flops(evaluation._predict, p.model, variables, mean, std, px),
+      "images": args.eval_batch}
+
   paths["evaluate"] = {
       "run": lambda: finish_lib.evaluate(p.eval, params, model_state, data.test_images,
                                          data.test_labels, args.eval_batch, mesh=p.mesh),
@@ -163,12 +181,13 @@ def build_paths(case: Case) -> dict[str, dict[str, Any]]:
   bx = p.prepare(jnp.asarray(data.train_images[:args.train_batch]), None)
   forward_train = jax.jit(lambda q, s, x: model.apply({"params": q, **s}, x, train=True,
                                                       mutable=["batch_stats"]))
-  bnt_batches = -(-cfg.bnt_samples // args.train_batch)
+  bnt_images = min(cfg.bnt_samples, case.num_train)
+  bnt_batches = -(-bnt_images // args.train_batch)
   paths["bnt"] = {
       "run": lambda: finish_lib.recalibrate(p, cfg, params, model_state, data.train_images,
                                             case.num_train),
       "flops": flops(forward_train, params, model_state, bx) * bnt_batches,
-      "images": min(cfg.bnt_samples, case.num_train)}
+      "images": bnt_images}
 
   loss_fn, batches = case.loss_fn, case.batches
   batch_list = [jax.device_put(b) for b in batches]
@@ -194,8 +213,7 @@ def build_paths(case: Case) -> dict[str, dict[str, Any]]:
                    "images": args.hvp_batch * args.hvp_batches}
 
   def trace(n: int) -> Callable[[], Any]:
-    fn = jax.jit(lambda q, bs: flatness.hessian_trace(loss_fn, q, bs, key=key, num_probes=n))
-    return lambda: fn(params, batch_list)
+    return lambda: flatness.hessian_trace(loss_fn, params, batch_list, key=key, num_probes=n)
   paths["trace"] = {"slope": (trace(1), trace(1 + SLOPE)), "flops": hvp_flops,
                     "images": args.hvp_batch * args.hvp_batches}
 
@@ -209,6 +227,14 @@ def build_paths(case: Case) -> dict[str, dict[str, Any]]:
   paths["loss_line"] = {"run": lambda: line(params, direction, batch_list),
                         "flops": loss_flops * len(alphas),
                         "images": args.hvp_batch * args.hvp_batches * len(alphas)}
+
+  def apply_fn(pixels):
+    return p.model.apply(variables, (pixels - mean) / std, train=False)
+  pgd_x = jnp.asarray(data.test_images[:args.hvp_batch * args.hvp_batches] / 255.0, jnp.float32)
+  pgd_y = jnp.asarray(data.test_labels[:args.hvp_batch * args.hvp_batches])
+  paths["pgd"] = {"run": lambda: robustness.pgd_attack(apply_fn, pgd_x, pgd_y),
+                  "flops": flops(robustness.pgd_attack, apply_fn, pgd_x, pgd_y),
+                  "images": args.hvp_batch * args.hvp_batches}
   return paths
 
 
@@ -296,17 +322,17 @@ def summarise(paths: dict[str, dict[str, Any]], measured: dict[str, Any]) -> dic
     return _median_ratio(rounds, slow, fast, paths[fast]["flops"] / paths[slow]["flops"])
 
   ratios = {f"train_over_{name}_rate": rate_ratio("train_step", name)
-            for name in ("eval_step", "eval_step_128", "evaluate", "bnt")}
+            for name in ("eval_step", "eval_step_128", "predict", "evaluate", "bnt")}
   ratios.update({f"{name}_per_flop_over_gradient": rate_ratio("gradient", name)
-                 for name in ("lambda_max_jit", "lambda_max", "trace")})
+                 for name in ("lambda_max_jit", "lambda_max", "trace", "pgd")})
   ratios["loss_line_per_flop_over_loss"] = rate_ratio("loss", "loss_line")
   goals = {
       "eval_rate_within_2x_of_training": {
           name: ratios[f"train_over_{name}_rate"] <= GOAL_EVAL
-          for name in ("eval_step", "evaluate", "bnt")},
+          for name in ("eval_step", "predict", "evaluate", "bnt")},
       "hvp_per_flop_within_2x_of_gradient": {
           name: ratios[f"{name}_per_flop_over_gradient"] <= GOAL_HVP
-          for name in ("lambda_max", "trace")},
+          for name in ("lambda_max", "trace", "pgd")},
   }
   return {"paths": table, "ratios": ratios, "goals": goals}
 
