@@ -78,3 +78,44 @@ def test_safe_finds_flatter_sparse_minima_than_admm(mnist_flatness_config, seed)
     assert bool(result.converged), method
     eig[method] = float(result.eigenvalue)
   assert eig["safe"] < 0.5 * eig["admm"], eig
+
+
+@pytest.fixture(scope="module")
+def label_noise_runs() -> dict:
+  """The committed Table 3 run: lambdas chosen on a noisy validation split, per noise ratio."""
+  recorded = _committed("label_noise_mlp-mnist.json")
+  five = _committed("label_noise_mlp-mnist_5seeds.json")
+  return {"config": recorded["config"], "chosen": recorded["selection"], "five": five["runs"]}
+
+
+@needs_mnist
+@pytest.mark.parametrize("seed", [0, 1])
+def test_safe_is_more_robust_to_label_noise_than_admm(label_noise_runs, seed, tmp_path):
+  """Table 3 at 25 % symmetric label noise: SAFE's 90 %-sparse MLP beats ADMM's on clean test data.
+
+  The committed 5-seed run (``label_noise_mlp-mnist_5seeds.json``, the lambdas
+  chosen on a noisy validation split in ``label_noise_mlp-mnist.json``) has
+  SAFE ahead by 0.8-2.0 points in every seed; the test asserts more than 0.4,
+  that both iterates reached their sparse sets, and that the rerun reproduces
+  the committed accuracy within a point (same seed and data order; another CPU may round
+  differently over 4,000 steps).
+  """
+  from safe_optax.vision import configs, sweeps  # pylint: disable=import-outside-toplevel
+  recorded = label_noise_runs["config"]
+  chosen = label_noise_runs["chosen"]["0.25"]["chosen"]
+  base = configs.get_config(
+      "mlp-mnist", epochs=recorded["epochs"], warmup_epochs=recorded["warmup_epochs"],
+      batch_size=recorded["batch_size"], test_only_split=tuple(recorded["test_only_split"]),
+      label_noise=0.25, sparsity=0.9, seed=seed)
+  accuracy = {}
+  for method in ("safe", "admm"):
+    config = base.replace(method=method,
+                          **{sweeps.penalty_field(method): chosen[f"{method}@0.9"]})
+    results = sweeps.run_or_load(config, tmp_path / method, data=None, data_dir=MNIST_DIR)
+    record = sweeps.record(config, results)
+    committed, = [r for r in label_noise_runs["five"]
+                  if (r["method"], r["noise"], r["seed"]) == (method, 0.25, seed)]
+    assert record["accuracy"] == pytest.approx(committed["accuracy"], abs=1e-2), method
+    assert record["constraint_distance"] < 0.2, (method, record["constraint_distance"])
+    accuracy[method] = record["accuracy"]
+  assert accuracy["safe"] > accuracy["admm"] + 0.004, accuracy
