@@ -225,7 +225,8 @@ def _config(parser: argparse.ArgumentParser, args: argparse.Namespace,
             **fields: Any) -> configs.Config:
   """The run's config: the preset or ``--config`` file, then ``--config.KEY``, then the flags."""
   dotted = {}
-  for key, text in args.config_overrides.items():
+  # Absent when a caller parses with build_parser() directly rather than through main().
+  for key, text in getattr(args, "config_overrides", {}).items():
     try:
       dotted.update(config_files.parse_overrides({key: text}))
     except ValueError as err:

@@ -68,9 +68,14 @@ class StepLog(NamedTuple):
 
 
 def empty_log(rows: int = 1, fields: int = len(STEP_FIELDS), dual_rows: int = 1) -> StepLog:
-  """A :class:`StepLog` with no row written (host arrays: ``device_put`` places them anywhere)."""
-  return StepLog(np.full([rows], -1, np.int32), np.full([rows, fields], np.nan, np.float32),
-                 np.full([dual_rows], -1, np.int32), np.full([dual_rows], np.nan, np.float32))
+  """A :class:`StepLog` with no row written (host arrays: ``device_put`` places them anywhere).
+
+  Unwritten rows are marked by step -1; their values are 0, not NaN, because a
+  multi-process ``device_put`` checks that every process passes equal arrays and
+  NaN never equals itself.
+  """
+  return StepLog(np.full([rows], -1, np.int32), np.zeros([rows, fields], np.float32),
+                 np.full([dual_rows], -1, np.int32), np.zeros([dual_rows], np.float32))
 
 
 def prunable_sparsity(params: Any) -> jax.Array:
