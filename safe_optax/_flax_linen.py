@@ -279,7 +279,7 @@ def recalibrate_batch_stats(
   Returns:
     ``model_state`` with every BatchNorm layer's ``mean`` and ``var`` in
     ``'batch_stats'`` replaced (same dtypes, and the same shardings where the
-    old statistics are ``jax.Array``s, so programs compiled for the old state
+    old statistics are ``jax.Array`` values, so programs compiled for the old state
     take the new one); other entries unchanged.
 
   Raises:
