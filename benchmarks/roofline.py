@@ -30,7 +30,8 @@ Page faults per call are recorded: XLA:CPU allocates each call's temporary
 buffer (and the matmul library its packing buffers) afresh, and with glibc's
 adaptive mmap threshold those can be new pages every call (tens of thousands
 of faults for the 2048 matmul chain or the ResNet step). ``--fixed-malloc``
-(:func:`step_overhead.fix_malloc_thresholds`) keeps them on the reused heap.
+(:func:`step_overhead.fix_malloc_thresholds`) keeps them on the reused heap
+(not ResNet-20's 297 MB buffer, which still faults).
 
 Results go to ``benchmarks/results/roofline.json`` (``--out``).
 """
