@@ -268,6 +268,7 @@ def topk_masks(
   k = jnp.asarray(k, jnp.int32)
   # Materialised once: fused into both scatters, the concatenation of every leaf
   # would be compiled (and copied) twice.
+  keys = [_as_stored(x) for x in keys]
   flat = lax.optimization_barrier(jnp.concatenate([x.reshape(-1) for x in keys if x.size]))
   found = _threshold(to_keys(flat), k)
   threshold = found.key
@@ -285,6 +286,23 @@ def topk_masks(
     masks.append(lax.bitwise_or(lax.gt(key, at), lax.bitwise_and(lax.eq(key, at), before_cut)))
     start += key.size
   return masks, found.nan
+
+
+def _as_stored(x: jax.Array) -> jax.Array:
+  """``x`` rounded to its own dtype, for bf16 / f16 leaves; other leaves unchanged.
+
+  The keys are computed twice, from the concatenation and again in each leaf's
+  mask kernel. XLA may keep a low-precision leaf that the caller computes in the
+  same program (``params + updates``) in float32 inside a fusion
+  (``xla_allow_excess_precision``), so the two computations could see different
+  values: a weight tied with the threshold in one could fall below it in the
+  other, and the mask would keep fewer than ``k``. ``reduce_precision`` is kept
+  by XLA, so both see the values as stored.
+  """
+  if not jnp.issubdtype(x.dtype, jnp.floating) or jnp.finfo(x.dtype).bits >= 32:
+    return x
+  info = jnp.finfo(x.dtype)
+  return lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
 
 def _positions(shape: tuple[int, ...], start: int) -> jax.Array:

@@ -1073,3 +1073,18 @@ def test_public_api():
   assert set(safe_optax.__all__) >= {"NM", "PerOutput", "default_prunable", "num_keep",
                                      "project_topk", "prunable_mask"}
   assert NM(2, 4).axis == -2 and PerOutput().axis == -1
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_exact_count_when_a_low_precision_leaf_is_computed_in_the_same_program(dtype):
+  # |a| has a tie at the median in bf16; x = a - 0.001 is computed inside the jitted
+  # program, where XLA may keep it in float32 in one fusion and round it in another.
+  a = jnp.asarray(np.random.default_rng(3).normal(size=(8, 8)), dtype)
+  project = jax.jit(lambda p: safe_optax.project_topk(
+      jax.tree.map(lambda v: v - jnp.asarray(0.001, v.dtype), p), 0.5))
+  out = project({"a": a, "bias": jnp.ones((8,), dtype)})
+  out = out[0] if isinstance(out, tuple) else out
+  assert int(jnp.count_nonzero(out["a"])) == 32
+  stored = np.abs(np.asarray((a - jnp.asarray(0.001, dtype)).astype(jnp.float32)))
+  kept = np.asarray(out["a"].astype(jnp.float32)) != 0
+  assert stored[kept].min() >= stored[~kept].max()
