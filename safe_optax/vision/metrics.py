@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import time
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -228,7 +229,13 @@ class TensorBoard:
 
   def __init__(self, logdir: os.PathLike, purge_step: Optional[int] = None):
     import tensorboardX  # pylint: disable=import-outside-toplevel
-    self._writer = tensorboardX.SummaryWriter(os.fspath(logdir), purge_step=purge_step or None)
+    # tensorboardX names an event file by the second and the host only: a run
+    # interrupted and resumed within one second would reopen (and truncate) the
+    # first session's file, so each writer gets its own suffix, the time in ns,
+    # which keeps the files in the order they were written when sorted by name
+    # (as TensorBoard reads them).
+    self._writer = tensorboardX.SummaryWriter(os.fspath(logdir), purge_step=purge_step or None,
+                                              filename_suffix=f".{time.time_ns()}")
 
   def write(self, record: dict[str, Any]) -> None:
     """Adds one epoch record (with its per-step rows) and flushes."""
