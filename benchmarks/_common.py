@@ -56,17 +56,19 @@ def make_tx(method: str) -> tuple[optax.GradientTransformation, bool]:
 
 
 def make_step(apply_fn: Callable[..., Any], tx: optax.GradientTransformation,
-              needs_grad_fn: bool) -> Callable[..., Any]:
+              needs_grad_fn: bool, dual_due: bool | None = None) -> Callable[..., Any]:
   """``step(params, model_state, opt_state, batch) -> (params, model_state, opt_state, loss)``,
-  jitted with the three states donated."""
+  jitted with the three states donated; ``dual_due`` (if not ``None``) goes to ``tx.update``."""
+  hint = {} if dual_due is None else {"dual_due": dual_due}
+
   def step(params, model_state, opt_state, batch):
     (loss, (_, new_model_state)), grads = flax_utils.loss_and_grad_with_state(
         apply_fn, params, model_state, batch, cross_entropy)
     if needs_grad_fn:
       grad_fn = flax_utils.sam_grad_fn(apply_fn, model_state, batch, cross_entropy)
-      updates, opt_state = tx.update(grads, opt_state, params, grad_fn=grad_fn)
+      updates, opt_state = tx.update(grads, opt_state, params, grad_fn=grad_fn, **hint)
     else:
-      updates, opt_state = tx.update(grads, opt_state, params)
+      updates, opt_state = tx.update(grads, opt_state, params, **hint)
     return optax.apply_updates(params, updates), new_model_state, opt_state, loss
 
   return jax.jit(step, donate_argnums=(0, 1, 2))

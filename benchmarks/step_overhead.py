@@ -93,9 +93,9 @@ MODELS = {
 }
 DEFAULT_STEPS = {"mlp": 128, "resnet20x2": 64}
 DEFAULT_WARMUP = {"mlp": 8, "resnet20x2": 2}
-BARS = {"safe/sam": 1.05, "sam/sgd": 2.1, "safe/optax_sam": 1.05}
-ALL_METHODS = (*METHODS, "optax_sam", "safe_k8")
-DUAL_PERIODS = {"safe": DUAL_EVERY, "admm": DUAL_EVERY, "safe_k8": 8}
+BARS = {"safe/sam": 1.05, "sam/sgd": 2.1, "safe/optax_sam": 1.05, "safe_split/optax_sam": 1.05}
+ALL_METHODS = (*METHODS, "optax_sam", "safe_k8", "safe_split")
+DUAL_PERIODS = {"safe": DUAL_EVERY, "admm": DUAL_EVERY, "safe_k8": 8, "safe_split": DUAL_EVERY}
 
 
 def make_method(method: str) -> tuple[optax.GradientTransformation, bool]:
@@ -104,10 +104,17 @@ def make_method(method: str) -> tuple[optax.GradientTransformation, bool]:
     outer = optax.chain(optax.add_decayed_weights(1e-4), optax.sgd(0.1, momentum=0.9))
     ascent = optax.chain(optax.contrib.normalize(), optax.sgd(0.1))
     return optax.contrib.sam(outer, ascent, sync_period=2, opaque_mode=True), True
+  if method == "safe_split":
+    return make_tx("safe")
   if method == "safe_k8":
     return safe_optax.safe(0.1, 0.9, penalty=1e-3, total_steps=10000, dual_every=8,
                            weight_decay=1e-4), True
   return make_tx(method)
+
+
+def temp_mb(jitted: Any, *args: Any) -> float:
+  """The size of XLA's temporary buffer for ``jitted(*args)`` (MiB): allocated at every call."""
+  return jitted.lower(*args).compile().memory_analysis().temp_size_in_bytes / 2**20
 
 
 def bench_model(name: str, methods: list[str], steps: int, block: int, warmup: int,
@@ -129,20 +136,30 @@ def bench_model(name: str, methods: list[str], steps: int, block: int, warmup: i
   runs: dict[str, dict[str, Any]] = {}
   for method in methods:
     tx, needs_grad_fn = make_method(method)
-    step = make_step(model.apply, tx, needs_grad_fn)
     state = [jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, model_state)]
     state.append(tx.init(state[0]))
+    if method == "safe_split":
+      # The host's step counter picks one of two programs; only the dual one holds the
+      # projection (``admm_penalty``'s ``dual_due`` hint).
+      variants = {due: make_step(model.apply, tx, needs_grad_fn, dual_due=due)
+                  for due in (False, True)}
+      step = lambda count, *a, v=variants: v[count % DUAL_EVERY == 0](*a)
+      dual_temp_mb = temp_mb(variants[True], *state, batch)
+      plain_step = variants[False]
+    else:
+      plain_step = make_step(model.apply, tx, needs_grad_fn)
+      step = lambda count, *a, f=plain_step: f(*a)
+      dual_temp_mb = None
     t0 = time.perf_counter()
-    *state, loss = step(*state, batch)
+    *state, loss = step(0, *state, batch)
     jax.block_until_ready(loss)
     first_call = time.perf_counter() - t0
-    for _ in range(warmup):
-      *state, loss = step(*state, batch)
+    for i in range(warmup):
+      *state, loss = step(1 + i, *state, batch)
     jax.block_until_ready((state, loss))
     runs[method] = {"step": step, "state": state, "count": 1 + warmup, "times": [],
                     "cpu_times": [], "page_faults": [],
-                    "temp_mb": step.lower(*state, batch).compile().memory_analysis()
-                    .temp_size_in_bytes / 2**20,
+                    "temp_mb": temp_mb(plain_step, *state, batch), "dual_temp_mb": dual_temp_mb,
                     "dual": [], "round": [], "first_call_s": first_call,
                     "first_loss": float(loss)}
     print(f"  {method:12s} compile+first step {first_call:6.1f} s", flush=True)
@@ -158,7 +175,7 @@ def bench_model(name: str, methods: list[str], steps: int, block: int, warmup: i
       for _ in range(n):
         f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         c0, t0 = time.process_time(), time.perf_counter()
-        *state, loss = step(*state, batch)
+        *state, loss = step(run["count"], *state, batch)
         jax.block_until_ready((state, loss))
         run["times"].append(time.perf_counter() - t0)
         run["cpu_times"].append(time.process_time() - c0)
@@ -184,6 +201,7 @@ def bench_model(name: str, methods: list[str], steps: int, block: int, warmup: i
              "page_faults_median": statistics.median(run["page_faults"]),
              "page_faults_mean": statistics.fmean(run["page_faults"]),
              "temp_mb": run["temp_mb"],
+             **({"dual_temp_mb": run["dual_temp_mb"]} if run["dual_temp_mb"] else {}),
              "times_s": run["times"], "cpu_times_s": run["cpu_times"],
              "dual_update": run["dual"], "round": run["round"]}
     if any(run["dual"]):
@@ -325,7 +343,8 @@ def ratios(entries: dict[str, dict[str, Any]], rounds: int) -> dict[str, dict[st
   out = {}
   for num, den in (("safe", "sam"), ("sam", "sgd"), ("admm", "sgd"), ("safe_nodual", "sam"),
                    ("sam", "optax_sam"), ("safe", "optax_sam"), ("safe_k8", "optax_sam"),
-                   ("safe_nodual", "optax_sam")):
+                   ("safe_nodual", "optax_sam"), ("safe_split", "optax_sam"),
+                   ("safe_split", "safe")):
     if num not in entries or den not in entries:
       continue
     a, b = entries[num], entries[den]

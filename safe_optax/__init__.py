@@ -15,6 +15,7 @@ from safe_optax._admm import admm_penalty
 from safe_optax._admm import constraint_distance
 from safe_optax._admm import decoupled_admm_penalty
 from safe_optax._admm import find_admm_state
+from safe_optax._admm import is_dual_step
 from safe_optax._alias import admm
 from safe_optax._alias import safe
 from safe_optax._alias import safe_multi
@@ -79,6 +80,7 @@ __all__ = (
     "finalize",
     "find_admm_state",
     "hutchinson_diagonal",
+    "is_dual_step",
     "magnitude_pruning",
     "magnitude_scores",
     "num_keep",

@@ -60,8 +60,9 @@ class ADMMState(NamedTuple):
   out-of-range value is ignored for that update and counted: a ``sparsity``
   outside ``[0, 1)`` (or NaN) or a ``dual_every < 1`` skips the dual update,
   keeping ``z`` and ``u``; a ``penalty`` (times the decoupled
-  ``learning_rate``) that is negative or not finite counts as 0. Check it is
-  0 after training.
+  ``learning_rate``) that is negative or not finite counts as 0. An update
+  called with ``dual_due=False`` when its dual update was due skips that
+  update and is counted too. Check it is 0 after training.
   """
 
 
@@ -115,7 +116,10 @@ def _admm_core(sparsity, penalty, *, dual_every, penalty_schedule, total_steps, 
         invalid_hyperparams=jnp.zeros([], jnp.int32),
     )
 
-  def step(state, params, gradient, grad_fn):
+  def step(state, params, gradient, grad_fn, dual_due):
+    if dual_due is not None and not isinstance(dual_due, bool):
+      raise ValueError(f"`dual_due` must be None, True or False (a Python bool known when "
+                       f"tracing), got {dual_due!r}.")
     if params is None:
       raise ValueError("admm_penalty needs `params` in update(updates, state, params).")
     flags = _prunable.leaf_flags(params, prunable)
@@ -147,7 +151,12 @@ def _admm_core(sparsity, penalty, *, dual_every, penalty_schedule, total_steps, 
                          structure=structure, scores=scores_now)
 
     due = (count % jnp.maximum(dual_every, 1) == 0) & sparsity_ok & every_ok
-    if isinstance(due, jax.core.Tracer):
+    if dual_due is False:
+      # The caller said no dual update is due: the projection is not traced, so its
+      # temporaries stay out of this program's buffer. A wrong hint skips the update
+      # and is counted below.
+      missed = due
+    elif isinstance(due, jax.core.Tracer):
       z, u = lax.cond(due, run_dual, lambda z, u: (list(z), list(u)), z, u)
     elif due:
       # Called eagerly: branch in Python, since an eager lax.cond recompiles every call.
@@ -167,6 +176,8 @@ def _admm_core(sparsity, penalty, *, dual_every, penalty_schedule, total_steps, 
                                 new_updates)
 
     valid = sparsity_ok & penalty_ok & every_ok
+    if dual_due is False:
+      valid = valid & jnp.logical_not(missed)
     new_state = ADMMState(
         count=optax.safe_increment(count),
         z=_prunable.masked_tree(params, flags, z),
@@ -226,7 +237,10 @@ def admm_penalty(
   Returns:
     A :class:`optax.GradientTransformationExtraArgs` whose state is
     :class:`ADMMState`. ``update`` needs ``params``; ``grad_fn`` is only used
-    by the ``"obd"`` saliency; other extra arguments are ignored.
+    by the ``"obd"`` saliency; ``dual_due`` (a Python bool, see
+    :func:`is_dual_step`) says whether this update's dual update is due, so
+    that a step without it compiles without the projection; other extra
+    arguments are ignored.
 
   Raises:
     ValueError, TypeError: at construction, for a configuration out of range
@@ -259,9 +273,9 @@ def admm_penalty(
       total_steps=total_steps, structure=_structures.resolve_structure(structure, scope),
       scores=scores, prunable=prunable, learning_rate=learning_rate, seed=seed)
 
-  def update_fn(updates, state, params=None, *, grad_fn=None, **extra_args):
+  def update_fn(updates, state, params=None, *, grad_fn=None, dual_due=None, **extra_args):
     del extra_args
-    new_state, add_penalty = core.step(state, params, updates, grad_fn)
+    new_state, add_penalty = core.step(state, params, updates, grad_fn, dual_due)
     return add_penalty(updates), new_state
 
   return optax.GradientTransformationExtraArgs(core.init, update_fn)
@@ -331,13 +345,62 @@ def decoupled_admm_penalty(
   def init_fn(params):
     return DecoupledADMMState(inner=inner.init(params), admm=core.init(params))
 
-  def update_fn(updates, state, params=None, *, grad_fn=None, **extra_args):
+  def update_fn(updates, state, params=None, *, grad_fn=None, dual_due=None, **extra_args):
     inner_updates, inner_state = inner.update(updates, state.inner, params, grad_fn=grad_fn,
                                               **extra_args)
-    admm_state, add_penalty = core.step(state.admm, params, updates, grad_fn)
+    admm_state, add_penalty = core.step(state.admm, params, updates, grad_fn, dual_due)
     return add_penalty(inner_updates), DecoupledADMMState(inner=inner_state, admm=admm_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def is_dual_step(count: int, dual_every: int) -> bool:
+  r"""Whether update number ``count`` of :func:`admm_penalty` runs the dual update.
+
+  The transform decides this inside the program with a ``lax.cond``, so every
+  step's compiled program carries the projection, and XLA:CPU allocates the
+  projection's temporaries at every call (on a small model, a few hundred
+  page faults and ~25 % of a step). A training loop that counts steps on the
+  host can pass ``update(..., dual_due=is_dual_step(step, K))`` through a
+  ``jax.jit(..., static_argnames="dual_due")`` step: two programs are compiled,
+  and the one for the ``K - 1`` steps without a dual update has no projection.
+  The results are the same; a wrong ``dual_due=False`` skips that dual update
+  and counts it in :attr:`ADMMState.invalid_hyperparams`.
+
+  Args:
+    count: the transform's update count before this update (the number of
+      ``update`` calls so far, a host int; 0 at the first step).
+    dual_every: ``K``, as given to :func:`admm_penalty`.
+
+  Returns:
+    ``count % dual_every == 0``, as a Python bool.
+
+  Raises:
+    ValueError: ``count`` negative or ``dual_every`` < 1.
+
+  Examples:
+    >>> import functools, jax, jax.numpy as jnp, optax
+    >>> from safe_optax import admm_penalty, is_dual_step
+    >>> tx = optax.chain(admm_penalty(0.5, penalty=1.0, dual_every=2), optax.sgd(0.1))
+    >>> @functools.partial(jax.jit, static_argnames="dual_due")
+    ... def step(params, state, *, dual_due):
+    ...   zero = jax.tree.map(jnp.zeros_like, params)
+    ...   updates, state = tx.update(zero, state, params, dual_due=dual_due)
+    ...   return optax.apply_updates(params, updates), state
+    >>> params = {'w': jnp.array([[4., -3.], [0.2, 0.1]])}
+    >>> state = tx.init(params)
+    >>> for t in range(50):
+    ...   params, state = step(params, state, dual_due=is_dual_step(t, 2))
+    >>> jnp.round(params['w'], 2)
+    Array([[ 4., -3.],
+           [ 0.,  0.]], dtype=float32)
+    >>> int(state[0].invalid_hyperparams)
+    0
+  """
+  _schedules.check_positive_int(dual_every, "dual_every")
+  if count < 0:
+    raise ValueError(f"`count` must be a non-negative step count, got {count!r}.")
+  return count % dual_every == 0
 
 
 def find_admm_state(opt_state: Any) -> ADMMState:

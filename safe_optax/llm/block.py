@@ -163,14 +163,16 @@ def _safe_step(config: model_lib.LlamaConfig, cfg: PruneConfig, steps_per_epoch:
     out = block.apply({"params": merge_block(linears, norms)}, x)
     return jnp.mean(jnp.square(out.astype(jnp.float32) - y))
 
-  @jax.jit
-  def step(linears, norms, input_norms, scales, opt_state, x, y):
+  # Two programs, picked by the host's step counter: the one for steps without a
+  # dual update does not carry the projection (see safe_optax.admm_penalty's dual_due).
+  @functools.partial(jax.jit, static_argnames="dual_due")
+  def step(linears, norms, input_norms, scales, opt_state, x, y, *, dual_due):
     # The transform is rebuilt inside the trace so this block's Wanda norms and
     # step scales are data, not constants baked into a per-block compilation.
     tx = safe_transform(cfg, steps_per_epoch, input_norms, scales)
     loss, grads = jax.value_and_grad(loss_fn)(linears, norms, x, y)
     grad_fn = lambda p, _: jax.grad(loss_fn)(p, norms, x, y)
-    updates, opt_state = tx.update(grads, opt_state, linears, grad_fn=grad_fn)
+    updates, opt_state = tx.update(grads, opt_state, linears, grad_fn=grad_fn, dual_due=dual_due)
     return optax.apply_updates(linears, updates), opt_state, loss
 
   return step
@@ -216,12 +218,14 @@ def safe_block(
       mesh, (params, norms, input_norms, scales, opt_state))
   rng = np.random.default_rng(cfg.seed)
   losses = []
-  for _ in range(cfg.epochs):
+  for epoch in range(cfg.epochs):
     order = rng.permutation(n)
     for b in range(steps_per_epoch):
       idx = order[b * batch:(b + 1) * batch]
-      params, opt_state, loss = step(params, norms, input_norms, scales, opt_state,
-                                     *_place(mesh, (inputs[idx], targets[idx])))
+      params, opt_state, loss = step(
+          params, norms, input_norms, scales, opt_state,
+          *_place(mesh, (inputs[idx], targets[idx])),
+          dual_due=safe_optax.is_dual_step(epoch * steps_per_epoch + b, cfg.dual_every))
     losses.append(float(loss))
   final_scores = None
   if input_norms is not None:
