@@ -17,6 +17,11 @@ sgd(0.1)), sync_period=2, opaque_mode=True)`` (one whole SAM step per
 Per SAFE method the amortised step is ``((K - 1) * plain median + dual
 median) / K``, compared with ``optax_sam``'s median.
 
+``safe_split`` is ``safe`` run as a host loop should run it: two programs,
+picked by the host's step counter (``update(..., dual_due=is_dual_step(t,
+32))``, jitted with the hint static); the 31 steps of 32 without a dual update
+run a program that holds no projection, so their temporary buffer is SAM's.
+
 Diagnostics (``--methods``): ``admm`` (SAFE without SAM, ``safe_optax.admm``
 with the same settings: the ADMM overhead over ``sgd``) and ``safe_nodual``
 (SAFE with ``dual_every`` larger than the run: the penalty and the untaken
@@ -39,11 +44,18 @@ processes' load than wall time.
 
 Page faults: each step's minor page faults (``ru_minflt``) and XLA's
 temporary buffer size are recorded. XLA:CPU allocates the temporary buffer
-at every call; SAFE's buffer includes the dual branch's temporaries (the
-projection's flat copy and histograms: 4.7 MB against 1.3 MB for the MLP),
-and when glibc serves it with fresh pages (its mmap threshold adapts at run
-time, so this changes from run to run) every touched page faults, a few
-hundred faults and about 1 ms per MLP step, dual update or not.
+at every call, 64-byte aligned (``posix_memalign``); a program's buffer holds
+the temporaries of both branches of every ``cond``, so SAFE's includes the
+dual update's (the projection's flat copy and histograms: 4.71 MiB against
+SAM's 1.31 MiB for the MLP). glibc served that 4.71 MiB request with a fresh
+``mmap`` at every call (strace: one ``mmap``/``munmap`` of 4,943,872 bytes a
+step, where a plain ``malloc`` of that size is mapped once and then reused), so
+every page the step touches faults: 376 faults and about 0.5 ms a non-dual
+MLP step. Which sizes glibc maps afresh depends on the allocation history
+(its mmap threshold adapts at run time), so this changes from model to model
+and run to run. ``safe_split`` compiles its non-dual steps without the
+projection (SAM's 1.31 MiB buffer, no faults) and pays the faults only at its
+dual steps.
 ``--fixed-malloc`` fixes glibc's thresholds (:func:`fix_malloc_thresholds`,
 the same as ``MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=2147483648``
 in the environment) so that the comparison measures compute, not the
@@ -231,9 +243,10 @@ def llm_block_case(seed: int = 0) -> tuple[Any, tuple[jax.Array, jax.Array], Any
   """A SmolLM2-135M-shaped block (random weights) on random data, and its step builder.
 
   Returns ``(linears, (x, y), make)``: the block's seven matrices, a batch of
-  inputs and targets, and ``make(tx) -> (jitted step, tx)`` where ``step(lin,
-  opt_state, x, y) -> (lin, opt_state, loss)`` minimises the block-output MSE
-  with ``tx`` (params and optimizer state donated).
+  inputs and targets, and ``make(tx, dual_due=None) -> (jitted step, tx)`` where
+  ``step(lin, opt_state, x, y) -> (lin, opt_state, loss)`` minimises the
+  block-output MSE with ``tx`` (params and optimizer state donated; ``dual_due``
+  goes to ``tx.update``).
   """
   from safe_optax.llm import model as model_lib
   from safe_optax.llm import prune
@@ -250,11 +263,13 @@ def llm_block_case(seed: int = 0) -> tuple[Any, tuple[jax.Array, jax.Array], Any
     out = block.apply({"params": prune.merge_block(lin, norms)}, x)
     return jnp.mean(jnp.square(out - y))
 
-  def make(tx):
+  def make(tx, dual_due=None):
+    hint = {} if dual_due is None else {"dual_due": dual_due}
+
     def step(lin, opt_state, x, y):
       loss, grads = jax.value_and_grad(loss_fn)(lin, x, y)
       grad_fn = lambda p, _: jax.grad(loss_fn)(p, x, y)
-      updates, opt_state = tx.update(grads, opt_state, lin, grad_fn=grad_fn)
+      updates, opt_state = tx.update(grads, opt_state, lin, grad_fn=grad_fn, **hint)
       return optax.apply_updates(lin, updates), opt_state, loss
     return jax.jit(step, donate_argnums=(0, 1)), tx
 
