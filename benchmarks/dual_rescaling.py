@@ -112,6 +112,7 @@ def plot(runs: list[dict[str, Any]], title: str, path: pathlib.Path) -> None:
                 label=f"lambda {lam:g}, {label}")
   ax_loss.set_ylabel("training loss")
   ax_dist.set_ylabel("‖x − z‖")
+  ax_loss.set_yscale("log")
   ax_dist.set_yscale("log")
   for ax in (ax_loss, ax_dist):
     ax.set_xlabel("epoch")
@@ -144,9 +145,9 @@ def main(argv: Optional[list[str]] = None) -> int:
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   title = (f"SAFE, {args.preset} at {100 * args.sparsity:g}% sparsity, {args.epochs} epochs, "
-           f"seeds {args.seeds}: the paper's dual update (dashed) vs rescale_dual (solid)")
+           f"seeds {args.seeds}:\nthe paper's dual update (dashed) vs rescale_dual (solid)")
   plot(runs, title, out / "dual_rescaling.png")
-  markdown = (f"Command: `python {' '.join(sys.argv)}`\n\n{title}. Sparse test accuracy after the "
+  markdown = (f"Command: `python {' '.join(sys.argv)}`\n\n{title.replace(chr(10), ' ')}. Sparse test accuracy after the "
               f"final projection and BNT, mean ± s.e. over seeds; lambdas fixed (not chosen).\n\n"
               f"{table(runs)}\n")
   summary = {"command": "python " + " ".join(sys.argv), "args": vars(args), "runs": runs,
