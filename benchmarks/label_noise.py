@@ -110,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "lambda every run uses")
   parser.add_argument("--admm-grid", type=float, nargs="+", default=None,
                       help=f"the same for ADMM (default {DEFAULT_GRIDS['admm']})")
+  parser.add_argument("--rescale-dual", action="store_true",
+                      help="SAFE-family methods keep the unscaled dual while the penalty ramps "
+                           "(safe_optax.safe(rescale_dual=True)); ADMM is unchanged, so its runs "
+                           "are shared with a run without it; outputs get a _rescaled suffix")
   parser.add_argument("--workdir", default="/tmp/safe_optax_label_noise")
   parser.add_argument("--out", default="results/flatness")
   return parser
@@ -126,6 +130,8 @@ def main(argv: Optional[list[str]] = None) -> int:
   base = configs.get_config(args.preset, **overrides)
   runs, selections = [], {}
   grids, fixed = penalty_grids(args, parser)
+  rescaled = {m: {"rescale_dual": True} for m in args.methods
+              if args.rescale_dual and m in sweeps.SAFE_FAMILY}
   for noise in args.noise:
     noisy = base.replace(label_noise=noise)
     selection = None
@@ -133,13 +139,14 @@ def main(argv: Optional[list[str]] = None) -> int:
       selection = sweeps.select_penalty(
           noisy, args.methods, args.sparsities, grids, validation=args.validation,
           seeds=range(args.select_seeds), root=pathlib.Path(args.workdir) / "select",
-          data_dir=args.data_dir)
+          data_dir=args.data_dir, method_overrides=rescaled)
       selections[f"{noise:g}"] = selection
     data = train.load_dataset(noisy, args.data_dir)
     for sparsity in args.sparsities:
       for method in args.methods:
         for seed in args.seeds:
           config = noisy.replace(method=method, sparsity=sparsity, seed=seed,
+                                 **rescaled.get(method, {}),
                                  **sweeps.chosen_overrides(selection, method, sparsity),
                                  **fixed.get(method, {}))
           results = sweeps.run_or_load(config, sweeps.run_dir(args.workdir, config), data=data,
@@ -150,7 +157,7 @@ def main(argv: Optional[list[str]] = None) -> int:
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   command = "python " + " ".join(sys.argv)
-  stem = f"label_noise_{args.preset}"
+  stem = f"label_noise_{args.preset}" + ("_rescaled" if args.rescale_dual else "")
   (out / f"{stem}.json").write_text(json.dumps(
       {"command": command, "config": configs.to_dict(base), "selection": selections,
        "runs": runs,

@@ -56,7 +56,14 @@ def select(base: configs.Config, args: argparse.Namespace) -> dict[str, Any]:
   return sweeps.select_penalty(base, args.methods, args.sparsities, grids,
                                validation=args.validation, seeds=range(args.select_seeds),
                                root=pathlib.Path(args.workdir) / "select",
-                               data_dir=args.data_dir, progress=args.progress)
+                               data_dir=args.data_dir, progress=args.progress,
+                               method_overrides={m: rescaled(m, args) for m in args.methods})
+
+
+def rescaled(method: str, args: argparse.Namespace) -> dict[str, Any]:
+  """``rescale_dual=True`` for a SAFE-family method under ``--rescale-dual``; other methods keep
+  their configs (and folders), so a sweep with it reuses the baselines of one without."""
+  return {"rescale_dual": True} if args.rescale_dual and method in sweeps.SAFE_FAMILY else {}
 
 
 def summarize_convergence(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -147,6 +154,10 @@ def main(argv: Optional[list[str]] = None) -> int:
   parser.add_argument("--workdir", required=True)
   parser.add_argument("--out", required=True)
   parser.add_argument("--progress", action="store_true")
+  parser.add_argument("--rescale-dual", action="store_true",
+                      help="SAFE-family methods keep the unscaled dual while the penalty ramps "
+                           "(safe_optax.safe(rescale_dual=True)); other methods are unchanged, "
+                           "so their runs are shared with a sweep without it")
   args = parser.parse_args(argv)
   for s in args.sparsities:
     if not 0.0 < s < 1.0:
@@ -162,6 +173,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for s in ([0.0] if method == "dense" else args.sparsities):
       for seed in args.seeds:
         config = base.replace(method=method, sparsity=s, seed=seed,
+                              **rescaled(method, args),
                               **sweeps.chosen_overrides(selection, method, s))
         results = sweeps.run_or_load(config, sweeps.run_dir(root, config), data=data,
                                      data_dir=args.data_dir, progress=args.progress)
@@ -181,6 +193,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     json.dump(summary, f, indent=1)
     f.write("\n")
   chosen = ", ".join(f"{k} {v:g}" for k, v in selection["chosen"].items())
+  if selection.get("at_grid_edge"):
+    chosen += (f". At an end of its grid (the optimum may lie outside): "
+               f"{', '.join(selection['at_grid_edge'])}")
+  if args.rescale_dual:
+    chosen += (". SAFE-family runs use `rescale_dual=True` (the unscaled dual is kept while the "
+               "penalty ramps; not the paper's update)")
   markdown = (f"Command: `{summary['command']}`\n\nTest accuracy (%) after the final projection "
               f"(and BNT), mean ± s.e. over seeds {args.seeds}; preset `{args.preset}`, "
               f"{base.epochs} epochs.\n\n{table['markdown']}\n\nLambda chosen on "

@@ -83,7 +83,7 @@ class _Core(NamedTuple):
 
 
 def _admm_core(sparsity, penalty, *, dual_every, penalty_schedule, total_steps, structure,
-               scores, prunable, learning_rate, seed) -> _Core:
+               scores, prunable, learning_rate, seed, rescale_dual=False) -> _Core:
   """Validates the configuration (at construction) and builds ``init`` and ``step``.
 
   ``step(state, params, gradient, grad_fn)`` runs the dual update when due
@@ -96,6 +96,8 @@ def _admm_core(sparsity, penalty, *, dual_every, penalty_schedule, total_steps, 
   saliency = _scores.get_saliency(scores)
   if learning_rate is not None and not callable(learning_rate):
     _schedules.check_nonnegative(learning_rate, "learning_rate")
+  if not isinstance(rescale_dual, bool):
+    raise TypeError(f"`rescale_dual` must be True or False, got {rescale_dual!r}.")
   base_key = jax.random.PRNGKey(seed)
 
   def init_fn(params):
@@ -132,14 +134,23 @@ def _admm_core(sparsity, penalty, *, dual_every, penalty_schedule, total_steps, 
     draw_key, saliency_key = jax.random.split(jax.random.fold_in(base_key, count))
     sparsity_now = get_sparsity(count, draw_key)
     sparsity_ok = _dual.in_unit_interval(sparsity_now)
-    lam = lam_fn(count)
+    lam_now = lam_fn(count)
+    rate = 1.0
     if learning_rate is not None:  # the decoupled step's rate scales the penalty
-      lam = lam * (learning_rate(count) if callable(learning_rate) else learning_rate)
+      rate = learning_rate(count) if callable(learning_rate) else learning_rate
+    lam = lam_now * rate
     penalty_ok = jnp.isfinite(lam) & (lam >= 0)
     # A traced dual_every < 1 (inject_hyperparams) would divide by zero below.
     every_ok = jnp.asarray(dual_every) >= 1
+    every = jnp.maximum(dual_every, 1)
 
     def run_dual(z, u):
+      if rescale_dual:
+        # u is scaled by the penalty of the previous dual update; rescale it to
+        # this one's so that the unscaled dual lambda * u carries over (Boyd et
+        # al. 2011, §3.4.1). With lambda_t = 0 there is no dual force: u = 0.
+        ratio = _ratio(lam_fn(jnp.maximum(count - every, 0)), lam_now)
+        u = [(ui * ratio).astype(ui.dtype) for ui in u]
       scores_now = None
       if saliency is not None:
         inputs = _scores.SaliencyInputs(
@@ -163,6 +174,12 @@ def _admm_core(sparsity, penalty, *, dual_every, penalty_schedule, total_steps, 
       z, u = run_dual(z, u)
     lam = jnp.where(penalty_ok, lam, jnp.zeros_like(lam))
     scale = lam if learning_rate is None else -lam
+    if rescale_dual:
+      # The dual force is lambda_d * u, lambda_d the penalty u was last scaled by
+      # (this step's if a dual update just ran); the rest follows lambda_t.
+      lam_d = lam_fn(count - count % every) * rate
+      lam_d = jnp.where(jnp.isfinite(lam_d) & (lam_d >= 0), lam_d, jnp.zeros_like(lam_d))
+      dual_scale = lam_d if learning_rate is None else -lam_d
 
     def add_penalty(updates):
       it = iter(zip(x, z, u))
@@ -170,7 +187,10 @@ def _admm_core(sparsity, penalty, *, dual_every, penalty_schedule, total_steps, 
       for g, flag in zip(jax.tree.leaves(updates, is_leaf=_prunable.is_masked), flags):
         if flag:
           xi, zi, ui = next(it)
-          g = (g + scale * (xi - zi + ui)).astype(g.dtype)
+          if rescale_dual:
+            g = (g + scale * (xi - zi) + dual_scale * ui).astype(g.dtype)
+          else:
+            g = (g + scale * (xi - zi + ui)).astype(g.dtype)
         new_updates.append(g)
       return jax.tree.unflatten(jax.tree.structure(updates, is_leaf=_prunable.is_masked),
                                 new_updates)
@@ -190,6 +210,12 @@ def _admm_core(sparsity, penalty, *, dual_every, penalty_schedule, total_steps, 
   return _Core(init_fn, step)
 
 
+def _ratio(previous: jax.Array, current: jax.Array) -> jax.Array:
+  """``previous / current``, 0 where ``current`` is 0 or either is not a valid penalty."""
+  valid = jnp.isfinite(previous) & jnp.isfinite(current) & (previous >= 0) & (current > 0)
+  return jnp.where(valid, previous / jnp.where(valid, current, 1.0), 0.0)
+
+
 def admm_penalty(
     sparsity: SparsityArg,
     penalty: Union[float, optax.Schedule],
@@ -203,6 +229,7 @@ def admm_penalty(
     learning_rate: Optional[Union[float, optax.Schedule]] = None,
     seed: int = 0,
     scope: Optional[str] = None,
+    rescale_dual: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Adds SAFE's augmented-Lagrangian penalty and runs its dual update.
 
@@ -233,6 +260,16 @@ def admm_penalty(
     seed: seeds SAFE-Multi draws and, independently, the saliency's key
       (Hutchinson probes).
     scope: deprecated, as in :func:`safe_optax.project_topk`.
+    rescale_dual: keep the *unscaled* dual ``lambda * u`` when the penalty
+      changes (a ramp or a schedule), as ADMM with a varying penalty parameter
+      does (Boyd et al. 2011, §3.4.1): at each dual update ``u`` is multiplied
+      by ``lambda_prev / lambda_t`` before ``z = Proj(x + u)``, and between
+      updates the dual force stays ``lambda_prev * u``. ``False`` (default)
+      is the paper's and the official code's update, which keeps ``u`` as is:
+      under a ramp from 0, ``u`` then grows at full rate while the penalty is
+      still near 0, and at extreme sparsity that can make training diverge
+      (``docs/dual_rescaling.md``). With a constant penalty both are the same.
+      A penalty of 0 at a dual update resets ``u`` (no dual force follows).
 
   Returns:
     A :class:`optax.GradientTransformationExtraArgs` whose state is
@@ -271,7 +308,8 @@ def admm_penalty(
   core = _admm_core(
       sparsity, penalty, dual_every=dual_every, penalty_schedule=penalty_schedule,
       total_steps=total_steps, structure=_structures.resolve_structure(structure, scope),
-      scores=scores, prunable=prunable, learning_rate=learning_rate, seed=seed)
+      scores=scores, prunable=prunable, learning_rate=learning_rate, seed=seed,
+      rescale_dual=rescale_dual)
 
   def update_fn(updates, state, params=None, *, grad_fn=None, dual_due=None, **extra_args):
     del extra_args
@@ -294,6 +332,7 @@ def decoupled_admm_penalty(
     scores: Union[None, str, _scores.Saliency] = None,
     prunable: _prunable.Prunable = None,
     seed: int = 0,
+    rescale_dual: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""The paper's decoupled penalty step after a base optimizer ``inner``.
 
@@ -312,7 +351,7 @@ def decoupled_admm_penalty(
     learning_rate: ``eta_t``, the rate of the plain penalty step (a number or
       schedule; usually the base optimizer's).
     dual_every, penalty_schedule, total_steps: as in :func:`admm_penalty`.
-    structure, scores, prunable, seed: as in :func:`admm_penalty`.
+    structure, scores, prunable, seed, rescale_dual: as in :func:`admm_penalty`.
 
   Returns:
     A :class:`optax.GradientTransformationExtraArgs` with state
@@ -340,7 +379,8 @@ def decoupled_admm_penalty(
   core = _admm_core(
       sparsity, penalty, dual_every=dual_every, penalty_schedule=penalty_schedule,
       total_steps=total_steps, structure=_structures.resolve_structure(structure),
-      scores=scores, prunable=prunable, learning_rate=learning_rate, seed=seed)
+      scores=scores, prunable=prunable, learning_rate=learning_rate, seed=seed,
+      rescale_dual=rescale_dual)
 
   def init_fn(params):
     return DecoupledADMMState(inner=inner.init(params), admm=core.init(params))

@@ -58,6 +58,7 @@ def safe(
     decoupled_penalty: bool = False,
     seed: int = 0,
     scope: Optional[str] = None,
+    rescale_dual: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""SAFE: sharpness-aware ADMM pruning with SGD (Lee et al., ICML 2025).
 
@@ -99,6 +100,11 @@ def safe(
     seed: seeds SAFE-Multi draws and OBD's Hutchinson probes.
     scope: deprecated: ``"global"`` / ``"per_leaf"`` mean
       ``structure=Global()`` / ``PerLeaf()`` (``DeprecationWarning``).
+    rescale_dual: keep the unscaled dual ``lambda * u`` when the penalty
+      ramps (Boyd et al. 2011, §3.4.1; see :func:`admm_penalty`). Off by
+      default, as in the paper; turn it on at extreme sparsity, where the
+      paper's update can diverge under the cosine ramp
+      (``docs/dual_rescaling.md``).
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs`; ``update`` needs
@@ -133,7 +139,8 @@ def safe(
   structure = _structures.resolve_structure(structure, scope)
   penalty_args = dict(
       dual_every=dual_every, penalty_schedule=penalty_schedule, total_steps=total_steps,
-      structure=structure, scores=scores, prunable=prunable, seed=seed)
+      structure=structure, scores=scores, prunable=prunable, seed=seed,
+      rescale_dual=rescale_dual)
   base = [optax.add_decayed_weights(weight_decay),
           optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov)]
   if decoupled_penalty:

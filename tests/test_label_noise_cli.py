@@ -42,3 +42,24 @@ def test_with_validation_grids_are_selected_over_not_fixed():
   grids, fixed = _grids("--validation", "100", "--safe-grid", "0.1", "1")
   assert fixed == {}
   assert grids["safe"] == [0.1, 1.0]
+
+
+def test_rescale_dual_reaches_the_safe_runs_only_and_renames_the_outputs(monkeypatch, tmp_path):
+  from safe_optax.vision import sweeps, train  # pylint: disable=import-outside-toplevel
+  seen = []
+
+  def fake_run(config, workdir, **kwargs):
+    seen.append(config)
+    history = [{"train_loss": 0.5, "distance_to_z": 0.1, "distance_to_projection": 0.1}] * 4
+    return {"final": {"sparse_accuracy": 0.8, "dense_accuracy": 0.8, "sparsity": 0.9},
+            "history": history, "images_per_second": 1.0, "wall_seconds": 1.0,
+            "data": {"evaluated_on": "test"}}
+
+  monkeypatch.setattr(sweeps, "run_or_load", fake_run)
+  monkeypatch.setattr(train, "load_dataset", lambda config, data_dir: None)
+  label_noise.main(["--preset", "mlp-mnist", "--data-dir", "unused", "--noise", "0.5",
+                    "--seeds", "0", "--safe-grid", "1", "--admm-grid", "0.1", "--rescale-dual",
+                    "--workdir", str(tmp_path / "w"), "--out", str(tmp_path)])
+  assert {(c.method, c.rescale_dual) for c in seen} == {("safe", True), ("admm", False)}
+  assert (tmp_path / "label_noise_mlp-mnist_rescaled.json").exists()
+  assert not (tmp_path / "label_noise_mlp-mnist.json").exists()

@@ -92,9 +92,13 @@ def test_select_penalty_keeps_the_best_mean_validation_accuracy(monkeypatch, tmp
   selection = sweeps.select_penalty(
       base, ["dense", "safe", "admm", "gmp"], [0.9, 0.99],
       {"safe": [1e-2, 1e-1, 1.0], "admm": [1e-3, 1e-2, 1e-1]}, validation=123, seeds=[0, 1],
-      root=tmp_path, data_dir="/")
+      root=tmp_path, data_dir="/", method_overrides={"safe": {"rescale_dual": True}})
   assert selection["chosen"] == {"safe@0.9": 0.1, "safe@0.99": 0.1, "admm@0.9": 0.01,
                                  "admm@0.99": 0.01}
+  assert selection["at_grid_edge"] == []  # every optimum is inside its grid
+  # Per-method overrides reach that method's runs only.
+  assert {c.rescale_dual for c in seen if c.method == "safe"} == {True}
+  assert {c.rescale_dual for c in seen if c.method == "admm"} == {False}
   # Only penalty methods are tuned, every run on the validation split, both seeds.
   assert {c.method for c in seen} == {"safe", "admm"} and len(seen) == 2 * 2 * 3 * 2
   assert all(c.validation == 123 for c in seen)
@@ -113,6 +117,8 @@ def test_select_penalty_breaks_ties_towards_the_smaller_lambda(monkeypatch, tmp_
                                     {"safe": [1.0, 0.01, 0.1]}, validation=10, seeds=[0],
                                     root=tmp_path, data_dir="/")
   assert selection["chosen"] == {"safe@0.9": 0.01}
+  # The smallest lambda of the grid won: the optimum may lie below it, and the result says so.
+  assert selection["at_grid_edge"] == ["safe@0.9"]
 
 
 def test_select_penalty_needs_a_grid_per_penalty_method(tmp_path):

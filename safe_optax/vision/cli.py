@@ -78,6 +78,9 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
   over.add_argument("--admm-penalty", type=float, help="ADMM's lambda (default: --penalty)")
   over.add_argument("--rho", type=float, help="SAM radius")
   over.add_argument("--dual-every", type=int, help="K, steps between dual updates")
+  over.add_argument("--rescale-dual", dest="rescale_dual", action="store_const", const=True,
+                    help="keep the unscaled dual while the penalty ramps (Boyd et al. 2011; "
+                         "off: the paper's update, see docs/dual_rescaling.md)")
   over.add_argument("--saliency", choices=configs.SALIENCIES, help="SAFE+ scores")
   over.add_argument("--train-subset", type=int, help="train on this many examples")
   over.add_argument("--test-subset", type=int, help="evaluate on this many test examples")
@@ -132,7 +135,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
   names = ("epochs", "batch_size", "learning_rate", "warmup_epochs", "weight_decay", "penalty",
            "admm_penalty",
            "rho", "dual_every", "saliency", "train_subset", "test_subset", "label_noise",
-           "bnt_samples", "eval_every", "augment", "gmp_update_every", "validation", "log_every")
+           "bnt_samples", "eval_every", "augment", "gmp_update_every", "validation", "log_every",
+           "rescale_dual")
   values = {name: getattr(args, name) for name in names}
   if args.test_only_split is not None:
     values["test_only_split"] = tuple(args.test_only_split)

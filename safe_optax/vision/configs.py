@@ -66,6 +66,10 @@ class Config:
   penalty_table: tuple[tuple[float, float], ...] = ((1.0, 1e-3),)
   penalty_schedule: str = "cosine"
   """SAFE family ramp; ADMM always uses a constant penalty (Zhang et al.)."""
+  rescale_dual: bool = False
+  """SAFE family: keep the unscaled dual ``lambda * u`` while the penalty ramps
+  (``safe_optax.safe(rescale_dual=True)``, Boyd et al. 2011 §3.4.1). ``False`` is the paper's
+  update, which can diverge at extreme sparsity under the ramp (docs/dual_rescaling.md)."""
   admm_penalty: Optional[float] = None
   """ADMM's ``lambda`` when tuned apart from SAFE's (``None``: the same as SAFE)."""
   saliency: str = "snip"
@@ -137,6 +141,9 @@ def validate(config: Config) -> Config:
   _one_of(config.saliency, "saliency", SALIENCIES)
   _one_of(config.penalty_schedule, "penalty_schedule", ("constant", "linear", "cosine"))
   _one_of(config.imp_power, "imp_power", (1, 3))
+  for name in ("augment", "rescale_dual"):
+    if not isinstance(getattr(config, name), bool):
+      raise ValueError(f"`{name}` must be True or False, got {getattr(config, name)!r}.")
   for name in ("width", "epochs", "batch_size", "eval_batch_size", "dual_every", "bnt_samples",
                "eval_every", "checkpoint_every", "imp_every_epochs", "gmp_update_every",
                "log_every"):

@@ -103,7 +103,7 @@ class Recipe:
     # The keywords of the ADMM-based aliases (which build the same SGD base themselves).
     self.admm = dict(total_steps=self.total_steps, dual_every=config.dual_every,
                      momentum=config.momentum, weight_decay=config.weight_decay,
-                     seed=config.seed)
+                     seed=config.seed, rescale_dual=config.rescale_dual)
 
 
 def _dense(config: "Config", recipe: Recipe) -> optax.GradientTransformation:

@@ -54,7 +54,10 @@ def penalty_field(method: str) -> str:
 
 
 def run_dir(root: os.PathLike, config: configs.Config) -> pathlib.Path:
-  """``root/[noise<r>-]<method>-s<sparsity>[-lam<lambda>]-seed<seed>``.
+  """``root/[noise<r>-]<method>-s<sparsity>[-lam<lambda>][-rescaled]-seed<seed>``.
+
+  ``-rescaled``: a SAFE-family run with ``rescale_dual`` (another update, so
+  another folder).
 
   Examples:
     >>> c = configs.get_config("mlp-mnist", method="admm", sparsity=0.9, admm_penalty=0.01)
@@ -66,6 +69,8 @@ def run_dir(root: os.PathLike, config: configs.Config) -> pathlib.Path:
     name = f"noise{config.label_noise:g}-{name}"
   if config.method in PENALTY_METHODS:
     name += f"-lam{methods.penalty(config):g}"
+  if config.rescale_dual and config.method in SAFE_FAMILY:
+    name += "-rescaled"
   return pathlib.Path(root) / f"{name}-seed{config.seed}"
 
 
@@ -140,6 +145,7 @@ def record(config: configs.Config, results: dict[str, Any]) -> dict[str, Any]:
   penalty = methods.penalty(config)
   return {"method": config.method, "sparsity": config.sparsity, "seed": config.seed,
           "noise": config.label_noise, "penalty": penalty,
+          "rescale_dual": config.rescale_dual and config.method in SAFE_FAMILY,
           "accuracy": final.get("sparse_accuracy", final["dense_accuracy"]),
           "accuracy_before_bnt": final.get("sparse_accuracy_before_bnt"),
           "dense_accuracy": final["dense_accuracy"], "achieved_sparsity": final["sparsity"],
@@ -153,7 +159,9 @@ def record(config: configs.Config, results: dict[str, Any]) -> dict[str, Any]:
 def select_penalty(base: configs.Config, methods: Sequence[str], sparsities: Sequence[float],
                    grids: dict[str, Sequence[float]], *, validation: int, seeds: Sequence[int],
                    root: os.PathLike, data_dir: os.PathLike,
-                   progress: bool = False) -> dict[str, Any]:
+                   progress: bool = False,
+                   method_overrides: Optional[dict[str, dict[str, Any]]] = None
+                   ) -> dict[str, Any]:
   """Chooses each penalty method's lambda per sparsity on a validation split.
 
   Every ``(method, sparsity, lambda, seed)`` is trained on the training data
@@ -174,9 +182,13 @@ def select_penalty(base: configs.Config, methods: Sequence[str], sparsities: Seq
     root: folder of the selection runs (one sub-folder per run).
     data_dir: where the data set is.
     progress: tqdm bars.
+    method_overrides: ``{method: {config field: value}}`` applied to that
+      method's runs, e.g. ``{"safe": {"rescale_dual": True}}``.
 
   Returns:
-    ``{"grid": [...], "chosen": {"<method>@<sparsity>": lambda}, ...}``.
+    ``{"grid": [...], "chosen": {"<method>@<sparsity>": lambda},
+    "at_grid_edge": ["<method>@<sparsity>", ...], ...}``: the choices that sit
+    at an end of their grid, where the optimum may lie outside it.
   """
   from safe_optax.vision import train as train_lib  # pylint: disable=import-outside-toplevel
   val_base = base.replace(validation=validation)
@@ -193,6 +205,7 @@ def select_penalty(base: configs.Config, methods: Sequence[str], sparsities: Seq
         runs = []
         for seed in seeds:
           config = val_base.replace(method=method, sparsity=s, seed=seed,
+                                    **(method_overrides or {}).get(method, {}),
                                     **{penalty_field(method): lam})
           try:
             results = run_or_load(config, run_dir(root, config), data=data, data_dir=data_dir,
@@ -213,9 +226,12 @@ def select_penalty(base: configs.Config, methods: Sequence[str], sparsities: Seq
         raise ValueError(f"every lambda of {sorted(grids[method])} diverged for {method} at "
                          f"sparsity {s:g}; extend the grid downwards.")
       chosen[key(method, s)] = -max(scored)[1]
+  # A lambda at an end of its grid may not be the optimum: the grid should be extended.
+  edges = sorted(k for k, lam in chosen.items()
+                 if lam in (min(grids[k.split("@")[0]]), max(grids[k.split("@")[0]])))
   return {"validation_examples": validation, "seeds": list(seeds),
           "criterion": "mean validation accuracy of the final sparse model",
-          "grid": rows, "chosen": chosen}
+          "grid": rows, "chosen": chosen, "at_grid_edge": edges}
 
 
 def key(method: str, sparsity: float) -> str:
