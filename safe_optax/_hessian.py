@@ -37,6 +37,7 @@ import optax
 from jax import lax
 
 from safe_optax import _prunable
+from safe_optax import _schedules
 from safe_optax import _scores
 
 LossFn = Callable[[Any, Any], jax.Array]
@@ -150,11 +151,6 @@ def _mean_grad_fn(loss_fn: LossFn, params: Any, batches: Sequence[Any],
   return mean_grad
 
 
-def _traced(*trees: Any) -> bool:
-  """Whether any leaf is a tracer: the call is inside ``jit``, ``vmap``, ``grad``..."""
-  return any(isinstance(leaf, jax.core.Tracer) for tree in trees for leaf in jax.tree.leaves(tree))
-
-
 @functools.lru_cache(maxsize=8)
 def _add_hvp_program(loss_fn: LossFn) -> Callable[..., Any]:
   """``(total, params, support, vector, batch) -> total + H_b v``, jitted once per ``loss_fn``.
@@ -181,10 +177,7 @@ def _device_batches(batches: Sequence[Any]) -> list[Any]:
 def _summed_hvp(loss_fn: LossFn, params: Any, batches: list[Any], support: Any,
                 vector: Any) -> Any:
   """``sum_b H_b v`` by one jitted product per batch (the Python loop of the eager path)."""
-  try:
-    add_hvp = _add_hvp_program(loss_fn)
-  except TypeError:  # an unhashable loss_fn: compiled for this call only
-    add_hvp = _add_hvp_program.__wrapped__(loss_fn)
+  add_hvp = _scores.cached_program(_add_hvp_program, loss_fn)
   total = jax.tree.map(jnp.zeros_like, params)
   for batch in batches:
     total = add_hvp(total, params, support, vector, batch)
@@ -213,7 +206,7 @@ def hessian_vector_product(loss_fn: LossFn, params: Any, batches: Sequence[Any],
     Array([ 6., 12.], dtype=float32)
   """
   vector = _apply_support(vector, support)
-  if _traced(params, batches, vector, support):
+  if _scores.is_traced(params, batches, vector, support):
     mean_grad = _mean_grad_fn(loss_fn, params, batches, support)
     return jax.jvp(mean_grad, (params,), (vector,))[1]
   batches = _device_batches(batches)
@@ -232,11 +225,6 @@ def _normalize(tree: Any) -> Any:
   # A zero vector stays zero (its Rayleigh quotient is then 0) instead of NaN.
   scale = jnp.where(norm > 0, 1.0 / jnp.where(norm > 0, norm, 1.0), 0.0)
   return jax.tree.map(lambda x: (x * scale).astype(x.dtype), tree)
-
-
-def _check_positive_int(name: str, value: Any) -> None:
-  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-    raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
 
 
 def _power_update(vector: Any, product: Any, previous: jax.Array,
@@ -332,9 +320,9 @@ def max_hessian_eigenvalue(
   """
   if not isinstance(tol, (int, float)) or isinstance(tol, bool) or not tol >= 0:
     raise ValueError(f"`tol` must be a float >= 0, got {tol!r}.")
-  _check_positive_int("max_iterations", max_iterations)
+  _schedules.check_positive_int(max_iterations, "max_iterations")
   tol = float(tol)
-  if not _traced(params, batches, key, support):
+  if not _scores.is_traced(params, batches, key, support):
     return _eager_power_iteration(loss_fn, params, batches, key, tol, max_iterations, support)
   mean_grad = _mean_grad_fn(loss_fn, params, batches, support)
 
@@ -411,8 +399,8 @@ def hessian_trace(
     ...                     num_probes=3))
     7.0
   """
-  _check_positive_int("num_probes", num_probes)
-  if _traced(params, batches, key, support):
+  _schedules.check_positive_int(num_probes, "num_probes")
+  if _scores.is_traced(params, batches, key, support):
     mean_grad = _mean_grad_fn(loss_fn, params, batches, support)
     diagonal = _scores.hutchinson_diagonal(lambda p, _: mean_grad(p), params, key, num_probes)
   else:
@@ -432,17 +420,12 @@ def _add_probe(total: Any, probe: Any, product_sum: Any, num: int) -> Any:
 
 def _eager_hutchinson_diagonal(loss_fn: LossFn, params: Any, batches: Sequence[Any],
                                key: jax.Array, num_probes: int, support: Any) -> Any:
-  """:func:`safe_optax.hutchinson_diagonal` of the mean Hessian, probe by probe in Python.
-
-  The probes are the ones ``hutchinson_diagonal`` draws (``split(key,
-  num_probes)``, Rademacher), so both paths estimate from the same vectors.
-  """
+  """:func:`safe_optax.hutchinson_diagonal` of the mean Hessian, probe by probe in Python."""
   batches = _device_batches(batches)
   params, support = jax.device_put((params, support))  # once, not per product
-  probe_keys = jax.random.split(key, num_probes)
-  total = optax.tree.zeros_like(params)
-  for i in range(num_probes):
-    probe = optax.tree.random_like(probe_keys[i], params, jax.random.rademacher)
-    total = _add_probe(total, probe, _summed_hvp(loss_fn, params, batches, support, probe),
-                       len(batches))
-  return optax.tree.scale(1.0 / num_probes, total)
+
+  def add_probe(total: Any, probe: Any) -> Any:
+    product_sum = _summed_hvp(loss_fn, params, batches, support, probe)
+    return _add_probe(total, probe, product_sum, len(batches))
+
+  return _scores.probe_mean(add_probe, params, key, num_probes, loop=False)

@@ -19,6 +19,7 @@ evaluated at each dual update on ``v = x + u``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple, Optional, Union
 
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 import optax
 
 from safe_optax import _prunable
+from safe_optax import _schedules
 
 GradFn = Callable[[Any, int], Any]
 
@@ -169,23 +171,105 @@ def wanda_scores(values: Any, input_norms: Any, *, axis: int = -2) -> Any:
   return jax.tree.map(score, values, input_norms, is_leaf=lambda x: x is None)
 
 
+def is_traced(*trees: Any) -> bool:
+  """Whether any leaf is a tracer: the call is inside ``jit``, ``vmap``, ``grad``..."""
+  return any(isinstance(leaf, jax.core.Tracer) for tree in trees for leaf in jax.tree.leaves(tree))
+
+
+def cached_program(factory: Callable[[Callable[..., Any]], Any],
+                   fn: Callable[..., Any]) -> Any:
+  """``factory(fn)`` from its ``functools.lru_cache``; built afresh when ``fn`` is unhashable."""
+  try:
+    return factory(fn)
+  except TypeError:
+    return factory.__wrapped__(fn)
+
+
+def probe_mean(add_probe: Callable[[Any, Any], Any], params: Any, key: jax.Array,
+               num_probes: int, *, loop: bool) -> Any:
+  """``mean_z z * (H z)`` over ``num_probes`` Rademacher probes drawn from ``key``.
+
+  Every Hutchinson estimate of the project draws its probes here, so the
+  jitted, eager and looped paths estimate from the same vectors.
+
+  Args:
+    add_probe: ``(total, z) -> total + z * (H z)``.
+    params: pytree the probes are shaped like.
+    key: PRNG key, split into one key per probe.
+    num_probes: how many probes.
+    loop: a ``lax.fori_loop`` over the probes (inside ``jit``: memory of one
+      probe, but XLA:CPU runs the backward convolutions of a loop body on a
+      naive emitter, 20x slower, jax-ml/jax#12868), else a Python loop (outside
+      ``jit``: one dispatch of a jitted ``add_probe`` per probe; inside: the
+      probes unrolled into the program).
+
+  Returns:
+    A pytree like ``params``.
+  """
+  probe_keys = jax.random.split(key, num_probes)
+
+  def add(i, total):
+    return add_probe(total, _rademacher_like(probe_keys[i], params))
+
+  total = optax.tree.zeros_like(params)
+  if loop:
+    total = jax.lax.fori_loop(0, num_probes, add, total)
+  else:
+    for i in range(num_probes):
+      total = add(i, total)
+  return optax.tree.scale(1.0 / num_probes, total)
+
+
+@jax.jit
+def _rademacher_like(key: jax.Array, params: Any) -> Any:
+  """A Rademacher probe shaped like ``params`` (jitted: one dispatch outside ``jit``)."""
+  return optax.tree.random_like(key, params, jax.random.rademacher)
+
+
+def _add_probe(grad_fn: GradFn, total: Any, params: Any, probe: Any) -> Any:
+  """``total + z * (H z)``, ``H z`` a forward-over-reverse product (``jax.jvp`` of ``grad_fn``)."""
+  _, hvp = jax.jvp(lambda p: grad_fn(p, 0), (params,), (probe,))
+  return optax.tree.add(total, optax.tree.mul(probe, hvp))
+
+
+@functools.lru_cache(maxsize=8)
+def _add_probe_program(grad_fn: GradFn) -> Callable[[Any, Any, Any], Any]:
+  """:func:`_add_probe` of ``grad_fn`` jitted, once per ``grad_fn`` (cached; the total donated)."""
+  return jax.jit(functools.partial(_add_probe, grad_fn), donate_argnums=0)
+
+
+# Inside jit, up to this many probes are unrolled into the program (the
+# default, and OBD's usual count, is 1); more run in a loop, whose memory does
+# not grow with the count.
+_MAX_UNROLLED_PROBES = 4
+
+
 def hutchinson_diagonal(
     grad_fn: GradFn, params: Any, key: jax.Array, num_probes: int = 1
 ) -> Any:
   """Hutchinson estimate of the Hessian diagonal, ``mean_z z * (H z)``.
 
   ``H z`` is a forward-over-reverse Hessian-vector product of ``grad_fn``
-  (``jax.jvp`` of the gradient), with Rademacher probes ``z``.
+  (``jax.jvp`` of the gradient), with Rademacher probes ``z``. Called with
+  concrete ``params`` and ``key`` (outside ``jax.jit``), the probes run in a
+  Python loop over one jitted product (compiled once per ``grad_fn``, which
+  should then be a function kept between calls); inside ``jit`` up to
+  four probes are unrolled into the program and more run in a
+  ``lax.fori_loop``. Loops are slow on CPU for conv nets: XLA:CPU runs the
+  backward convolutions of a loop body on a naive emitter (jax-ml/jax#12868).
 
   Args:
     grad_fn: ``grad_fn(params, step) -> grads`` (optax's SAM convention).
     params: where the Hessian is taken.
     key: PRNG key for the probes.
-    num_probes: number of probes averaged.
+    num_probes: number of probes averaged (a positive int).
 
   Returns:
     A pytree like ``params``: the estimate of ``diag(H)``, unbiased; exact
     when the Hessian is diagonal.
+
+  Raises:
+    ValueError: ``num_probes`` is not a positive int.
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -201,16 +285,14 @@ def hutchinson_diagonal(
     Saad, `An estimator for the diagonal of a matrix
     <https://doi.org/10.1016/j.apnum.2007.01.003>`_, 2007.
   """
-  probe_keys = jax.random.split(key, num_probes)
-
-  def add_probe(i, total):
-    probe = optax.tree.random_like(probe_keys[i], params, jax.random.rademacher)
-    _, hvp = jax.jvp(lambda p: grad_fn(p, 0), (params,), (probe,))
-    return optax.tree.add(total, optax.tree.mul(probe, hvp))
-
-  # A loop, not a batch, so memory stays at one probe whatever num_probes is.
-  total = jax.lax.fori_loop(0, num_probes, add_probe, optax.tree.zeros_like(params))
-  return optax.tree.scale(1.0 / num_probes, total)
+  _schedules.check_positive_int(num_probes, "num_probes")
+  if is_traced(params, key):
+    return probe_mean(lambda total, z: _add_probe(grad_fn, total, params, z), params, key,
+                      num_probes, loop=num_probes > _MAX_UNROLLED_PROBES)
+  program = cached_program(_add_probe_program, grad_fn)
+  params = jax.device_put(params)  # once, not per product
+  return probe_mean(lambda total, z: program(total, params, z), params, key, num_probes,
+                    loop=False)
 
 
 def _snip(inputs: SaliencyInputs) -> Any:
@@ -244,8 +326,7 @@ def obd_saliency(num_probes: int = 1) -> Saliency:
     {'w': Array([[1., 0.],
            [2., 0.]], dtype=float32)}
   """
-  if not isinstance(num_probes, int) or num_probes < 1:
-    raise ValueError(f"`num_probes` must be a positive int, got {num_probes!r}.")
+  _schedules.check_positive_int(num_probes, "num_probes")
 
   def saliency(inputs: SaliencyInputs) -> Any:
     if inputs.grad_fn is None:
