@@ -45,7 +45,9 @@ Further tables (``--parts``; ``sizes`` is the table above):
 * ``compile``: compile time (trace, lower and XLA compile, from cleared caches)
   against the number of leaves (3 / 22 / 100 / 300 leaves of 1024 x 1025),
   ours against sort and the compared kernel, interleaved, median of
-  ``--compile-reps``; ``growth`` is ours over ours at 3 leaves; with the
+  ``--compile-reps``; ``growth`` is ours over ours at 3 leaves (``growth_cpu``
+  the same in process CPU seconds, all threads: less moved by other processes
+  on a shared machine); with the
   projection's runtime (ours and the compared kernel, same kept sets checked)
   up to ``--compile-runtime-max-leaves`` leaves;
 * ``share``: the projection's share of SAFE training at ``dual_every`` K = 32:
@@ -409,6 +411,7 @@ def bench_compile(leaf_counts: list[int], compare: Any, compare_max_leaves: int,
     methods["compared"] = kernel_projection(compare)
   k_spec = jax.ShapeDtypeStruct((), jnp.int32)
   samples: dict[tuple[int, str], list[float]] = {}
+  cpu_samples: dict[tuple[int, str], list[float]] = {}
   for _ in range(reps):
     for count in leaf_counts:
       kernels = [jax.ShapeDtypeStruct(COMPILE_LEAF_SHAPE, jnp.float32)] * count
@@ -416,27 +419,35 @@ def bench_compile(leaf_counts: list[int], compare: Any, compare_max_leaves: int,
         if name == "compared" and count > compare_max_leaves:
           continue
         jax.clear_caches()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         jax.jit(fn).lower(kernels, k_spec).compile()
         samples.setdefault((count, name), []).append(time.perf_counter() - start)
+        cpu_samples.setdefault((count, name), []).append(time.process_time() - start_cpu)
   rows = []
   for count in leaf_counts:
     compile_s = {name: statistics.median(samples[(count, name)])
                  for name in methods if (count, name) in samples}
+    compile_cpu_s = {name: statistics.median(cpu_samples[(count, name)]) for name in compile_s}
+    first = leaf_counts[0]
     rows.append({"leaves": count, "leaf_shape": list(COMPILE_LEAF_SHAPE), "compile_s": compile_s,
-                 "growth": compile_s["ours"] / statistics.median(samples[(leaf_counts[0], "ours")]),
-                 "raw_compile_s": {name: samples[(count, name)] for name in compile_s}})
+                 "growth": compile_s["ours"] / statistics.median(samples[(first, "ours")]),
+                 "compile_cpu_s": compile_cpu_s,
+                 "growth_cpu": compile_cpu_s["ours"] / statistics.median(
+                     cpu_samples[(first, "ours")]),
+                 "raw_compile_s": {name: samples[(count, name)] for name in compile_s},
+                 "raw_compile_cpu_s": {name: cpu_samples[(count, name)] for name in compile_s}})
   for row in rows:
     if row["leaves"] <= runtime_max_leaves:
       row["runtime_ms"] = _compile_table_runtime(row["leaves"], methods, compare is not None)
   cols = list(methods)
   print(f"\n{'leaves':>6} " + " ".join(f"{m + ' s':>11}" for m in cols) + f" {'growth':>7}"
-        f" {'ours ms':>9} {'cmp ms':>9} {'ours/cmp':>8}")
+        f" {'cpu gr.':>7} {'ours ms':>9} {'cmp ms':>9} {'ours/cmp':>8}")
   for row in rows:
     t = row.get("runtime_ms", {})
     print(f"{row['leaves']:>6} " + " ".join(f"{_fmt(row['compile_s'].get(m), '11.2f'):>11}"
                                           for m in cols)
-          + f" {row['growth']:>6.2f}x {_fmt(t.get('ours'), '9.1f'):>9}"
+          + f" {row['growth']:>6.2f}x {row['growth_cpu']:>6.2f}x"
+          f" {_fmt(t.get('ours'), '9.1f'):>9}"
           f" {_fmt(t.get('compared'), '9.1f'):>9}"
           f" {_fmt(t.get('compared') and t['ours'] / t['compared'], '7.2f', 'x'):>8}", flush=True)
   return rows

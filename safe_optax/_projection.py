@@ -111,17 +111,25 @@ def _project_leaves(leaves, score_leaves, counts, *, structure):
         for x, k in zip(ranked, counts)
     ]
 
-  projected = []
-  for leaf, score, mask in zip(leaves, score_leaves, masks):
-    # A NaN value or score shows as NaN at its own entry, kept or not: never hidden
-    # (the loss and finalize see it) and never spread over the rest of its group.
-    # (lax ops rather than jnp's wrappers: traced once per leaf, see order_keys.)
-    bad = lax.ne(leaf, leaf)
-    if score is not None:
-      bad = lax.bitwise_or(bad, lax.ne(score, score))
-    kept = lax.select(mask, leaf, lax.full(leaf.shape, 0, leaf.dtype))
-    projected.append(lax.select(bad, lax.full(leaf.shape, jnp.nan, leaf.dtype), kept))
+  projected = [_project_leaf(leaf, score, mask)
+               for leaf, score, mask in zip(leaves, score_leaves, masks)]
   return projected, masks
+
+
+@jax.jit
+def _project_leaf(leaf: jax.Array, score: Optional[jax.Array], mask: jax.Array) -> jax.Array:
+  """``leaf`` where ``mask``, else 0; NaN wherever the value or its score is NaN.
+
+  A NaN shows at its own entry, kept or not: never hidden (the loss and
+  finalize see it) and never spread over the rest of its group. Jitted on its
+  own, as ``_select``'s leaf masks: traced and lowered once per leaf shape and
+  dtype, not once per leaf (XLA inlines it and fuses it with the mask).
+  """
+  bad = lax.ne(leaf, leaf)
+  if score is not None:
+    bad = lax.bitwise_or(bad, lax.ne(score, score))
+  kept = lax.select(mask, leaf, lax.full(leaf.shape, 0, leaf.dtype))
+  return lax.select(bad, lax.full(leaf.shape, jnp.nan, leaf.dtype), kept)
 
 
 def project_topk(

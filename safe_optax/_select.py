@@ -16,6 +16,7 @@ entry NaN in its result, so a NaN is never kept or dropped silently
 from __future__ import annotations
 
 import fractions
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -242,9 +243,11 @@ def topk_masks(
   ``t`` in flatten order, found by counting ties per block of ``chunk_size``
   entries only when some ties must be dropped.
 
-  Compile time is nearly flat in the leaf count: per leaf there is one
+  Compile time grows slowly with the leaf count: per leaf there is one
   elementwise kernel (the mask, fused with whatever the caller does with it),
-  the same for every leaf of one shape and dtype, which XLA compiles once.
+  traced, lowered and compiled once per leaf shape and dtype; what remains per
+  leaf is XLA's optimisation of each leaf's copy of it and the leaf's operand
+  of the concatenation (``benchmarks/projection.py --parts compile``).
 
   Args:
     keys: ``uint32`` arrays from :func:`order_keys`, any shapes; or, with
@@ -253,7 +256,8 @@ def topk_masks(
     key_fn: elementwise map from the given arrays to keys (e.g.
       ``lambda w: order_keys(jnp.abs(w))``), applied to their concatenation
       and again where each leaf's mask is formed, so keys are never stored per
-      leaf (one pass and one compiled kernel per leaf shape fewer).
+      leaf (one pass and one compiled kernel per leaf shape fewer). For
+      :func:`magnitude_keys` the masks compare the cheaper bits of ``|w|``.
     chunk_size: entries per block when ranking ties at the threshold.
 
   Returns:
@@ -261,7 +265,7 @@ def topk_masks(
     ``True`` entries in all, and whether any key is a NaN key (read off the
     histograms, so NaN detection costs no pass of its own).
   """
-  to_keys = key_fn if key_fn is not None else (lambda x: x)
+  to_keys = key_fn if key_fn is not None else _identity
   total = sum(x.size for x in keys)
   if total == 0:
     return [jnp.zeros(x.shape, bool) for x in keys], jnp.bool_(False)
@@ -278,13 +282,12 @@ def topk_masks(
                  lambda: _tie_cut(to_keys(flat), threshold, ties_to_keep, chunk_size))
   # Masks elementwise from each leaf, outside the cond, so the caller's use of a
   # mask (e.g. ``where(mask, leaf, 0)``) fuses with the key computation.
+  leaf_keys, bounds = _LEAF_KEYS.get(key_fn, (to_keys, _equal_bounds))
+  low, high = bounds(threshold)
   masks, start = [], 0
   for x in keys:
-    key = to_keys(x)
-    at = lax.full(key.shape, threshold, key.dtype)
-    before_cut = lax.lt(_positions(key.shape, start), lax.full(key.shape, cut, jnp.int32))
-    masks.append(lax.bitwise_or(lax.gt(key, at), lax.bitwise_and(lax.eq(key, at), before_cut)))
-    start += key.size
+    masks.append(_leaf_mask(x, _row_starts(x.shape, start), low, high, cut, leaf_keys=leaf_keys))
+    start += x.size
   return masks, found.nan
 
 
@@ -305,22 +308,74 @@ def _as_stored(x: jax.Array) -> jax.Array:
   return lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
 
-def _positions(shape: tuple[int, ...], start: int) -> jax.Array:
-  """Flat positions ``start, start + 1, ...`` of a leaf's entries, in its shape.
+def _identity(x: jax.Array) -> jax.Array:
+  return x
 
-  Built as a column iota plus an array constant of row starts, never as an iota
-  plus the scalar ``start``: XLA:CPU bakes scalar constants into the kernel, so
-  each leaf would compile a kernel of its own (~30 ms each, compile time linear
-  in the leaf count with a large slope), while array constants are passed to the
-  kernel as buffers, so every leaf of one shape runs one compiled kernel.
+
+def _row_starts(shape: tuple[int, ...], start: int) -> np.ndarray:
+  """Flat position of the first entry of each row of a leaf, ``start`` for its first entry.
+
+  An array constant, never a scalar: XLA:CPU bakes scalar constants into the
+  kernel, so each leaf would compile a kernel of its own (~30 ms each, compile
+  time linear in the leaf count with a large slope), while array constants are
+  passed to the kernel as buffers, so every leaf of one shape runs one compiled
+  kernel.
   """
   size = math.prod(shape)
   rows = shape[0] if len(shape) >= 2 and size else 1
   cols = size // rows
-  row_starts = np.asarray(start + np.arange(rows, dtype=np.int64) * cols, np.int32)
-  positions = lax.add(lax.broadcast_in_dim(jnp.asarray(row_starts), (rows, cols), (0,)),
-                      lax.broadcasted_iota(jnp.int32, (rows, cols), 1))
-  return lax.reshape(positions, shape)
+  return np.asarray(start + np.arange(rows, dtype=np.int64) * cols, np.int32)
+
+
+def _magnitude_bits(values: jax.Array) -> jax.Array:
+  """The float32 bit pattern of ``|values|``: :func:`magnitude_keys` less the sign bit and NaN merge.
+
+  Unsigned order is the order of ``|values|``, every NaN above ``+inf``; NaNs
+  differ among themselves, so :func:`_magnitude_bounds` gives the NaN key a
+  range.
+  """
+  return lax.bitcast_convert_type(lax.abs(lax.convert_element_type(values, jnp.float32)),
+                                  jnp.uint32)
+
+
+def _magnitude_bounds(threshold: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The :func:`_magnitude_bits` whose :func:`magnitude_keys` equal ``threshold``: ``[low, high]``."""
+  bits = threshold & jnp.uint32(0x7FFFFFFF)
+  nan = threshold == jnp.uint32(_NAN_KEY)
+  return (jnp.where(nan, jnp.uint32(0x7F800001), bits),
+          jnp.where(nan, jnp.uint32(0x7FFFFFFF), bits))
+
+
+def _equal_bounds(threshold: jax.Array) -> tuple[jax.Array, jax.Array]:
+  return threshold, threshold
+
+
+# Per leaf, the masks compare a cheaper map than the key map given to topk_masks
+# when one is known: fewer operations in each leaf's kernel, compiled once per
+# shape but optimised (and traced, lowered) once per leaf. ``key_fn -> (leaf map,
+# threshold key -> [low, high] of the leaf map's values with that key)``.
+_LEAF_KEYS = {magnitude_keys: (_magnitude_bits, _magnitude_bounds)}
+
+
+@functools.partial(jax.jit, static_argnames=("leaf_keys",))
+def _leaf_mask(x: jax.Array, row_starts: jax.Array, low: jax.Array, high: jax.Array,
+               cut: jax.Array, *, leaf_keys: Callable[[jax.Array], jax.Array]) -> jax.Array:
+  """One leaf's keep-mask: key above the threshold, or equal to it and before ``cut``.
+
+  ``leaf_keys(x)`` in ``[low, high]`` is a key equal to the threshold.
+  Jitted on its own so that it is traced and lowered once per leaf shape and
+  dtype (XLA inlines the call, so it still fuses with the caller's use of the
+  mask); traced inline, every leaf's operations were traced and lowered again.
+  """
+  key = leaf_keys(x)
+  rows = row_starts.shape[0]
+  positions = lax.reshape(
+      lax.add(lax.broadcast_in_dim(row_starts, (rows, key.size // rows), (0,)),
+              lax.broadcasted_iota(jnp.int32, (rows, key.size // rows), 1)), key.shape)
+  before_cut = lax.lt(positions, lax.full(key.shape, cut, jnp.int32))
+  return lax.bitwise_or(
+      lax.gt(key, lax.full(key.shape, high, key.dtype)),
+      lax.bitwise_and(lax.ge(key, lax.full(key.shape, low, key.dtype)), before_cut))
 
 
 def group_topk_mask(keys: jax.Array, k) -> jax.Array:

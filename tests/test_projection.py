@@ -27,6 +27,7 @@ from fractions import Fraction
 from typing import Any, NamedTuple
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -1088,3 +1089,42 @@ def test_exact_count_when_a_low_precision_leaf_is_computed_in_the_same_program(d
   stored = np.abs(np.asarray((a - jnp.asarray(0.001, dtype)).astype(jnp.float32)))
   kept = np.asarray(out["a"].astype(jnp.float32)) != 0
   assert stored[kept].min() >= stored[~kept].max()
+
+
+# NaNs of both signs, quiet and signalling, with payloads: their bit patterns differ.
+NAN_BITS = np.array([0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFFFFFFF, 0x7FC00123], np.uint32)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5, 6, 9])
+def test_magnitude_masks_rank_every_nan_bit_pattern_as_one_top_key(k):
+  """Leaf masks compare the bits of |w| (not ``magnitude_keys``); NaNs must still tie."""
+  nans = NAN_BITS.view(np.float32)
+  leaves = [np.array([[1.0, nans[0]], [nans[1], 2.0]], np.float32),
+            np.array([nans[2], -3.0, nans[3], 0.5, nans[4]], np.float32)]
+  masks, nan = jax.jit(lambda ws, k: _select.topk_masks(ws, k, key_fn=_select.magnitude_keys))(
+      [jnp.asarray(w) for w in leaves], jnp.int32(k))
+  got = np.concatenate([np.asarray(m).ravel() for m in masks])
+  # The 5 NaNs first (flatten order among them), then |w| descending.
+  assert bool(nan) and int(got.sum()) == k
+  with np.errstate(invalid="ignore"):  # casting a signalling NaN to float64
+    scores = np.abs(np.concatenate([w.ravel() for w in leaves]).astype(np.float64))
+  np.testing.assert_array_equal(got, ref_keep(scores, k))
+
+
+def test_leaves_of_one_shape_share_one_traced_mask_and_projection():
+  """Each leaf's mask and projection are traced (and lowered) once per shape, not per leaf."""
+  tree = {f"w{i:02d}": jnp.ones((4, 5)) * i for i in range(12)}
+  tree["odd"] = jnp.ones((3, 2))
+  closed = jax.make_jaxpr(lambda t: project_topk(t, 0.5))(tree)
+  bodies: dict[str, set[int]] = {}
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name in ("pjit", "jit"):  # renamed to "jit" in newer JAX
+        bodies.setdefault(eqn.params["name"], set()).add(id(eqn.params["jaxpr"]))
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        walk(sub)
+
+  walk(closed.jaxpr)
+  # Two shapes, so two traced bodies each (jnp helpers' own pjits are not per leaf).
+  assert len(bodies["_leaf_mask"]) == 2 and len(bodies["_project_leaf"]) == 2
