@@ -15,7 +15,7 @@ Two ways to run the Hessian-vector products, with the same arithmetic:
   cached); one scalar per power iteration comes back to the host;
 * called inside ``jax.jit`` (traced arrays), they are ``lax.while_loop`` /
   ``lax.fori_loop`` / ``lax.scan`` loops, so the whole measurement is one
-  program (:func:`hessian_trace` with up to four probes unrolls them, as
+  program (:func:`hessian_trace` with up to four probes unrolls its probe loop, as
   :func:`safe_optax.hutchinson_diagonal` does).
 
 The first is the fast one for convolutional nets on CPU: XLA:CPU rewrites a
