@@ -101,8 +101,8 @@ def test_ctrl_c_after_a_donating_step_saves_the_new_state(tmp_path, monkeypatch,
   def interrupting_programs(*args, **kwargs):
     programs = real(*args, **kwargs)
 
-    def step(state, *batch):
-      new = programs.train(state, *batch)
+    def step(state, *batch, **kwargs):
+      new = programs.train(state, *batch, **kwargs)
       if int(new.step) == 9:
         os.kill(os.getpid(), signal.SIGINT)
         for _ in range(1000):  # the handler runs between these bytecodes, inside the step

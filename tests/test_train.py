@@ -272,9 +272,26 @@ def test_finishing_a_finished_run_again_keeps_its_training_record(full_run, full
 
 def test_train_step_compiles_once_per_batch_shape(full_run):
   del full_run
-  programs = train.build_programs(tiny_config(), N_TRAIN, 4, (8, 8, 1))
-  # 3 epochs x 7 steps: one program for the full batches, one for the short last batch.
-  assert programs.train._cache_size() == 2
+  config = tiny_config()
+  programs = train.build_programs(config, N_TRAIN, 4, (8, 8, 1))
+  # 3 epochs x 7 steps: one program per batch shape (full, the short last one) and per dual
+  # hint (SAFE: steps with and without a dual update compile apart): 4 here, none per step.
+  spe = -(-N_TRAIN // BATCH)
+  used = {(step % spe == spe - 1, train._dual_due(config, step))  # pylint: disable=protected-access
+          for step in range(EPOCHS * spe)}
+  assert len(used) == 4 and programs.train._cache_size() == len(used)
+
+
+def test_split_dual_programs_train_bit_for_bit_like_one_program(full_run, tmp_path, monkeypatch):
+  """The host's dual hint (two programs, the non-dual one without the projection) changes
+  nothing: a run with one program that decides inside reaches the same state, bit for bit."""
+  monkeypatch.setattr(train, "_dual_due", lambda config, step: None)
+  single = train.train_and_evaluate(tiny_config(), tmp_path, data_dir=None,
+                                    dataset=tiny_dataset())
+  _assert_same_state(single.state, full_run.state)
+  # No dual update was skipped by a wrong hint in the split run (they would be counted).
+  admm = safe_optax.find_admm_state(full_run.state.opt_state)
+  assert int(admm.invalid_hyperparams) == 0 and int(admm.count) == EPOCHS * 7
 
 
 def test_stop_and_resume_is_bit_identical(full_run, tmp_path):

@@ -145,7 +145,8 @@ def train_step(state: TrainState, images: jax.Array, labels: jax.Array,
                *, apply_fn: Callable[..., Any], tx: optax.GradientTransformation,
                uses_grad_fn: bool, augment: bool, mean: tuple[float, ...],
                std: tuple[float, ...],
-               step_logger: Optional[metrics_lib.StepLogger] = None) -> TrainState:
+               step_logger: Optional[metrics_lib.StepLogger] = None,
+               dual_due: Optional[bool] = None) -> TrainState:
   """One training step on a global batch (pure; jit it with the keywords bound).
 
   The augmentation key is ``fold_in(state.rng, step)`` and it augments the
@@ -163,6 +164,10 @@ def train_step(state: TrainState, images: jax.Array, labels: jax.Array,
     mean, std: normalisation constants.
     step_logger: writes this step's scalars into ``state.metrics.log`` when due
       (``None``: the log is left as it is).
+    dual_due: for the ADMM-based methods, whether this step runs the dual
+      update, known on the host (``safe_optax.is_dual_step``); a static
+      argument, so the ``K - 1`` steps without one run a program without the
+      projection (``None``: one program that decides inside).
 
   Returns:
     The new state (epoch metric sums and log updated).
@@ -171,11 +176,13 @@ def train_step(state: TrainState, images: jax.Array, labels: jax.Array,
   batch = (prepare_images(images, key if augment else None, mean, std), labels)
   (loss, (logits, new_model_state)), grads = flax_utils.loss_and_grad_with_state(
       apply_fn, state.params, state.model_state, batch, cross_entropy)
+  extra = {} if dual_due is None else {"dual_due": dual_due}
   if uses_grad_fn:
     grad_fn = flax_utils.sam_grad_fn(apply_fn, state.model_state, batch, cross_entropy)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params, grad_fn=grad_fn)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params, grad_fn=grad_fn,
+                                   **extra)
   else:
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params, **extra)
   n = labels.shape[0]
   correct = jnp.sum(jnp.argmax(logits, -1) == batch[1]).astype(jnp.int32)
   params = optax.apply_updates(state.params, updates)
@@ -217,6 +224,17 @@ def distance_to_projection(params: Any, sparsity: float, **structure: Any) -> ja
   return optax.tree.norm(optax.tree.sub(params, projected))
 
 
+def _dual_due(config: Config, step: int) -> Optional[bool]:
+  """Whether step ``step`` runs the dual update (ADMM-based methods), else ``None``.
+
+  The optimizer's update count is the training step (both start at 0 and a
+  resumed run restores both), so the host knows it without reading the state.
+  """
+  if not methods.get(config.method).has_admm_state:
+    return None
+  return safe_optax.is_dual_step(step, config.dual_every)
+
+
 # ----------------------------------------------------------------------------- the run
 
 
@@ -234,7 +252,8 @@ class Programs(NamedTuple):
   init: Callable[..., Any]
   """``init(key) -> TrainState``."""
   train: Callable[..., Any]
-  """:func:`train_step`, the state donated."""
+  """:func:`train_step`, the state donated; ``dual_due`` static (two programs for the
+  ADMM-based methods, one without the projection)."""
   eval: Callable[..., Any]
   """:func:`eval_step` (its sums replicated)."""
   distance: Optional[Callable[..., Any]]
@@ -294,7 +313,8 @@ def _cached_programs(config: Config, num_train: int, num_classes: int,
   return Programs(
       model=model, tx=tx, mesh=mesh, replicated=replicated,
       init=jax.jit(init, out_shardings=replicated),
-      train=jax.jit(step, donate_argnums=0, out_shardings=replicated),
+      train=jax.jit(step, donate_argnums=0, out_shardings=replicated,
+                    static_argnames="dual_due"),
       eval=jax.jit(evaluate_batch, out_shardings=replicated),
       distance=jax.jit(functools.partial(distance_to_projection, **projection))
       if projection else None,
@@ -418,7 +438,8 @@ def train_and_evaluate(config: Config, workdir: os.PathLike, *, data_dir: os.Pat
         # The step donates the old state's buffers: a Ctrl-C between the dispatch and the
         # rebinding would leave `state` deleted, so it is held back until `state` is new.
         with checkpoint_lib.sigint_deferred():
-          state = programs.train(state, images, labels)
+          state = programs.train(state, images, labels,
+                                 dual_due=_dual_due(config, epoch * spe + position))
         position += 1
         bar.update(1)
         if on_step is not None:
