@@ -130,8 +130,7 @@ def main(argv: Optional[list[str]] = None) -> int:
   base = configs.get_config(args.preset, **overrides)
   runs, selections = [], {}
   grids, fixed = penalty_grids(args, parser)
-  rescaled = {m: {"rescale_dual": True} for m in args.methods
-              if args.rescale_dual and m in sweeps.SAFE_FAMILY}
+  rescaled = sweeps.rescaled_dual(args.methods, args.rescale_dual)
   for noise in args.noise:
     noisy = base.replace(label_noise=noise)
     selection = None

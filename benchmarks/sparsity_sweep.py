@@ -57,13 +57,8 @@ def select(base: configs.Config, args: argparse.Namespace) -> dict[str, Any]:
                                validation=args.validation, seeds=range(args.select_seeds),
                                root=pathlib.Path(args.workdir) / "select",
                                data_dir=args.data_dir, progress=args.progress,
-                               method_overrides={m: rescaled(m, args) for m in args.methods})
-
-
-def rescaled(method: str, args: argparse.Namespace) -> dict[str, Any]:
-  """``rescale_dual=True`` for a SAFE-family method under ``--rescale-dual``; other methods keep
-  their configs (and folders), so a sweep with it reuses the baselines of one without."""
-  return {"rescale_dual": True} if args.rescale_dual and method in sweeps.SAFE_FAMILY else {}
+                               method_overrides=sweeps.rescaled_dual(args.methods,
+                                                                     args.rescale_dual))
 
 
 def summarize_convergence(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -169,11 +164,12 @@ def main(argv: Optional[list[str]] = None) -> int:
   data = train_lib.load_dataset(base, args.data_dir)
   root = pathlib.Path(args.workdir) / "final"
   runs = []
+  rescaled = sweeps.rescaled_dual(args.methods, args.rescale_dual)
   for method in args.methods:
     for s in ([0.0] if method == "dense" else args.sparsities):
       for seed in args.seeds:
         config = base.replace(method=method, sparsity=s, seed=seed,
-                              **rescaled(method, args),
+                              **rescaled.get(method, {}),
                               **sweeps.chosen_overrides(selection, method, s))
         results = sweeps.run_or_load(config, sweeps.run_dir(root, config), data=data,
                                      data_dir=args.data_dir, progress=args.progress)

@@ -161,7 +161,7 @@ def _admm_core(sparsity, penalty, *, dual_every, penalty_schedule, total_steps, 
       return _dual.dual_update(params, u, sparsity_now, flags=flags, first=count == 0,
                          structure=structure, scores=scores_now)
 
-    due = (count % jnp.maximum(dual_every, 1) == 0) & sparsity_ok & every_ok
+    due = (count % every == 0) & sparsity_ok & every_ok
     if dual_due is False:
       # The caller said no dual update is due: the projection is not traced, so its
       # temporaries stay out of this program's buffer. A wrong hint skips the update
@@ -172,13 +172,12 @@ def _admm_core(sparsity, penalty, *, dual_every, penalty_schedule, total_steps, 
     elif due:
       # Called eagerly: branch in Python, since an eager lax.cond recompiles every call.
       z, u = run_dual(z, u)
-    lam = jnp.where(penalty_ok, lam, jnp.zeros_like(lam))
+    lam = _valid_or_zero(lam)
     scale = lam if learning_rate is None else -lam
     if rescale_dual:
       # The dual force is lambda_d * u, lambda_d the penalty u was last scaled by
       # (this step's if a dual update just ran); the rest follows lambda_t.
-      lam_d = lam_fn(count - count % every) * rate
-      lam_d = jnp.where(jnp.isfinite(lam_d) & (lam_d >= 0), lam_d, jnp.zeros_like(lam_d))
+      lam_d = _valid_or_zero(lam_fn(count - count % every) * rate)
       dual_scale = lam_d if learning_rate is None else -lam_d
 
     def add_penalty(updates):
@@ -208,6 +207,11 @@ def _admm_core(sparsity, penalty, *, dual_every, penalty_schedule, total_steps, 
     return new_state, add_penalty
 
   return _Core(init_fn, step)
+
+
+def _valid_or_zero(lam: jax.Array) -> jax.Array:
+  """``lam``, or 0 where it is negative or not finite (an invalid penalty counts as 0)."""
+  return jnp.where(jnp.isfinite(lam) & (lam >= 0), lam, jnp.zeros_like(lam))
 
 
 def _ratio(previous: jax.Array, current: jax.Array) -> jax.Array:

@@ -234,6 +234,22 @@ def select_penalty(base: configs.Config, methods: Sequence[str], sparsities: Seq
           "grid": rows, "chosen": chosen, "at_grid_edge": edges}
 
 
+def rescaled_dual(methods_: Sequence[str], rescale: bool) -> dict[str, dict[str, Any]]:
+  """``{method: {"rescale_dual": True}}`` for the SAFE-family methods when ``rescale``.
+
+  The per-method overrides of a sweep run with ``--rescale-dual``: other
+  methods keep their configs (and folders), so their runs are shared with a
+  sweep without it.
+
+  Examples:
+    >>> rescaled_dual(["safe", "admm", "gmp"], True)
+    {'safe': {'rescale_dual': True}}
+    >>> rescaled_dual(["safe"], False)
+    {}
+  """
+  return {m: {"rescale_dual": True} for m in methods_ if rescale and m in SAFE_FAMILY}
+
+
 def key(method: str, sparsity: float) -> str:
   """The key of :func:`select_penalty`'s ``chosen``: ``"safe@0.9"``."""
   return f"{method}@{sparsity:g}"
