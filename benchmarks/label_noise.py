@@ -10,7 +10,7 @@ settings is refused).
 
 With ``--validation N`` each method's lambda is first chosen per noise ratio
 and sparsity on N held-out training examples whose labels carry the same
-noise (:func:`safe_optax.vision.sweeps.select_penalty`; the clean test set is
+noise (:func:`safe_optax.vision.sweeps.select_hyperparameters`; the clean test set is
 never looked at), over ``--safe-grid`` / ``--admm-grid``.
 
   python benchmarks/label_noise.py --preset mlp-mnist --data-dir ../shared/data/mnist \\
@@ -135,7 +135,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     noisy = base.replace(label_noise=noise)
     selection = None
     if args.validation is not None:
-      selection = sweeps.select_penalty(
+      selection = sweeps.select_hyperparameters(
           noisy, args.methods, args.sparsities, grids, validation=args.validation,
           seeds=range(args.select_seeds), root=pathlib.Path(args.workdir) / "select",
           data_dir=args.data_dir, method_overrides=rescaled)

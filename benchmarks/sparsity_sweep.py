@@ -9,6 +9,8 @@ One command per claim: for a vision preset (e.g. ``mlp-fashion-mnist``),
    ``--admm-grid``) is trained at every sparsity with every lambda for
    ``--select-seeds`` seeds, and the lambda with the best mean validation
    accuracy of the final sparse model is kept, per method and sparsity;
+   with ``--cram-grid``, CrAM / CrAM+'s SAM radius ``rho`` is chosen the same
+   way (without it they keep the preset's rho);
 2. **final runs**: every method x sparsity x seed on the full training split
    with the chosen lambdas, evaluated on the test set;
 3. ``sweep.json`` (every run, the selection, convergence diagnostics and
@@ -53,7 +55,10 @@ from safe_optax.vision import train as train_lib
 def select(base: configs.Config, args: argparse.Namespace) -> dict[str, Any]:
   """The validation accuracy of every (penalty method, sparsity, lambda); the best lambdas."""
   grids = {m: (args.admm_grid if m == "admm" else args.safe_grid) for m in sweeps.PENALTY_METHODS}
-  return sweeps.select_penalty(base, args.methods, args.sparsities, grids,
+  if args.cram_grid:
+    grids.update({m: args.cram_grid for m in sweeps.TUNED_METHODS
+                  if m not in sweeps.PENALTY_METHODS})
+  return sweeps.select_hyperparameters(base, args.methods, args.sparsities, grids,
                                validation=args.validation, seeds=range(args.select_seeds),
                                root=pathlib.Path(args.workdir) / "select",
                                data_dir=args.data_dir, progress=args.progress,
@@ -69,7 +74,7 @@ def summarize_convergence(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
   for (method, s), group in groups.items():
     row: dict[str, Any] = {"method": method, "sparsity": s}
     for key in ("final_train_loss", "loss_change_last_tenth", "constraint_distance",
-                "distance_to_projection", "projection_cost", "penalty"):
+                "distance_to_projection", "projection_cost", "penalty", "rho"):
       values = [r[key] for r in group if r.get(key) is not None]
       if values:
         row[key] = float(np.mean(values))
@@ -118,12 +123,13 @@ def convergence_table(rows: list[dict[str, Any]]) -> str:
   def fmt(value, spec):
     return "–" if value is None else format(value, spec)
 
-  lines = ["| method | sparsity | lambda | final train loss | loss change, last 10 % of epochs "
-           "| ‖x − z‖ | ‖x − Proj x‖ | projection cost (points) |",
-           "|---|---|---|---|---|---|---|---|"]
+  lines = ["| method | sparsity | lambda | rho | final train loss | loss change, last 10 % of "
+           "epochs | ‖x − z‖ | ‖x − Proj x‖ | projection cost (points) |",
+           "|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     lines.append(
         f"| {r['method']} | {100 * r['sparsity']:g}% | {fmt(r.get('penalty'), 'g')} | "
+        f"{fmt(r.get('rho'), 'g')} | "
         f"{fmt(r.get('final_train_loss'), '.4f')} | {fmt(r.get('loss_change_last_tenth'), '.4f')} "
         f"| {fmt(r.get('constraint_distance'), '.3g')} | "
         f"{fmt(r.get('distance_to_projection'), '.3g')} | "
@@ -146,6 +152,9 @@ def main(argv: Optional[list[str]] = None) -> int:
   parser.add_argument("--select-seeds", type=int, default=1)
   parser.add_argument("--safe-grid", type=float, nargs="+", default=[0.01, 0.1, 1.0])
   parser.add_argument("--admm-grid", type=float, nargs="+", default=[1e-3, 1e-2, 1e-1])
+  parser.add_argument("--cram-grid", type=float, nargs="+", default=None,
+                      help="SAM radii rho tried for CrAM / CrAM+ on the validation split "
+                           "(default: no selection, the preset's rho)")
   parser.add_argument("--workdir", required=True)
   parser.add_argument("--out", required=True)
   parser.add_argument("--progress", action="store_true")
@@ -188,7 +197,9 @@ def main(argv: Optional[list[str]] = None) -> int:
   with open(out / "sweep.json", "w", encoding="utf-8") as f:
     json.dump(summary, f, indent=1)
     f.write("\n")
-  chosen = ", ".join(f"{k} {v:g}" for k, v in selection["chosen"].items())
+  fields = selection.get("fields", {})
+  chosen = ", ".join(f"{k} {'rho ' if fields.get(k.split('@')[0]) == 'rho' else ''}{v:g}"
+                     for k, v in selection["chosen"].items())
   if selection.get("at_grid_edge"):
     chosen += (f". At an end of its grid (the optimum may lie outside): "
                f"{', '.join(selection['at_grid_edge'])}")
@@ -197,7 +208,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                "penalty ramps; not the paper's update)")
   markdown = (f"Command: `{summary['command']}`\n\nTest accuracy (%) after the final projection "
               f"(and BNT), mean ± s.e. over seeds {args.seeds}; preset `{args.preset}`, "
-              f"{base.epochs} epochs.\n\n{table['markdown']}\n\nLambda chosen on "
+              f"{base.epochs} epochs.\n\n{table['markdown']}\n\nLambda (rho for CrAM) chosen on "
               f"{args.validation} held-out training examples: {chosen}.\n\nConvergence (means "
               f"over seeds):\n\n{convergence_table(rows)}\n")
   (out / "table.md").write_text(markdown, encoding="utf-8")

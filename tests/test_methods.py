@@ -31,6 +31,7 @@ def test_names_derived_from_the_registry_keep_their_order():
                              "cram", "cram-plus", "safe-sg", "safe-multi")
   assert sweeps.SAFE_FAMILY == ("safe", "safe-plus", "safe-sg", "safe-multi")
   assert sweeps.PENALTY_METHODS == sweeps.SAFE_FAMILY + ("admm",)
+  assert sweeps.TUNED_METHODS == sweeps.PENALTY_METHODS + ("cram", "cram-plus")
 
 
 @pytest.mark.parametrize("name", configs.METHODS)

@@ -75,7 +75,7 @@ def _results(config, accuracy, losses=(1.0, 0.5, 0.4, 0.4)):
                     "sparse_accuracy": accuracy, "sparsity": config.sparsity}}
 
 
-def test_select_penalty_keeps_the_best_mean_validation_accuracy(monkeypatch, tmp_path):
+def test_select_hyperparameters_keeps_the_best_mean_validation_accuracy(monkeypatch, tmp_path):
   # Accuracy peaks at lambda 0.1 for SAFE and 0.01 for ADMM; a tie goes to the smaller lambda.
   peak = {"safe": 0.1, "admm": 0.01}
   seen = []
@@ -89,7 +89,7 @@ def test_select_penalty_keeps_the_best_mean_validation_accuracy(monkeypatch, tmp
   monkeypatch.setattr(sweeps, "run_or_load", fake_run)
   monkeypatch.setattr(train_lib, "load_dataset", lambda config, data_dir: None)
   base = configs.get_config("mlp-mnist")
-  selection = sweeps.select_penalty(
+  selection = sweeps.select_hyperparameters(
       base, ["dense", "safe", "admm", "gmp"], [0.9, 0.99],
       {"safe": [1e-2, 1e-1, 1.0], "admm": [1e-3, 1e-2, 1e-1]}, validation=123, seeds=[0, 1],
       root=tmp_path, data_dir="/", method_overrides={"safe": {"rescale_dual": True}})
@@ -110,22 +110,61 @@ def test_select_penalty_keeps_the_best_mean_validation_accuracy(monkeypatch, tmp
   assert sweeps.chosen_overrides(selection, "gmp", 0.99) == {}
 
 
-def test_select_penalty_breaks_ties_towards_the_smaller_lambda(monkeypatch, tmp_path):
+def test_select_hyperparameters_tunes_cram_rho_only_when_given_a_grid(monkeypatch, tmp_path):
+  # CrAM's validation accuracy peaks at rho 0.03; its runs get rho folders, not lambda ones.
+  seen = []
+
+  def fake_run(config, workdir, *, data, data_dir, progress):
+    seen.append((config, pathlib.Path(workdir).name))
+    if config.method == "cram":
+      if config.rho >= 0.3:
+        raise train_lib.TrainingDiverged(str(workdir), 10, 2.3, 1)
+      return _results(config, 0.9 - abs(np.log10(config.rho) - np.log10(0.03)))
+    return _results(config, 0.8)
+
+  monkeypatch.setattr(sweeps, "run_or_load", fake_run)
+  monkeypatch.setattr(train_lib, "load_dataset", lambda config, data_dir: None)
+  base = configs.get_config("mlp-mnist")
+  selection = sweeps.select_hyperparameters(
+      base, ["safe", "cram"], [0.99], {"safe": [0.1], "cram": [0.3, 0.01, 0.03, 0.1]},
+      validation=10, seeds=[0], root=tmp_path, data_dir="/")
+  assert selection["chosen"] == {"safe@0.99": 0.1, "cram@0.99": 0.03}
+  assert selection["fields"] == {"safe": "penalty", "cram": "rho"}
+  assert selection["at_grid_edge"] == ["safe@0.99"]  # a one-value grid is its own edge
+  cram_rows = [r for r in selection["grid"] if r["method"] == "cram"]
+  assert [(r["field"], r["value"], r["diverged"]) for r in cram_rows] == [
+      ("rho", 0.01, False), ("rho", 0.03, False), ("rho", 0.1, False), ("rho", 0.3, True)]
+  assert all("penalty" not in r for r in cram_rows)
+  assert sorted(name for c, name in seen if c.method == "cram") == [
+      "cram-s0.99-rho0.01-seed0", "cram-s0.99-rho0.03-seed0", "cram-s0.99-rho0.1-seed0",
+      "cram-s0.99-rho0.3-seed0"]
+  assert sweeps.chosen_overrides(selection, "cram", 0.99) == {"rho": 0.03}
+  # Without a CrAM grid nothing is tuned for it: the final runs keep the preset's rho.
+  seen.clear()
+  plain = sweeps.select_hyperparameters(base, ["safe", "cram"], [0.99], {"safe": [0.1]},
+                                        validation=10, seeds=[0], root=tmp_path, data_dir="/")
+  assert {c.method for c, _ in seen} == {"safe"}
+  assert sweeps.chosen_overrides(plain, "cram", 0.99) == {}
+  with pytest.raises(ValueError, match=r"has no hyperparameter to choose.*'cram'"):
+    sweeps.tuned_field("gmp")
+
+
+def test_select_hyperparameters_breaks_ties_towards_the_smaller_lambda(monkeypatch, tmp_path):
   monkeypatch.setattr(sweeps, "run_or_load", lambda config, *a, **k: _results(config, 0.5))
   monkeypatch.setattr(train_lib, "load_dataset", lambda config, data_dir: None)
-  selection = sweeps.select_penalty(configs.get_config("mlp-mnist"), ["safe"], [0.9],
-                                    {"safe": [1.0, 0.01, 0.1]}, validation=10, seeds=[0],
-                                    root=tmp_path, data_dir="/")
+  selection = sweeps.select_hyperparameters(configs.get_config("mlp-mnist"), ["safe"], [0.9],
+                                            {"safe": [1.0, 0.01, 0.1]}, validation=10,
+                                            seeds=[0], root=tmp_path, data_dir="/")
   assert selection["chosen"] == {"safe@0.9": 0.01}
   # The smallest lambda of the grid won: the optimum may lie below it, and the result says so.
   assert selection["at_grid_edge"] == ["safe@0.9"]
 
 
-def test_select_penalty_needs_a_grid_per_penalty_method(tmp_path):
+def test_select_hyperparameters_needs_a_grid_per_penalty_method(tmp_path):
   with pytest.raises(ValueError, match=r"no lambda grid for \['admm'\]"):
-    sweeps.select_penalty(configs.get_config("mlp-mnist"), ["safe", "admm"], [0.9],
-                          {"safe": [0.1]}, validation=10, seeds=[0], root=tmp_path,
-                          data_dir="/")
+    sweeps.select_hyperparameters(configs.get_config("mlp-mnist"), ["safe", "admm"], [0.9],
+                                  {"safe": [0.1]}, validation=10, seeds=[0], root=tmp_path,
+                                  data_dir="/")
 
 
 def test_convergence_reports_plateau_distance_and_projection_cost():
@@ -191,14 +230,14 @@ def test_a_diverging_lambda_loses_the_selection_instead_of_crashing_it(monkeypat
 
   monkeypatch.setattr(sweeps, "run_or_load", fake_run)
   monkeypatch.setattr(train_lib, "load_dataset", lambda config, data_dir: None)
-  selection = sweeps.select_penalty(configs.get_config("mlp-mnist"), ["safe"], [0.99],
-                                    {"safe": [0.01, 0.1, 1.0]}, validation=10, seeds=[0],
-                                    root=tmp_path, data_dir="/")
+  selection = sweeps.select_hyperparameters(configs.get_config("mlp-mnist"), ["safe"], [0.99],
+                                            {"safe": [0.01, 0.1, 1.0]}, validation=10,
+                                            seeds=[0], root=tmp_path, data_dir="/")
   assert selection["chosen"] == {"safe@0.99": 0.1}
   lost = [r for r in selection["grid"] if r["penalty"] == 1.0][0]
   assert lost["diverged"] and lost["validation_accuracy_mean"] is None
   assert lost["runs"][0]["diverged"] == {"step": 40, "last_finite_loss": 2.3}
   with pytest.raises(ValueError, match=r"every lambda of \[1.0, 2.0\] diverged for safe"):
-    sweeps.select_penalty(configs.get_config("mlp-mnist"), ["safe"], [0.99],
-                          {"safe": [1.0, 2.0]}, validation=10, seeds=[0], root=tmp_path,
-                          data_dir="/")
+    sweeps.select_hyperparameters(configs.get_config("mlp-mnist"), ["safe"], [0.99],
+                                  {"safe": [1.0, 2.0]}, validation=10, seeds=[0],
+                                  root=tmp_path, data_dir="/")

@@ -192,8 +192,16 @@ class Method:
   """Its state holds an :class:`~safe_optax.ADMMState` (``||x - z||`` is logged)."""
   penalty_field: Optional[str] = None
   """The config field holding its ``lambda`` (``None``: no lambda to choose)."""
+  tuned_field: Optional[str] = None
+  """A config field other than a penalty that a sweep may choose on a validation split
+  (CrAM's radius ``rho``, its one hyperparameter); see :attr:`selected_field`."""
   seeded: Callable[["Config"], bool] = _never
   """Whether ``config.seed`` enters the optimizer (else its programs are shared across seeds)."""
+
+  @property
+  def selected_field(self) -> Optional[str]:
+    """The field a sweep chooses on a validation split: the penalty's, else :attr:`tuned_field`."""
+    return self.penalty_field or self.tuned_field
 
 
 _SAFE = dict(uses_grad_fn=True, has_admm_state=True, penalty_field="penalty")
@@ -208,8 +216,8 @@ REGISTRY: Mapping[str, Method] = {
     "gmp": Method(_gradual),
     "magnitude": Method(_magnitude),
     "imp-sam": Method(_gradual, uses_grad_fn=True),
-    "cram": Method(_cram, uses_grad_fn=True),
-    "cram-plus": Method(_cram, uses_grad_fn=True),
+    "cram": Method(_cram, uses_grad_fn=True, tuned_field="rho"),
+    "cram-plus": Method(_cram, uses_grad_fn=True, tuned_field="rho"),
     "safe-sg": Method(_safe_alias(safe_optax.safe_sg), **_SAFE),
     "safe-multi": Method(_safe_multi, **_SAFE, seeded=lambda config: True),
 }

@@ -8,10 +8,11 @@ The pieces that the ``sweep`` command and the evidence benchmarks
   reads its finished ``results.json`` after checking that the recorded
   configuration is the one asked for (a folder of another run is refused, so
   stale results are never reused);
-* :func:`select_penalty` trains each penalty method with every ``lambda`` of a
-  grid on a validation split carved from the training data
-  (``Config.validation``; the test set is never looked at) and keeps the one
-  with the best mean validation accuracy of the final sparse model;
+* :func:`select_hyperparameters` trains each penalty method with every
+  ``lambda`` of a grid (and, when given a grid, CrAM with every ``rho``) on a
+  validation split carved from the training data (``Config.validation``; the
+  test set is never looked at) and keeps the value with the best mean
+  validation accuracy of the final sparse model;
 * :func:`convergence` says whether a finished run converged: the training
   loss's change over the last 10 % of epochs, ``||x - z||`` and the accuracy
   that the final projection costs.
@@ -37,6 +38,9 @@ SAFE_FAMILY = tuple(name for name, m in methods.REGISTRY.items() if m.penalty_fi
 PENALTY_METHODS = SAFE_FAMILY + tuple(name for name, m in methods.REGISTRY.items()
                                       if m.penalty_field not in (None, "penalty"))
 """Methods with a lambda to choose (ADMM's is ``Config.admm_penalty``)."""
+TUNED_METHODS = PENALTY_METHODS + tuple(name for name, m in methods.REGISTRY.items()
+                                        if m.penalty_field is None and m.tuned_field)
+"""Methods with a hyperparameter a sweep chooses: the penalty methods' lambda, CrAM's rho."""
 
 
 def penalty_field(method: str) -> str:
@@ -53,22 +57,42 @@ def penalty_field(method: str) -> str:
   return field
 
 
-def run_dir(root: os.PathLike, config: configs.Config) -> pathlib.Path:
-  """``root/[noise<r>-]<method>-s<sparsity>[-lam<lambda>][-rescaled]-seed<seed>``.
+def tuned_field(method: str) -> str:
+  """The config field a sweep chooses for ``method``: its lambda's, or CrAM's ``rho``.
 
-  ``-rescaled``: a SAFE-family run with ``rescale_dual`` (another update, so
-  another folder).
+  Examples:
+    >>> tuned_field("admm"), tuned_field("safe"), tuned_field("cram")
+    ('admm_penalty', 'penalty', 'rho')
+  """
+  field = methods.get(method).selected_field
+  if field is None:
+    raise ValueError(f"method {method!r} has no hyperparameter to choose; tuned methods: "
+                     f"{list(TUNED_METHODS)}.")
+  return field
+
+
+def run_dir(root: os.PathLike, config: configs.Config) -> pathlib.Path:
+  """``root/[noise<r>-]<method>-s<sparsity>[-lam<lambda>|-rho<rho>][-rescaled]-seed<seed>``.
+
+  ``-lam``: a penalty method's lambda; ``-rho``: CrAM's radius (its tuned
+  value); ``-rescaled``: a SAFE-family run with ``rescale_dual`` (another
+  update, so another folder).
 
   Examples:
     >>> c = configs.get_config("mlp-mnist", method="admm", sparsity=0.9, admm_penalty=0.01)
     >>> run_dir("out", c).as_posix()
     'out/admm-s0.9-lam0.01-seed0'
+    >>> run_dir("out", c.replace(method="cram", rho=0.05)).as_posix()
+    'out/cram-s0.9-rho0.05-seed0'
   """
   name = f"{config.method}-s{config.sparsity:g}"
   if config.label_noise > 0:
     name = f"noise{config.label_noise:g}-{name}"
   if config.method in PENALTY_METHODS:
     name += f"-lam{methods.penalty(config):g}"
+  elif config.method in TUNED_METHODS:
+    field = tuned_field(config.method)
+    name += f"-{field}{getattr(config, field):g}"
   if config.rescale_dual and config.method in SAFE_FAMILY:
     name += "-rescaled"
   return pathlib.Path(root) / f"{name}-seed{config.seed}"
@@ -145,6 +169,7 @@ def record(config: configs.Config, results: dict[str, Any]) -> dict[str, Any]:
   penalty = methods.penalty(config)
   return {"method": config.method, "sparsity": config.sparsity, "seed": config.seed,
           "noise": config.label_noise, "penalty": penalty,
+          "rho": config.rho if methods.get(config.method).uses_grad_fn else None,
           "rescale_dual": config.rescale_dual and config.method in SAFE_FAMILY,
           "accuracy": final.get("sparse_accuracy", final["dense_accuracy"]),
           "accuracy_before_bnt": final.get("sparse_accuracy_before_bnt"),
@@ -156,27 +181,31 @@ def record(config: configs.Config, results: dict[str, Any]) -> dict[str, Any]:
           **convergence(results)}
 
 
-def select_penalty(base: configs.Config, methods: Sequence[str], sparsities: Sequence[float],
-                   grids: dict[str, Sequence[float]], *, validation: int, seeds: Sequence[int],
-                   root: os.PathLike, data_dir: os.PathLike,
-                   progress: bool = False,
-                   method_overrides: Optional[dict[str, dict[str, Any]]] = None
-                   ) -> dict[str, Any]:
-  """Chooses each penalty method's lambda per sparsity on a validation split.
+def select_hyperparameters(base: configs.Config, methods: Sequence[str],
+                           sparsities: Sequence[float], grids: dict[str, Sequence[float]], *,
+                           validation: int, seeds: Sequence[int], root: os.PathLike,
+                           data_dir: os.PathLike, progress: bool = False,
+                           method_overrides: Optional[dict[str, dict[str, Any]]] = None
+                           ) -> dict[str, Any]:
+  """Chooses each penalty method's lambda (and CrAM's rho) per sparsity on a validation split.
 
-  Every ``(method, sparsity, lambda, seed)`` is trained on the training data
+  Every ``(method, sparsity, value, seed)`` is trained on the training data
   minus ``validation`` held-out examples (``base.replace(validation=...)``;
   label noise, if ``base`` has it, is on the held-out labels too) and scored by
-  the validation accuracy of its final sparse model; the lambda with the best
-  mean over ``seeds`` wins (the smaller lambda on a tie). A lambda whose
+  the validation accuracy of its final sparse model; the value with the best
+  mean over ``seeds`` wins (the smaller value on a tie). A value whose
   training diverges (:class:`~safe_optax.vision.train.TrainingDiverged`) is
-  recorded as such and cannot win.
+  recorded as such and cannot win. The value is the method's
+  :func:`tuned_field`: lambda for the penalty methods (a grid is required
+  for each), ``rho`` for CrAM / CrAM+ (tuned only when ``grids`` has one;
+  otherwise they keep ``base.rho``).
 
   Args:
     base: the configuration every run starts from.
     methods: the methods to tune (others are ignored).
     sparsities: target sparsities.
-    grids: ``{method: lambdas}`` for each method in ``methods`` that has a penalty.
+    grids: ``{method: values}``: lambdas for each penalty method in
+      ``methods``, optionally rhos for ``"cram"`` / ``"cram-plus"``.
     validation: held-out training examples.
     seeds: training seeds per grid point.
     root: folder of the selection runs (one sub-folder per run).
@@ -186,19 +215,22 @@ def select_penalty(base: configs.Config, methods: Sequence[str], sparsities: Seq
       method's runs, e.g. ``{"safe": {"rescale_dual": True}}``.
 
   Returns:
-    ``{"grid": [...], "chosen": {"<method>@<sparsity>": lambda},
-    "at_grid_edge": ["<method>@<sparsity>", ...], ...}``: the choices that sit
-    at an end of their grid, where the optimum may lie outside it.
+    ``{"grid": [...], "chosen": {"<method>@<sparsity>": value},
+    "fields": {"<method>": field}, "at_grid_edge": ["<method>@<sparsity>", ...],
+    ...}``: ``at_grid_edge`` lists the choices that sit at an end of their
+    grid, where the optimum may lie outside it. Each ``grid`` row has the
+    tried ``value`` (and, for a penalty method, the same as ``penalty``).
   """
   from safe_optax.vision import train as train_lib  # pylint: disable=import-outside-toplevel
   val_base = base.replace(validation=validation)
-  tuned = [m for m in methods if m in PENALTY_METHODS]
-  missing = [m for m in tuned if not grids.get(m)]
+  missing = [m for m in methods if m in PENALTY_METHODS and not grids.get(m)]
   if missing:
     raise ValueError(f"no lambda grid for {missing}; give one per penalty method.")
+  tuned = [m for m in methods if m in PENALTY_METHODS or (m in TUNED_METHODS and grids.get(m))]
   data = train_lib.load_dataset(val_base, data_dir) if tuned else None
   rows, chosen = [], {}
   for method in tuned:
+    field = tuned_field(method)
     for s in sparsities:
       scored = []
       for lam in sorted(grids[method]):
@@ -206,24 +238,29 @@ def select_penalty(base: configs.Config, methods: Sequence[str], sparsities: Seq
         for seed in seeds:
           config = val_base.replace(method=method, sparsity=s, seed=seed,
                                     **(method_overrides or {}).get(method, {}),
-                                    **{penalty_field(method): lam})
+                                    **{field: lam})
           try:
             results = run_or_load(config, run_dir(root, config), data=data, data_dir=data_dir,
                                   progress=progress)
           except train_lib.TrainingDiverged as err:
             # A lambda that makes training diverge is a grid point that lost, not a crash.
-            runs.append({"method": method, "sparsity": s, "seed": seed, "penalty": lam,
-                         "diverged": {"step": err.step, "last_finite_loss": err.last_finite_loss}})
+            runs.append({"method": method, "sparsity": s, "seed": seed, "field": field,
+                         "value": lam, "diverged": {"step": err.step,
+                                                    "last_finite_loss": err.last_finite_loss}})
             continue
           runs.append(record(config, results))
         diverged = any("diverged" in r for r in runs)
         mean = None if diverged else float(np.mean([r["accuracy"] for r in runs]))
-        rows.append({"method": method, "sparsity": s, "penalty": lam,
-                     "validation_accuracy_mean": mean, "diverged": diverged, "runs": runs})
+        row = {"method": method, "sparsity": s, "field": field, "value": lam}
+        if method in PENALTY_METHODS:
+          row["penalty"] = lam
+        rows.append({**row, "validation_accuracy_mean": mean, "diverged": diverged,
+                     "runs": runs})
         if not diverged:
           scored.append((mean, -lam))
       if not scored:
-        raise ValueError(f"every lambda of {sorted(grids[method])} diverged for {method} at "
+        name = "lambda" if method in PENALTY_METHODS else field
+        raise ValueError(f"every {name} of {sorted(grids[method])} diverged for {method} at "
                          f"sparsity {s:g}; extend the grid downwards.")
       chosen[key(method, s)] = -max(scored)[1]
   # A lambda at an end of its grid may not be the optimum: the grid should be extended.
@@ -231,7 +268,8 @@ def select_penalty(base: configs.Config, methods: Sequence[str], sparsities: Seq
                  if lam in (min(grids[k.split("@")[0]]), max(grids[k.split("@")[0]])))
   return {"validation_examples": validation, "seeds": list(seeds),
           "criterion": "mean validation accuracy of the final sparse model",
-          "grid": rows, "chosen": chosen, "at_grid_edge": edges}
+          "grid": rows, "chosen": chosen, "fields": {m: tuned_field(m) for m in tuned},
+          "at_grid_edge": edges}
 
 
 def rescaled_dual(methods_: Sequence[str], rescale: bool) -> dict[str, dict[str, Any]]:
@@ -251,13 +289,16 @@ def rescaled_dual(methods_: Sequence[str], rescale: bool) -> dict[str, dict[str,
 
 
 def key(method: str, sparsity: float) -> str:
-  """The key of :func:`select_penalty`'s ``chosen``: ``"safe@0.9"``."""
+  """The key of :func:`select_hyperparameters`'s ``chosen``: ``"safe@0.9"``."""
   return f"{method}@{sparsity:g}"
 
 
 def chosen_overrides(selection: Optional[dict[str, Any]], method: str,
                      sparsity: float) -> dict[str, float]:
-  """``{penalty field: chosen lambda}`` for a penalty method, ``{}`` otherwise."""
-  if selection is None or method not in PENALTY_METHODS:
+  """``{field: chosen value}`` for a method the selection tuned, ``{}`` otherwise."""
+  if selection is None or method not in TUNED_METHODS:
     return {}
-  return {penalty_field(method): selection["chosen"][key(method, sparsity)]}
+  if method in PENALTY_METHODS:
+    return {penalty_field(method): selection["chosen"][key(method, sparsity)]}
+  chosen = selection["chosen"].get(key(method, sparsity))
+  return {} if chosen is None else {tuned_field(method): chosen}

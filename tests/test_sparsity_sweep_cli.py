@@ -1,0 +1,71 @@
+"""benchmarks/sparsity_sweep.py: selection reaches the final runs, CrAM's rho included."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+import sparsity_sweep  # noqa: E402  pylint: disable=wrong-import-position
+
+from safe_optax.vision import sweeps, train  # noqa: E402
+
+
+def _score(config) -> float:
+  """Validation peaks: SAFE at lambda 0.01, ADMM at 0.001, CrAM at rho 0.03; test is flat."""
+  if config.validation is None:
+    return 0.8 + 0.001 * config.seed
+  if config.method == "cram":
+    return 0.9 - abs(np.log10(config.rho) - np.log10(0.03))
+  lam, peak = ((config.penalty, 0.01) if config.method == "safe"
+               else (config.admm_penalty, 0.001))
+  return 0.9 - abs(np.log10(lam) - np.log10(peak))
+
+
+def test_chosen_lambdas_and_rho_reach_the_final_runs_and_the_tables(monkeypatch, tmp_path):
+  finals = []
+
+  def fake_run(config, workdir, **kwargs):
+    if config.validation is None:
+      finals.append((config, pathlib.Path(workdir).name))
+    history = [{"train_loss": loss, "distance_to_z": 0.1, "distance_to_projection": 0.05}
+               for loss in np.linspace(1.0, 0.3, 10)]
+    acc = _score(config)
+    return {"final": {"sparse_accuracy": acc, "sparse_accuracy_before_bnt": acc,
+                      "dense_accuracy": acc + 0.01, "sparsity": config.sparsity},
+            "history": history, "images_per_second": 1.0, "wall_seconds": 1.0,
+            "data": {"evaluated_on": "test" if config.validation is None else "validation"}}
+
+  monkeypatch.setattr(sweeps, "run_or_load", fake_run)
+  monkeypatch.setattr(train, "load_dataset", lambda config, data_dir: None)
+  out = tmp_path / "out"
+  assert sparsity_sweep.main([
+      "--preset", "mlp-mnist", "--data-dir", "unused", "--methods", "safe", "admm", "gmp",
+      "cram", "--sparsities", "0.99", "--seeds", "0", "1", "--epochs", "4",
+      "--warmup-epochs", "0", "--safe-grid", "0.001", "0.01", "0.1", "--admm-grid", "0.0001",
+      "0.001", "0.01", "--cram-grid", "0.01", "0.03", "0.1", "--rescale-dual",
+      "--workdir", str(tmp_path / "work"), "--out", str(out)]) == 0
+  by_method = {}
+  for config, name in finals:
+    by_method.setdefault(config.method, []).append((config, name))
+  assert {c.penalty for c, _ in by_method["safe"]} == {0.01}
+  assert {c.rescale_dual for c, _ in by_method["safe"]} == {True}
+  assert {c.admm_penalty for c, _ in by_method["admm"]} == {0.001}
+  assert {c.rho for c, _ in by_method["cram"]} == {0.03}
+  assert sorted(n for _, n in by_method["cram"]) == ["cram-s0.99-rho0.03-seed0",
+                                                     "cram-s0.99-rho0.03-seed1"]
+  # GMP has nothing to tune; its rho is not recorded (it takes no SAM step).
+  assert len(by_method["gmp"]) == 2
+  summary = json.loads((out / "sweep.json").read_text())
+  assert summary["selection"]["chosen"] == {"safe@0.99": 0.01, "admm@0.99": 0.001,
+                                            "cram@0.99": 0.03}
+  assert summary["selection"]["at_grid_edge"] == []
+  rows = {r["method"]: r for r in summary["convergence"]}
+  assert rows["cram"]["rho"] == 0.03 and "rho" not in rows["gmp"]
+  assert rows["safe"]["penalty"] == 0.01 and rows["safe"]["rho"] == 0.1
+  table = (out / "table.md").read_text()
+  assert "cram@0.99 rho 0.03" in table and "safe@0.99 0.01" in table
+  assert "| cram | 99% | – | 0.03 |" in table
