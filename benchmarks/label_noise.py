@@ -29,6 +29,7 @@ from typing import Any, Optional
 
 from safe_optax.experiment import mean_se, versions
 from safe_optax.vision import configs
+from safe_optax.vision import methods as vision_methods
 from safe_optax.vision import sweeps
 from safe_optax.vision import train
 
@@ -114,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="SAFE-family methods keep the unscaled dual while the penalty ramps "
                            "(safe_optax.safe(rescale_dual=True)); ADMM is unchanged, so its runs "
                            "are shared with a run without it; outputs get a _rescaled suffix")
+  parser.add_argument("--rho", type=float, default=None,
+                      help="SAM radius of the SAM-type methods (default: the preset's); ADMM "
+                           "takes no SAM step, so its runs are shared; outputs get a _rho<r> "
+                           "suffix")
   parser.add_argument("--workdir", default="/tmp/safe_optax_label_noise")
   parser.add_argument("--out", default="results/flatness")
   return parser
@@ -130,7 +135,11 @@ def main(argv: Optional[list[str]] = None) -> int:
   base = configs.get_config(args.preset, **overrides)
   runs, selections = [], {}
   grids, fixed = penalty_grids(args, parser)
-  rescaled = sweeps.rescaled_dual(args.methods, args.rescale_dual)
+  per_method = sweeps.rescaled_dual(args.methods, args.rescale_dual)
+  if args.rho is not None:  # SAM-type methods only: the others keep their configs and folders
+    for method in args.methods:
+      if vision_methods.get(method).uses_grad_fn:
+        per_method[method] = {**per_method.get(method, {}), "rho": args.rho}
   for noise in args.noise:
     noisy = base.replace(label_noise=noise)
     selection = None
@@ -138,14 +147,14 @@ def main(argv: Optional[list[str]] = None) -> int:
       selection = sweeps.select_hyperparameters(
           noisy, args.methods, args.sparsities, grids, validation=args.validation,
           seeds=range(args.select_seeds), root=pathlib.Path(args.workdir) / "select",
-          data_dir=args.data_dir, method_overrides=rescaled)
+          data_dir=args.data_dir, method_overrides=per_method)
       selections[f"{noise:g}"] = selection
     data = train.load_dataset(noisy, args.data_dir)
     for sparsity in args.sparsities:
       for method in args.methods:
         for seed in args.seeds:
           config = noisy.replace(method=method, sparsity=sparsity, seed=seed,
-                                 **rescaled.get(method, {}),
+                                 **per_method.get(method, {}),
                                  **sweeps.chosen_overrides(selection, method, sparsity),
                                  **fixed.get(method, {}))
           results = sweeps.run_or_load(config, sweeps.run_dir(args.workdir, config), data=data,
@@ -156,7 +165,8 @@ def main(argv: Optional[list[str]] = None) -> int:
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   command = "python " + " ".join(sys.argv)
-  stem = f"label_noise_{args.preset}" + ("_rescaled" if args.rescale_dual else "")
+  stem = (f"label_noise_{args.preset}" + ("_rescaled" if args.rescale_dual else "")
+          + (f"_rho{args.rho:g}" if args.rho is not None else ""))
   (out / f"{stem}.json").write_text(json.dumps(
       {"command": command, "config": configs.to_dict(base), "selection": selections,
        "runs": runs,

@@ -63,3 +63,26 @@ def test_rescale_dual_reaches_the_safe_runs_only_and_renames_the_outputs(monkeyp
   assert {(c.method, c.rescale_dual) for c in seen} == {("safe", True), ("admm", False)}
   assert (tmp_path / "label_noise_mlp-mnist_rescaled.json").exists()
   assert not (tmp_path / "label_noise_mlp-mnist.json").exists()
+
+
+def test_rho_reaches_the_sam_runs_names_their_folders_and_the_outputs(monkeypatch, tmp_path):
+  from safe_optax.vision import sweeps, train  # pylint: disable=import-outside-toplevel
+  seen = []
+
+  def fake_run(config, workdir, **kwargs):
+    seen.append((config, pathlib.Path(workdir).name))
+    history = [{"train_loss": 0.5, "distance_to_z": 0.1, "distance_to_projection": 0.1}] * 4
+    return {"final": {"sparse_accuracy": 0.8, "dense_accuracy": 0.8, "sparsity": 0.9},
+            "history": history, "images_per_second": 1.0, "wall_seconds": 1.0,
+            "data": {"evaluated_on": "test"}}
+
+  monkeypatch.setattr(sweeps, "run_or_load", fake_run)
+  monkeypatch.setattr(train, "load_dataset", lambda config, data_dir: None)
+  label_noise.main(["--preset", "mlp-mnist", "--data-dir", "unused", "--noise", "0.75",
+                    "--seeds", "0", "--safe-grid", "3", "--admm-grid", "0.3", "--rho", "0.02",
+                    "--workdir", str(tmp_path / "w"), "--out", str(tmp_path)])
+  assert {(c.method, c.rho) for c, _ in seen} == {("safe", 0.02), ("admm", 0.1)}
+  # ADMM takes no SAM step: its folder is the one a run at the default rho uses.
+  assert sorted(name for _, name in seen) == ["noise0.75-admm-s0.9-lam0.3-seed0",
+                                              "noise0.75-safe-s0.9-lam3-rho0.02-seed0"]
+  assert (tmp_path / "label_noise_mlp-mnist_rho0.02.json").exists()

@@ -41,6 +41,8 @@ PENALTY_METHODS = SAFE_FAMILY + tuple(name for name, m in methods.REGISTRY.items
 TUNED_METHODS = PENALTY_METHODS + tuple(name for name, m in methods.REGISTRY.items()
                                         if m.penalty_field is None and m.tuned_field)
 """Methods with a hyperparameter a sweep chooses: the penalty methods' lambda, CrAM's rho."""
+DEFAULT_RHO = configs.Config.rho
+"""The SAM radius a run folder does not name (another one adds ``-rho<value>``)."""
 
 
 def penalty_field(method: str) -> str:
@@ -72,11 +74,12 @@ def tuned_field(method: str) -> str:
 
 
 def run_dir(root: os.PathLike, config: configs.Config) -> pathlib.Path:
-  """``root/[noise<r>-]<method>-s<sparsity>[-lam<lambda>|-rho<rho>][-rescaled]-seed<seed>``.
+  """``root/[noise<r>-]<method>-s<sparsity>[-lam<lambda>][-rho<rho>][-rescaled]-seed<seed>``.
 
   ``-lam``: a penalty method's lambda; ``-rho``: CrAM's radius (its tuned
-  value); ``-rescaled``: a SAFE-family run with ``rescale_dual`` (another
-  update, so another folder).
+  value), or another SAM-type method's when it is not the default
+  ``Config.rho``; ``-rescaled``: a SAFE-family run with ``rescale_dual``
+  (another update, so another folder).
 
   Examples:
     >>> c = configs.get_config("mlp-mnist", method="admm", sparsity=0.9, admm_penalty=0.01)
@@ -84,6 +87,8 @@ def run_dir(root: os.PathLike, config: configs.Config) -> pathlib.Path:
     'out/admm-s0.9-lam0.01-seed0'
     >>> run_dir("out", c.replace(method="cram", rho=0.05)).as_posix()
     'out/cram-s0.9-rho0.05-seed0'
+    >>> run_dir("out", c.replace(method="safe", penalty=1.0, rho=0.02)).as_posix()
+    'out/safe-s0.9-lam1-rho0.02-seed0'
   """
   name = f"{config.method}-s{config.sparsity:g}"
   if config.label_noise > 0:
@@ -93,6 +98,9 @@ def run_dir(root: os.PathLike, config: configs.Config) -> pathlib.Path:
   elif config.method in TUNED_METHODS:
     field = tuned_field(config.method)
     name += f"-{field}{getattr(config, field):g}"
+  if (config.method not in TUNED_METHODS or config.method in PENALTY_METHODS) and (
+      methods.get(config.method).uses_grad_fn and config.rho != DEFAULT_RHO):
+    name += f"-rho{config.rho:g}"
   if config.rescale_dual and config.method in SAFE_FAMILY:
     name += "-rescaled"
   return pathlib.Path(root) / f"{name}-seed{config.seed}"
