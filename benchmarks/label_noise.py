@@ -21,6 +21,7 @@ never looked at), over ``--safe-grid`` / ``--admm-grid``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import pathlib
 import sys
@@ -119,6 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="SAM radius of the SAM-type methods (default: the preset's); ADMM "
                            "takes no SAM step, so its runs are shared; outputs get a _rho<r> "
                            "suffix")
+  parser.add_argument("--rho-grid", type=float, nargs="+", default=None,
+                      help="with --validation: SAM radii tried for SAFE-type methods, each "
+                           "with every lambda of --safe-grid; the best (rho, lambda) pair on the "
+                           "noisy validation split is used (sweeps.select_with_rho); outputs get "
+                           "a _rhogrid suffix")
   parser.add_argument("--workdir", default="/tmp/safe_optax_label_noise")
   parser.add_argument("--out", default="results/flatness")
   return parser
@@ -127,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None) -> int:
   parser = build_parser()
   args = parser.parse_args(argv)
+  if args.rho_grid is not None and (args.validation is None or args.rho is not None):
+    parser.error("--rho-grid selects on the validation split: pass --validation N, and not "
+                 "--rho")
   start = time.perf_counter()
   overrides = {"epochs": args.epochs, "warmup_epochs": args.warmup_epochs,
                "batch_size": args.batch_size, "train_subset": args.train_subset}
@@ -144,7 +153,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     noisy = base.replace(label_noise=noise)
     selection = None
     if args.validation is not None:
-      selection = sweeps.select_hyperparameters(
+      select = (sweeps.select_hyperparameters if args.rho_grid is None else
+                functools.partial(sweeps.select_with_rho, rhos=args.rho_grid))
+      selection = select(
           noisy, args.methods, args.sparsities, grids, validation=args.validation,
           seeds=range(args.select_seeds), root=pathlib.Path(args.workdir) / "select",
           data_dir=args.data_dir, method_overrides=per_method)
@@ -166,14 +177,19 @@ def main(argv: Optional[list[str]] = None) -> int:
   out.mkdir(parents=True, exist_ok=True)
   command = "python " + " ".join(sys.argv)
   stem = (f"label_noise_{args.preset}" + ("_rescaled" if args.rescale_dual else "")
-          + (f"_rho{args.rho:g}" if args.rho is not None else ""))
+          + (f"_rho{args.rho:g}" if args.rho is not None else "")
+          + ("_rhogrid" if args.rho_grid is not None else ""))
   (out / f"{stem}.json").write_text(json.dumps(
       {"command": command, "config": configs.to_dict(base), "selection": selections,
        "runs": runs,
        "versions": versions(), "wall_seconds": time.perf_counter() - start}, indent=1))
-  chosen = "".join(f"\n- noise {noise}: " + ", ".join(f"{k} {v:g}" for k, v in sel["chosen"].items())
-                   for noise, sel in selections.items())
-  lambdas = (f"\n\nLambda chosen per noise ratio on {args.validation} held-out training "
+  chosen = "".join(
+      f"\n- noise {noise}: " + ", ".join(
+          f"{k} {v:g}" + (f" (rho {sel['chosen_rho'][k]:g})" if k in sel.get("chosen_rho", {})
+                          else "") for k, v in sel["chosen"].items())
+      for noise, sel in selections.items())
+  what = "Lambda" if args.rho_grid is None else f"Lambda and rho (from {args.rho_grid})"
+  lambdas = (f"\n\n{what} chosen per noise ratio on {args.validation} held-out training "
              f"examples with equally noisy labels:{chosen}" if selections else "")
   (out / f"{stem}.md").write_text(
       f"Command: `{command}`\n\nClean test accuracy (%) after projection + BNT, trained on "

@@ -86,3 +86,35 @@ def test_rho_reaches_the_sam_runs_names_their_folders_and_the_outputs(monkeypatc
   assert sorted(name for _, name in seen) == ["noise0.75-admm-s0.9-lam0.3-seed0",
                                               "noise0.75-safe-s0.9-lam3-rho0.02-seed0"]
   assert (tmp_path / "label_noise_mlp-mnist_rho0.02.json").exists()
+
+
+def test_rho_grid_needs_validation(capsys):
+  with pytest.raises(SystemExit):
+    label_noise.main(["--data-dir", "unused", "--rho-grid", "0.05", "0.1"])
+  assert "--rho-grid selects on the validation split" in capsys.readouterr().err
+
+
+def test_rho_grid_final_runs_use_the_chosen_pair(monkeypatch, tmp_path):
+  from safe_optax.vision import sweeps, train  # pylint: disable=import-outside-toplevel
+  finals = []
+
+  def fake_run(config, workdir, **kwargs):
+    if config.validation is None:
+      finals.append(config)
+    # Validation peaks at rho 0.05 for SAFE (whatever lambda); ADMM is flat.
+    acc = 0.8 - (abs(config.rho - 0.05) if config.method == "safe" else 0.0)
+    history = [{"train_loss": 0.5, "distance_to_z": 0.1, "distance_to_projection": 0.1}] * 4
+    return {"final": {"sparse_accuracy": acc, "dense_accuracy": acc, "sparsity": 0.9},
+            "history": history, "images_per_second": 1.0, "wall_seconds": 1.0,
+            "data": {"evaluated_on": "test"}}
+
+  monkeypatch.setattr(sweeps, "run_or_load", fake_run)
+  monkeypatch.setattr(train, "load_dataset", lambda config, data_dir: None)
+  label_noise.main(["--preset", "mlp-mnist", "--data-dir", "unused", "--noise", "0.75",
+                    "--seeds", "0", "1", "--validation", "100", "--safe-grid", "1", "3",
+                    "--admm-grid", "0.3", "--rho-grid", "0.02", "0.05", "0.1",
+                    "--workdir", str(tmp_path / "w"), "--out", str(tmp_path)])
+  assert {(c.method, c.rho, c.penalty if c.method == "safe" else c.admm_penalty)
+          for c in finals} == {("safe", 0.05, 1.0), ("admm", 0.1, 0.3)}
+  text = (tmp_path / "label_noise_mlp-mnist_rhogrid.md").read_text()
+  assert "safe@0.9 1 (rho 0.05)" in text and "Lambda and rho (from [0.02, 0.05, 0.1])" in text

@@ -149,6 +149,53 @@ def test_select_hyperparameters_tunes_cram_rho_only_when_given_a_grid(monkeypatc
     sweeps.tuned_field("gmp")
 
 
+def test_select_with_rho_picks_the_best_pair_and_leaves_admm_alone(monkeypatch, tmp_path):
+  # SAFE's validation accuracy peaks at (rho 0.05, lambda 1); at rho 0.1 lambda 3 diverges.
+  seen = []
+
+  def fake_run(config, workdir, *, data, data_dir, progress):
+    seen.append((config, pathlib.Path(workdir).name))
+    if config.method == "admm":
+      return _results(config, 0.7)
+    if config.rho == 0.1 and config.penalty == 3.0:
+      raise train_lib.TrainingDiverged(str(workdir), 10, 2.3, 1)
+    score = 0.8 - abs(config.rho - 0.05) - 0.01 * abs(np.log10(config.penalty))
+    return _results(config, score)
+
+  monkeypatch.setattr(sweeps, "run_or_load", fake_run)
+  monkeypatch.setattr(train_lib, "load_dataset", lambda config, data_dir: None)
+  selection = sweeps.select_with_rho(
+      configs.get_config("mlp-mnist"), ["safe", "admm"], [0.9],
+      {"safe": [0.1, 1.0, 3.0], "admm": [0.01, 0.1]}, [0.1, 0.02, 0.05],
+      method_overrides={"safe": {"rescale_dual": True}}, validation=10, seeds=[0],
+      root=tmp_path, data_dir="/")
+  assert selection["chosen"] == {"safe@0.9": 1.0, "admm@0.9": 0.01}
+  assert selection["chosen_rho"] == {"safe@0.9": 0.05}
+  assert selection["rho_grid"] == [0.02, 0.05, 0.1] and selection["at_grid_edge"] == [
+      "admm@0.9"]
+  assert sweeps.chosen_overrides(selection, "safe", 0.9) == {"penalty": 1.0, "rho": 0.05}
+  assert sweeps.chosen_overrides(selection, "admm", 0.9) == {"admm_penalty": 0.01}
+  # SAFE ran at every (rho, lambda), rescaled; ADMM kept the default rho and its folders.
+  safe = {(c.rho, c.penalty) for c, _ in seen if c.method == "safe"}
+  assert safe == {(r, l) for r in (0.02, 0.05, 0.1) for l in (0.1, 1.0, 3.0)}
+  assert {c.rescale_dual for c, _ in seen if c.method == "safe"} == {True}
+  assert {(c.rho, n) for c, n in seen if c.method == "admm"} == {
+      (0.1, "admm-s0.9-lam0.01-seed0"), (0.1, "admm-s0.9-lam0.1-seed0")}
+  # The diverged pair is recorded in the rho-0.1 rows and could not win.
+  lost = [r for r in selection["grid"] if r["method"] == "safe" and r["rho"] == 0.1
+          and r["value"] == 3.0]
+  assert lost[0]["diverged"]
+  # The best rho at an end of the grid is flagged.
+  edge = sweeps.select_with_rho(
+      configs.get_config("mlp-mnist"), ["safe"], [0.9], {"safe": [0.1, 1.0, 3.0]},
+      [0.05, 0.02], validation=10, seeds=[0], root=tmp_path, data_dir="/")
+  assert edge["chosen_rho"] == {"safe@0.9": 0.05} and "safe@0.9 rho" in edge["at_grid_edge"]
+  with pytest.raises(ValueError, match="`rhos` must be a non-empty list"):
+    sweeps.select_with_rho(configs.get_config("mlp-mnist"), ["safe"], [0.9],
+                           {"safe": [0.1]}, [], validation=10, seeds=[0], root=tmp_path,
+                           data_dir="/")
+
+
 def test_select_hyperparameters_breaks_ties_towards_the_smaller_lambda(monkeypatch, tmp_path):
   monkeypatch.setattr(sweeps, "run_or_load", lambda config, *a, **k: _results(config, 0.5))
   monkeypatch.setattr(train_lib, "load_dataset", lambda config, data_dir: None)

@@ -280,6 +280,63 @@ def select_hyperparameters(base: configs.Config, methods: Sequence[str],
           "at_grid_edge": edges}
 
 
+def _rho_crossed(methods_: Sequence[str]) -> list[str]:
+  """The methods :func:`select_with_rho` trains at every rho: SAM-type penalty methods."""
+  return [m for m in methods_ if m in PENALTY_METHODS and methods.get(m).uses_grad_fn]
+
+
+def select_with_rho(base: configs.Config, methods_: Sequence[str], sparsities: Sequence[float],
+                    grids: dict[str, Sequence[float]], rhos: Sequence[float], *,
+                    method_overrides: Optional[dict[str, dict[str, Any]]] = None,
+                    **kwargs: Any) -> dict[str, Any]:
+  """:func:`select_hyperparameters` once per SAM radius, then the best (rho, value) pair.
+
+  The SAM-type penalty methods (SAFE and its family) are trained at every
+  ``rho`` of ``rhos`` with every lambda of their grid; per method and
+  sparsity the pair with the best mean validation accuracy wins (the smaller
+  rho on a tie). ADMM takes no SAM step, so its choice is the one of any rho
+  (its runs are the same folders); CrAM's rho is its own tuned value and is
+  not crossed with ``rhos``. ``kwargs`` go to :func:`select_hyperparameters`.
+
+  Returns:
+    A selection like :func:`select_hyperparameters`'s (``chosen`` holds the
+    winning pair's value) plus ``chosen_rho`` (``{"<method>@<sparsity>": rho}``
+    for the SAM-type methods), ``rho_grid`` and ``by_rho`` (each rho's own
+    selection). ``at_grid_edge`` also lists ``"<method>@<sparsity> rho"`` when
+    the chosen rho is an end of ``rhos``.
+  """
+  if not rhos or any(r < 0 for r in rhos):
+    raise ValueError(f"`rhos` must be a non-empty list of SAM radii >= 0, got {list(rhos)}.")
+  by_rho = {}
+  for rho in sorted(rhos):
+    overrides = {m: dict((method_overrides or {}).get(m, {})) for m in methods_}
+    for m in _rho_crossed(methods_):
+      overrides[m]["rho"] = rho
+    by_rho[rho] = select_hyperparameters(base, methods_, sparsities, grids,
+                                         method_overrides=overrides, **kwargs)
+  first = by_rho[min(rhos)]
+  chosen, chosen_rho, edges = dict(first["chosen"]), {}, list(first["at_grid_edge"])
+  for k in first["chosen"]:
+    method = k.split("@")[0]
+    if method not in _rho_crossed(methods_):
+      continue
+    scored = []
+    for rho, selection in by_rho.items():
+      means = [r["validation_accuracy_mean"] for r in selection["grid"]
+               if r["method"] == method and key(method, r["sparsity"]) == k
+               and r["validation_accuracy_mean"] is not None]
+      scored.append((max(means), -rho))
+    rho = -max(scored)[1]
+    chosen_rho[k], chosen[k] = rho, by_rho[rho]["chosen"][k]
+    edges = [e for e in edges if e != k] + [e for e in by_rho[rho]["at_grid_edge"] if e == k]
+    if len(rhos) > 1 and rho in (min(rhos), max(rhos)):
+      edges.append(f"{k} rho")
+  return {**first, "chosen": chosen, "chosen_rho": chosen_rho, "rho_grid": sorted(rhos),
+          "at_grid_edge": sorted(edges), "by_rho": {f"{r:g}": v for r, v in by_rho.items()},
+          "grid": [row for r in sorted(rhos) for row in
+                   ({**g, "rho": r} for g in by_rho[r]["grid"])]}
+
+
 def rescaled_dual(methods_: Sequence[str], rescale: bool) -> dict[str, dict[str, Any]]:
   """``{method: {"rescale_dual": True}}`` for the SAFE-family methods when ``rescale``.
 
@@ -306,7 +363,8 @@ def chosen_overrides(selection: Optional[dict[str, Any]], method: str,
   """``{field: chosen value}`` for a method the selection tuned, ``{}`` otherwise."""
   if selection is None or method not in TUNED_METHODS:
     return {}
-  if method in PENALTY_METHODS:
-    return {penalty_field(method): selection["chosen"][key(method, sparsity)]}
-  chosen = selection["chosen"].get(key(method, sparsity))
-  return {} if chosen is None else {tuned_field(method): chosen}
+  k = key(method, sparsity)
+  rho = {"rho": selection["chosen_rho"][k]} if k in selection.get("chosen_rho", {}) else {}
+  if method in PENALTY_METHODS:  # always selected: a missing choice is an error
+    return {penalty_field(method): selection["chosen"][k], **rho}
+  return {tuned_field(method): selection["chosen"][k]} if k in selection["chosen"] else {}
