@@ -10,7 +10,9 @@ One command per claim: for a vision preset (e.g. ``mlp-fashion-mnist``),
    ``--select-seeds`` seeds, and the lambda with the best mean validation
    accuracy of the final sparse model is kept, per method and sparsity;
    with ``--cram-grid``, CrAM / CrAM+'s SAM radius ``rho`` is chosen the same
-   way (without it they keep the preset's rho);
+   way (without it they keep the preset's rho); with ``--rho-grid`` the SAFE
+   family's rho is chosen jointly with its lambda
+   (:func:`safe_optax.vision.sweeps.select_with_rho`);
 2. **final runs**: every method x sparsity x seed on the full training split
    with the chosen lambdas, evaluated on the test set;
 3. ``sweep.json`` (every run, the selection, convergence diagnostics and
@@ -36,6 +38,7 @@ so an interrupted sweep continues where it stopped.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import pathlib
@@ -53,17 +56,17 @@ from safe_optax.vision import train as train_lib
 
 
 def select(base: configs.Config, args: argparse.Namespace) -> dict[str, Any]:
-  """The validation accuracy of every (penalty method, sparsity, lambda); the best lambdas."""
+  """The validation accuracy of every (method, sparsity, value[, rho]); the best choices."""
   grids = {m: (args.admm_grid if m == "admm" else args.safe_grid) for m in sweeps.PENALTY_METHODS}
   if args.cram_grid:
     grids.update({m: args.cram_grid for m in sweeps.TUNED_METHODS
                   if m not in sweeps.PENALTY_METHODS})
-  return sweeps.select_hyperparameters(base, args.methods, args.sparsities, grids,
-                               validation=args.validation, seeds=range(args.select_seeds),
-                               root=pathlib.Path(args.workdir) / "select",
-                               data_dir=args.data_dir, progress=args.progress,
-                               method_overrides=sweeps.rescaled_dual(args.methods,
-                                                                     args.rescale_dual))
+  select_fn = (sweeps.select_hyperparameters if args.rho_grid is None else
+               functools.partial(sweeps.select_with_rho, rhos=args.rho_grid))
+  return select_fn(base, args.methods, args.sparsities, grids, validation=args.validation,
+                   seeds=range(args.select_seeds), root=pathlib.Path(args.workdir) / "select",
+                   data_dir=args.data_dir, progress=args.progress,
+                   method_overrides=sweeps.rescaled_dual(args.methods, args.rescale_dual))
 
 
 def summarize_convergence(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -155,6 +158,10 @@ def main(argv: Optional[list[str]] = None) -> int:
   parser.add_argument("--cram-grid", type=float, nargs="+", default=None,
                       help="SAM radii rho tried for CrAM / CrAM+ on the validation split "
                            "(default: no selection, the preset's rho)")
+  parser.add_argument("--rho-grid", type=float, nargs="+", default=None,
+                      help="SAM radii tried for the SAFE family, each with every lambda of "
+                           "--safe-grid; the best pair on the validation split is used "
+                           "(default: the preset's rho)")
   parser.add_argument("--workdir", required=True)
   parser.add_argument("--out", required=True)
   parser.add_argument("--progress", action="store_true")
@@ -198,7 +205,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     json.dump(summary, f, indent=1)
     f.write("\n")
   fields = selection.get("fields", {})
+  pair_rho = selection.get("chosen_rho", {})
   chosen = ", ".join(f"{k} {'rho ' if fields.get(k.split('@')[0]) == 'rho' else ''}{v:g}"
+                     + (f" (rho {pair_rho[k]:g})" if k in pair_rho else "")
                      for k, v in selection["chosen"].items())
   if selection.get("at_grid_edge"):
     chosen += (f". At an end of its grid (the optimum may lie outside): "

@@ -69,3 +69,31 @@ def test_chosen_lambdas_and_rho_reach_the_final_runs_and_the_tables(monkeypatch,
   table = (out / "table.md").read_text()
   assert "cram@0.99 rho 0.03" in table and "safe@0.99 0.01" in table
   assert "| cram | 99% | – | 0.03 |" in table
+
+
+def test_rho_grid_picks_safes_pair_and_the_final_runs_use_it(monkeypatch, tmp_path):
+  finals = []
+
+  def fake_run(config, workdir, **kwargs):
+    if config.validation is None:
+      finals.append((config, pathlib.Path(workdir).name))
+    # SAFE's validation accuracy peaks at rho 0.05 whatever lambda; ADMM and GMP are flat.
+    acc = 0.8 - (abs(config.rho - 0.05) if config.method == "safe" else 0.0)
+    history = [{"train_loss": 0.5, "distance_to_z": 0.1, "distance_to_projection": 0.05}] * 10
+    return {"final": {"sparse_accuracy": acc, "dense_accuracy": acc, "sparsity": 0.9},
+            "history": history, "images_per_second": 1.0, "wall_seconds": 1.0,
+            "data": {"evaluated_on": "test"}}
+
+  monkeypatch.setattr(sweeps, "run_or_load", fake_run)
+  monkeypatch.setattr(train, "load_dataset", lambda config, data_dir: None)
+  out = tmp_path / "out"
+  sparsity_sweep.main([
+      "--preset", "mlp-mnist", "--data-dir", "unused", "--methods", "safe", "admm", "gmp",
+      "--sparsities", "0.9", "--seeds", "0", "--epochs", "4", "--warmup-epochs", "0",
+      "--safe-grid", "0.01", "0.1", "--admm-grid", "0.01", "--rho-grid", "0.02", "0.05", "0.1",
+      "--workdir", str(tmp_path / "work"), "--out", str(out)])
+  assert sorted(n for _, n in finals) == ["admm-s0.9-lam0.01-seed0", "gmp-s0.9-seed0",
+                                          "safe-s0.9-lam0.01-rho0.05-seed0"]
+  assert "safe@0.9 0.01 (rho 0.05)" in (out / "table.md").read_text()
+  summary = json.loads((out / "sweep.json").read_text())
+  assert summary["selection"]["chosen_rho"] == {"safe@0.9": 0.05}
