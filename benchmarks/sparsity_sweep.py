@@ -209,6 +209,9 @@ def main(argv: Optional[list[str]] = None) -> int:
   chosen = ", ".join(f"{k} {'rho ' if fields.get(k.split('@')[0]) == 'rho' else ''}{v:g}"
                      + (f" (rho {pair_rho[k]:g})" if k in pair_rho else "")
                      for k, v in selection["chosen"].items())
+  if selection.get("fixed"):
+    chosen += (f". Given, not selected (a one-value grid, no validation run): "
+               f"{', '.join(selection['fixed'])}")
   if selection.get("at_grid_edge"):
     chosen += (f". At an end of its grid (the optimum may lie outside): "
                f"{', '.join(selection['at_grid_edge'])}")

@@ -130,7 +130,9 @@ def test_select_hyperparameters_tunes_cram_rho_only_when_given_a_grid(monkeypatc
       validation=10, seeds=[0], root=tmp_path, data_dir="/")
   assert selection["chosen"] == {"safe@0.99": 0.1, "cram@0.99": 0.03}
   assert selection["fields"] == {"safe": "penalty", "cram": "rho"}
-  assert selection["at_grid_edge"] == ["safe@0.99"]  # a one-value grid is its own edge
+  # A one-value grid is used as given: no validation run, not an edge, listed as fixed.
+  assert selection["at_grid_edge"] == [] and selection["fixed"] == ["safe"]
+  assert not [c for c, _ in seen if c.method == "safe"]
   cram_rows = [r for r in selection["grid"] if r["method"] == "cram"]
   assert [(r["field"], r["value"], r["diverged"]) for r in cram_rows] == [
       ("rho", 0.01, False), ("rho", 0.03, False), ("rho", 0.1, False), ("rho", 0.3, True)]
@@ -143,7 +145,7 @@ def test_select_hyperparameters_tunes_cram_rho_only_when_given_a_grid(monkeypatc
   seen.clear()
   plain = sweeps.select_hyperparameters(base, ["safe", "cram"], [0.99], {"safe": [0.1]},
                                         validation=10, seeds=[0], root=tmp_path, data_dir="/")
-  assert {c.method for c, _ in seen} == {"safe"}
+  assert not seen  # SAFE's one lambda needs no run, and CrAM has no grid
   assert sweeps.chosen_overrides(plain, "cram", 0.99) == {}
   with pytest.raises(ValueError, match=r"has no hyperparameter to choose.*'cram'"):
     sweeps.tuned_field("gmp")

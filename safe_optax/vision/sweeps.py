@@ -222,11 +222,14 @@ def select_hyperparameters(base: configs.Config, methods: Sequence[str],
     method_overrides: ``{method: {config field: value}}`` applied to that
       method's runs, e.g. ``{"safe": {"rescale_dual": True}}``.
 
+  A one-value grid is not a selection: that value is used without any
+  validation run and the method is listed in ``fixed``.
+
   Returns:
     ``{"grid": [...], "chosen": {"<method>@<sparsity>": value},
-    "fields": {"<method>": field}, "at_grid_edge": ["<method>@<sparsity>", ...],
-    ...}``: ``at_grid_edge`` lists the choices that sit at an end of their
-    grid, where the optimum may lie outside it. Each ``grid`` row has the
+    "fields": {"<method>": field}, "fixed": [...], "at_grid_edge":
+    ["<method>@<sparsity>", ...], ...}``: ``at_grid_edge`` lists the choices
+    that sit at an end of their grid, where the optimum may lie outside it. Each ``grid`` row has the
     tried ``value`` (and, for a penalty method, the same as ``penalty``).
   """
   from safe_optax.vision import train as train_lib  # pylint: disable=import-outside-toplevel
@@ -239,6 +242,10 @@ def select_hyperparameters(base: configs.Config, methods: Sequence[str],
   rows, chosen = [], {}
   for method in tuned:
     field = tuned_field(method)
+    if len(set(grids[method])) == 1:
+      # One value: nothing to choose, so no validation run is spent on it.
+      chosen.update({key(method, s): float(grids[method][0]) for s in sparsities})
+      continue
     for s in sparsities:
       scored = []
       for lam in sorted(grids[method]):
@@ -272,12 +279,13 @@ def select_hyperparameters(base: configs.Config, methods: Sequence[str],
                          f"sparsity {s:g}; extend the grid downwards.")
       chosen[key(method, s)] = -max(scored)[1]
   # A lambda at an end of its grid may not be the optimum: the grid should be extended.
-  edges = sorted(k for k, lam in chosen.items()
-                 if lam in (min(grids[k.split("@")[0]]), max(grids[k.split("@")[0]])))
+  fixed = sorted(m for m in tuned if len(set(grids[m])) == 1)
+  edges = sorted(k for k, lam in chosen.items() if k.split("@")[0] not in fixed
+                 and lam in (min(grids[k.split("@")[0]]), max(grids[k.split("@")[0]])))
   return {"validation_examples": validation, "seeds": list(seeds),
           "criterion": "mean validation accuracy of the final sparse model",
           "grid": rows, "chosen": chosen, "fields": {m: tuned_field(m) for m in tuned},
-          "at_grid_edge": edges}
+          "fixed": fixed, "at_grid_edge": edges}
 
 
 def _rho_crossed(methods_: Sequence[str]) -> list[str]:
