@@ -198,6 +198,28 @@ def test_select_with_rho_picks_the_best_pair_and_leaves_admm_alone(monkeypatch, 
                            data_dir="/")
 
 
+def test_select_with_rho_scores_a_single_lambda_and_survives_a_radius_that_diverges(
+    monkeypatch, tmp_path):
+  # One lambda: rho is still chosen (runs are trained); at rho 0.3 every lambda diverges.
+  def fake_run(config, workdir, *, data, data_dir, progress):
+    if config.rho >= 0.3:
+      raise train_lib.TrainingDiverged(str(workdir), 10, 2.3, 1)
+    return _results(config, 0.8 - abs(config.rho - 0.05))
+
+  monkeypatch.setattr(sweeps, "run_or_load", fake_run)
+  monkeypatch.setattr(train_lib, "load_dataset", lambda config, data_dir: None)
+  selection = sweeps.select_with_rho(
+      configs.get_config("mlp-mnist"), ["safe"], [0.9], {"safe": [1.0]}, [0.02, 0.05, 0.3],
+      validation=10, seeds=[0], root=tmp_path, data_dir="/")
+  assert selection["chosen"] == {"safe@0.9": 1.0}
+  assert selection["chosen_rho"] == {"safe@0.9": 0.05}
+  assert list(selection["rho_all_diverged"]) == ["0.3"]
+  assert {r["rho"] for r in selection["grid"]} == {0.02, 0.05}
+  with pytest.raises(ValueError, match=r"every rho of \[0.3, 0.5\] diverged"):
+    sweeps.select_with_rho(configs.get_config("mlp-mnist"), ["safe"], [0.9], {"safe": [1.0]},
+                           [0.3, 0.5], validation=10, seeds=[0], root=tmp_path, data_dir="/")
+
+
 def test_select_hyperparameters_breaks_ties_towards_the_smaller_lambda(monkeypatch, tmp_path):
   monkeypatch.setattr(sweeps, "run_or_load", lambda config, *a, **k: _results(config, 0.5))
   monkeypatch.setattr(train_lib, "load_dataset", lambda config, data_dir: None)

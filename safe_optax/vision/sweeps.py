@@ -193,8 +193,8 @@ def select_hyperparameters(base: configs.Config, methods: Sequence[str],
                            sparsities: Sequence[float], grids: dict[str, Sequence[float]], *,
                            validation: int, seeds: Sequence[int], root: os.PathLike,
                            data_dir: os.PathLike, progress: bool = False,
-                           method_overrides: Optional[dict[str, dict[str, Any]]] = None
-                           ) -> dict[str, Any]:
+                           method_overrides: Optional[dict[str, dict[str, Any]]] = None,
+                           score_single: bool = False) -> dict[str, Any]:
   """Chooses each penalty method's lambda (and CrAM's rho) per sparsity on a validation split.
 
   Every ``(method, sparsity, value, seed)`` is trained on the training data
@@ -221,9 +221,11 @@ def select_hyperparameters(base: configs.Config, methods: Sequence[str],
     progress: tqdm bars.
     method_overrides: ``{method: {config field: value}}`` applied to that
       method's runs, e.g. ``{"safe": {"rescale_dual": True}}``.
+    score_single: train and score one-value grids too.
 
   A one-value grid is not a selection: that value is used without any
-  validation run and the method is listed in ``fixed``.
+  validation run and the method is listed in ``fixed`` (unless
+  ``score_single``, which :func:`select_with_rho` sets: it needs the score).
 
   Returns:
     ``{"grid": [...], "chosen": {"<method>@<sparsity>": value},
@@ -242,7 +244,7 @@ def select_hyperparameters(base: configs.Config, methods: Sequence[str],
   rows, chosen = [], {}
   for method in tuned:
     field = tuned_field(method)
-    if len(set(grids[method])) == 1:
+    if len(set(grids[method])) == 1 and not score_single:
       # One value: nothing to choose, so no validation run is spent on it.
       chosen.update({key(method, s): float(grids[method][0]) for s in sparsities})
       continue
@@ -279,7 +281,7 @@ def select_hyperparameters(base: configs.Config, methods: Sequence[str],
                          f"sparsity {s:g}; extend the grid downwards.")
       chosen[key(method, s)] = -max(scored)[1]
   # A lambda at an end of its grid may not be the optimum: the grid should be extended.
-  fixed = sorted(m for m in tuned if len(set(grids[m])) == 1)
+  fixed = sorted(m for m in tuned if len(set(grids[m])) == 1 and not score_single)
   edges = sorted(k for k, lam in chosen.items() if k.split("@")[0] not in fixed
                  and lam in (min(grids[k.split("@")[0]]), max(grids[k.split("@")[0]])))
   return {"validation_examples": validation, "seeds": list(seeds),
@@ -315,14 +317,22 @@ def select_with_rho(base: configs.Config, methods_: Sequence[str], sparsities: S
   """
   if not rhos or any(r < 0 for r in rhos):
     raise ValueError(f"`rhos` must be a non-empty list of SAM radii >= 0, got {list(rhos)}.")
-  by_rho = {}
+  by_rho, failed = {}, {}
   for rho in sorted(rhos):
     overrides = {m: dict((method_overrides or {}).get(m, {})) for m in methods_}
     for m in _rho_crossed(methods_):
       overrides[m]["rho"] = rho
-    by_rho[rho] = select_hyperparameters(base, methods_, sparsities, grids,
-                                         method_overrides=overrides, **kwargs)
-  first = by_rho[min(rhos)]
+    try:
+      by_rho[rho] = select_hyperparameters(base, methods_, sparsities, grids,
+                                           method_overrides=overrides, score_single=True,
+                                           **kwargs)
+    except ValueError as err:
+      if "diverged" not in str(err):
+        raise
+      failed[rho] = str(err)  # every lambda diverged at this radius: it loses
+  if not by_rho:
+    raise ValueError(f"every rho of {sorted(rhos)} diverged at every lambda: {failed}")
+  first = by_rho[min(by_rho)]
   chosen, chosen_rho, edges = dict(first["chosen"]), {}, list(first["at_grid_edge"])
   for k in first["chosen"]:
     method = k.split("@")[0]
@@ -333,7 +343,8 @@ def select_with_rho(base: configs.Config, methods_: Sequence[str], sparsities: S
       means = [r["validation_accuracy_mean"] for r in selection["grid"]
                if r["method"] == method and key(method, r["sparsity"]) == k
                and r["validation_accuracy_mean"] is not None]
-      scored.append((max(means), -rho))
+      if means:
+        scored.append((max(means), -rho))
     rho = -max(scored)[1]
     chosen_rho[k], chosen[k] = rho, by_rho[rho]["chosen"][k]
     edges = [e for e in edges if e != k] + [e for e in by_rho[rho]["at_grid_edge"] if e == k]
@@ -341,7 +352,8 @@ def select_with_rho(base: configs.Config, methods_: Sequence[str], sparsities: S
       edges.append(f"{k} rho")
   return {**first, "chosen": chosen, "chosen_rho": chosen_rho, "rho_grid": sorted(rhos),
           "at_grid_edge": sorted(edges), "by_rho": {f"{r:g}": v for r, v in by_rho.items()},
-          "grid": [row for r in sorted(rhos) for row in
+          "rho_all_diverged": {f"{r:g}": e for r, e in failed.items()},
+          "grid": [row for r in sorted(by_rho) for row in
                    ({**g, "rho": r} for g in by_rho[r]["grid"])]}
 
 
