@@ -30,7 +30,6 @@ from typing import Any, Optional
 
 from safe_optax.experiment import mean_se, versions
 from safe_optax.vision import configs
-from safe_optax.vision import methods as vision_methods
 from safe_optax.vision import sweeps
 from safe_optax.vision import train
 
@@ -117,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "(safe_optax.safe(rescale_dual=True)); ADMM is unchanged, so its runs "
                            "are shared with a run without it; outputs get a _rescaled suffix")
   parser.add_argument("--rho", type=float, default=None,
-                      help="SAM radius of the SAM-type methods (default: the preset's); ADMM "
+                      help="SAM radius of the SAFE family (default: the preset's); ADMM "
                            "takes no SAM step, so its runs are shared; outputs get a _rho<r> "
                            "suffix")
   parser.add_argument("--rho-grid", type=float, nargs="+", default=None,
@@ -133,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None) -> int:
   parser = build_parser()
   args = parser.parse_args(argv)
+  for flag, values in (("--rho", [args.rho]), ("--rho-grid", args.rho_grid)):
+    if any(v is not None and v < 0 for v in values or []):
+      parser.error(f"{flag} must be SAM radii >= 0, got {values}")
   if args.rho_grid is not None and (args.validation is None or args.rho is not None):
     parser.error("--rho-grid selects on the validation split: pass --validation N, and not "
                  "--rho")
@@ -145,10 +147,8 @@ def main(argv: Optional[list[str]] = None) -> int:
   runs, selections = [], {}
   grids, fixed = penalty_grids(args, parser)
   per_method = sweeps.rescaled_dual(args.methods, args.rescale_dual)
-  if args.rho is not None:  # SAM-type methods only: the others keep their configs and folders
-    for method in args.methods:
-      if vision_methods.get(method).uses_grad_fn:
-        per_method[method] = {**per_method.get(method, {}), "rho": args.rho}
+  if args.rho is not None:  # the SAFE family only: ADMM keeps its config and folders
+    per_method = sweeps.with_rho(per_method, args.methods, args.rho)
   for noise in args.noise:
     noisy = base.replace(label_noise=noise)
     selection = None

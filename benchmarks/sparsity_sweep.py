@@ -173,6 +173,9 @@ def main(argv: Optional[list[str]] = None) -> int:
   for s in args.sparsities:
     if not 0.0 < s < 1.0:
       parser.error(f"--sparsities must lie in (0, 1), got {s}")
+  for flag, values in (("--cram-grid", args.cram_grid), ("--rho-grid", args.rho_grid)):
+    if values is not None and min(values) < 0:
+      parser.error(f"{flag} must be SAM radii >= 0, got {values}")
   start = time.perf_counter()
   base = configs.get_config(args.preset, epochs=args.epochs, warmup_epochs=args.warmup_epochs,
                             batch_size=args.batch_size, eval_every=args.eval_every)

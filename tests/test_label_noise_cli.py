@@ -10,6 +10,9 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 import label_noise  # noqa: E402  pylint: disable=wrong-import-position
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import test_sweeps  # noqa: E402  (the fake runs of the selection tests)
+
 
 def _grids(*argv: str):
   parser = label_noise.build_parser()
@@ -45,39 +48,17 @@ def test_with_validation_grids_are_selected_over_not_fixed():
 
 
 def test_rescale_dual_reaches_the_safe_runs_only_and_renames_the_outputs(monkeypatch, tmp_path):
-  from safe_optax.vision import sweeps, train  # pylint: disable=import-outside-toplevel
-  seen = []
-
-  def fake_run(config, workdir, **kwargs):
-    seen.append(config)
-    history = [{"train_loss": 0.5, "distance_to_z": 0.1, "distance_to_projection": 0.1}] * 4
-    return {"final": {"sparse_accuracy": 0.8, "dense_accuracy": 0.8, "sparsity": 0.9},
-            "history": history, "images_per_second": 1.0, "wall_seconds": 1.0,
-            "data": {"evaluated_on": "test"}}
-
-  monkeypatch.setattr(sweeps, "run_or_load", fake_run)
-  monkeypatch.setattr(train, "load_dataset", lambda config, data_dir: None)
+  seen = test_sweeps.install_fake_runs(monkeypatch)
   label_noise.main(["--preset", "mlp-mnist", "--data-dir", "unused", "--noise", "0.5",
                     "--seeds", "0", "--safe-grid", "1", "--admm-grid", "0.1", "--rescale-dual",
                     "--workdir", str(tmp_path / "w"), "--out", str(tmp_path)])
-  assert {(c.method, c.rescale_dual) for c in seen} == {("safe", True), ("admm", False)}
+  assert {(c.method, c.rescale_dual) for c, _ in seen} == {("safe", True), ("admm", False)}
   assert (tmp_path / "label_noise_mlp-mnist_rescaled.json").exists()
   assert not (tmp_path / "label_noise_mlp-mnist.json").exists()
 
 
 def test_rho_reaches_the_sam_runs_names_their_folders_and_the_outputs(monkeypatch, tmp_path):
-  from safe_optax.vision import sweeps, train  # pylint: disable=import-outside-toplevel
-  seen = []
-
-  def fake_run(config, workdir, **kwargs):
-    seen.append((config, pathlib.Path(workdir).name))
-    history = [{"train_loss": 0.5, "distance_to_z": 0.1, "distance_to_projection": 0.1}] * 4
-    return {"final": {"sparse_accuracy": 0.8, "dense_accuracy": 0.8, "sparsity": 0.9},
-            "history": history, "images_per_second": 1.0, "wall_seconds": 1.0,
-            "data": {"evaluated_on": "test"}}
-
-  monkeypatch.setattr(sweeps, "run_or_load", fake_run)
-  monkeypatch.setattr(train, "load_dataset", lambda config, data_dir: None)
+  seen = test_sweeps.install_fake_runs(monkeypatch)
   label_noise.main(["--preset", "mlp-mnist", "--data-dir", "unused", "--noise", "0.75",
                     "--seeds", "0", "--safe-grid", "3", "--admm-grid", "0.3", "--rho", "0.02",
                     "--workdir", str(tmp_path / "w"), "--out", str(tmp_path)])
@@ -94,26 +75,24 @@ def test_rho_grid_needs_validation(capsys):
   assert "--rho-grid selects on the validation split" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag, flags", [
+    ("--rho", ["--rho", "-0.1"]),
+    ("--rho-grid", ["--validation", "10", "--rho-grid", "0.05", "-1"])])
+def test_a_negative_rho_is_refused_naming_the_flag(flag, flags, capsys):
+  with pytest.raises(SystemExit):
+    label_noise.main(["--data-dir", "unused", *flags])
+  assert f"{flag} must be SAM radii >= 0" in capsys.readouterr().err
+
+
 def test_rho_grid_final_runs_use_the_chosen_pair(monkeypatch, tmp_path):
-  from safe_optax.vision import sweeps, train  # pylint: disable=import-outside-toplevel
-  finals = []
-
-  def fake_run(config, workdir, **kwargs):
-    if config.validation is None:
-      finals.append(config)
-    # Validation peaks at rho 0.05 for SAFE (whatever lambda); ADMM is flat.
-    acc = 0.8 - (abs(config.rho - 0.05) if config.method == "safe" else 0.0)
-    history = [{"train_loss": 0.5, "distance_to_z": 0.1, "distance_to_projection": 0.1}] * 4
-    return {"final": {"sparse_accuracy": acc, "dense_accuracy": acc, "sparsity": 0.9},
-            "history": history, "images_per_second": 1.0, "wall_seconds": 1.0,
-            "data": {"evaluated_on": "test"}}
-
-  monkeypatch.setattr(sweeps, "run_or_load", fake_run)
-  monkeypatch.setattr(train, "load_dataset", lambda config, data_dir: None)
+  # Validation peaks at rho 0.05 for SAFE (whatever lambda); ADMM is flat.
+  seen = test_sweeps.install_fake_runs(
+      monkeypatch, lambda c: 0.8 - (abs(c.rho - 0.05) if c.method == "safe" else 0.0))
   label_noise.main(["--preset", "mlp-mnist", "--data-dir", "unused", "--noise", "0.75",
                     "--seeds", "0", "1", "--validation", "100", "--safe-grid", "1", "3",
                     "--admm-grid", "0.3", "--rho-grid", "0.02", "0.05", "0.1",
                     "--workdir", str(tmp_path / "w"), "--out", str(tmp_path)])
+  finals = [c for c, _ in seen if c.validation is None]
   assert {(c.method, c.rho, c.penalty if c.method == "safe" else c.admm_penalty)
           for c in finals} == {("safe", 0.05, 1.0), ("admm", 0.1, 0.3)}
   text = (tmp_path / "label_noise_mlp-mnist_rhogrid.md").read_text()

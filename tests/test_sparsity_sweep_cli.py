@@ -7,11 +7,13 @@ import pathlib
 import sys
 
 import numpy as np
+import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 import sparsity_sweep  # noqa: E402  pylint: disable=wrong-import-position
 
-from safe_optax.vision import sweeps, train  # noqa: E402
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import test_sweeps  # noqa: E402  (the fake runs of the selection tests)
 
 
 def _score(config) -> float:
@@ -26,21 +28,7 @@ def _score(config) -> float:
 
 
 def test_chosen_lambdas_and_rho_reach_the_final_runs_and_the_tables(monkeypatch, tmp_path):
-  finals = []
-
-  def fake_run(config, workdir, **kwargs):
-    if config.validation is None:
-      finals.append((config, pathlib.Path(workdir).name))
-    history = [{"train_loss": loss, "distance_to_z": 0.1, "distance_to_projection": 0.05}
-               for loss in np.linspace(1.0, 0.3, 10)]
-    acc = _score(config)
-    return {"final": {"sparse_accuracy": acc, "sparse_accuracy_before_bnt": acc,
-                      "dense_accuracy": acc + 0.01, "sparsity": config.sparsity},
-            "history": history, "images_per_second": 1.0, "wall_seconds": 1.0,
-            "data": {"evaluated_on": "test" if config.validation is None else "validation"}}
-
-  monkeypatch.setattr(sweeps, "run_or_load", fake_run)
-  monkeypatch.setattr(train, "load_dataset", lambda config, data_dir: None)
+  seen = test_sweeps.install_fake_runs(monkeypatch, _score)
   out = tmp_path / "out"
   assert sparsity_sweep.main([
       "--preset", "mlp-mnist", "--data-dir", "unused", "--methods", "safe", "admm", "gmp",
@@ -49,7 +37,7 @@ def test_chosen_lambdas_and_rho_reach_the_final_runs_and_the_tables(monkeypatch,
       "0.001", "0.01", "--cram-grid", "0.01", "0.03", "0.1", "--rescale-dual",
       "--workdir", str(tmp_path / "work"), "--out", str(out)]) == 0
   by_method = {}
-  for config, name in finals:
+  for config, name in [(c, n) for c, n in seen if c.validation is None]:
     by_method.setdefault(config.method, []).append((config, name))
   assert {c.penalty for c, _ in by_method["safe"]} == {0.01}
   assert {c.rescale_dual for c, _ in by_method["safe"]} == {True}
@@ -72,28 +60,27 @@ def test_chosen_lambdas_and_rho_reach_the_final_runs_and_the_tables(monkeypatch,
 
 
 def test_rho_grid_picks_safes_pair_and_the_final_runs_use_it(monkeypatch, tmp_path):
-  finals = []
-
-  def fake_run(config, workdir, **kwargs):
-    if config.validation is None:
-      finals.append((config, pathlib.Path(workdir).name))
-    # SAFE's validation accuracy peaks at rho 0.05 whatever lambda; ADMM and GMP are flat.
-    acc = 0.8 - (abs(config.rho - 0.05) if config.method == "safe" else 0.0)
-    history = [{"train_loss": 0.5, "distance_to_z": 0.1, "distance_to_projection": 0.05}] * 10
-    return {"final": {"sparse_accuracy": acc, "dense_accuracy": acc, "sparsity": 0.9},
-            "history": history, "images_per_second": 1.0, "wall_seconds": 1.0,
-            "data": {"evaluated_on": "test"}}
-
-  monkeypatch.setattr(sweeps, "run_or_load", fake_run)
-  monkeypatch.setattr(train, "load_dataset", lambda config, data_dir: None)
+  # SAFE's validation accuracy peaks at rho 0.05 whatever lambda; ADMM and GMP are flat.
+  seen = test_sweeps.install_fake_runs(
+      monkeypatch, lambda c: 0.8 - (abs(c.rho - 0.05) if c.method == "safe" else 0.0))
   out = tmp_path / "out"
   sparsity_sweep.main([
       "--preset", "mlp-mnist", "--data-dir", "unused", "--methods", "safe", "admm", "gmp",
       "--sparsities", "0.9", "--seeds", "0", "--epochs", "4", "--warmup-epochs", "0",
       "--safe-grid", "0.01", "0.1", "--admm-grid", "0.01", "--rho-grid", "0.02", "0.05", "0.1",
       "--workdir", str(tmp_path / "work"), "--out", str(out)])
-  assert sorted(n for _, n in finals) == ["admm-s0.9-lam0.01-seed0", "gmp-s0.9-seed0",
+  finals = [n for c, n in seen if c.validation is None]
+  assert sorted(finals) == ["admm-s0.9-lam0.01-seed0", "gmp-s0.9-seed0",
                                           "safe-s0.9-lam0.01-rho0.05-seed0"]
   assert "safe@0.9 0.01 (rho 0.05)" in (out / "table.md").read_text()
   summary = json.loads((out / "sweep.json").read_text())
   assert summary["selection"]["chosen_rho"] == {"safe@0.9": 0.05}
+
+
+@pytest.mark.parametrize("flag", ["--cram-grid", "--rho-grid"])
+def test_a_negative_rho_grid_is_refused_naming_the_flag(flag, capsys):
+  with pytest.raises(SystemExit):
+    sparsity_sweep.main(["--preset", "mlp-mnist", "--data-dir", "unused", "--methods", "safe",
+                         "--sparsities", "0.9", flag, "0.05", "-0.1", "--workdir", "w",
+                         "--out", "o"])
+  assert f"{flag} must be SAM radii >= 0" in capsys.readouterr().err

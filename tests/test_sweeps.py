@@ -75,6 +75,23 @@ def _results(config, accuracy, losses=(1.0, 0.5, 0.4, 0.4)):
                     "sparse_accuracy": accuracy, "sparsity": config.sparsity}}
 
 
+def install_fake_runs(monkeypatch, score=lambda config: 0.8) -> list:
+  """Replaces training: each run "finishes" with accuracy ``score(config)``.
+
+  Returns the list that collects ``(config, run folder name)`` of every run asked for.
+  """
+  seen = []
+
+  def fake_run(config, workdir, **kwargs):
+    del kwargs
+    seen.append((config, pathlib.Path(workdir).name))
+    return _results(config, score(config))
+
+  monkeypatch.setattr(sweeps, "run_or_load", fake_run)
+  monkeypatch.setattr(train_lib, "load_dataset", lambda config, data_dir: None)
+  return seen
+
+
 def test_select_hyperparameters_keeps_the_best_mean_validation_accuracy(monkeypatch, tmp_path):
   # Accuracy peaks at lambda 0.1 for SAFE and 0.01 for ADMM; a tie goes to the smaller lambda.
   peak = {"safe": 0.1, "admm": 0.01}

@@ -95,11 +95,8 @@ def run_dir(root: os.PathLike, config: configs.Config) -> pathlib.Path:
     name = f"noise{config.label_noise:g}-{name}"
   if config.method in PENALTY_METHODS:
     name += f"-lam{methods.penalty(config):g}"
-  elif config.method in TUNED_METHODS:
-    field = tuned_field(config.method)
-    name += f"-{field}{getattr(config, field):g}"
-  if (config.method not in TUNED_METHODS or config.method in PENALTY_METHODS) and (
-      methods.get(config.method).uses_grad_fn and config.rho != DEFAULT_RHO):
+  entry = methods.get(config.method)
+  if entry.uses_grad_fn and (entry.tuned_field == "rho" or config.rho != DEFAULT_RHO):
     name += f"-rho{config.rho:g}"
   if config.rescale_dual and config.method in SAFE_FAMILY:
     name += "-rescaled"
@@ -295,6 +292,23 @@ def _rho_crossed(methods_: Sequence[str]) -> list[str]:
   return [m for m in methods_ if m in PENALTY_METHODS and methods.get(m).uses_grad_fn]
 
 
+def with_rho(overrides: Optional[dict[str, dict[str, Any]]], methods_: Sequence[str],
+             rho: float) -> dict[str, dict[str, Any]]:
+  """``overrides`` plus ``{"rho": rho}`` for the SAM-type penalty methods (the SAFE family).
+
+  ADMM takes no SAM step and CrAM's rho is its own tuned value, so neither
+  changes (their runs keep their folders).
+
+  Examples:
+    >>> with_rho({"safe": {"rescale_dual": True}}, ["safe", "admm", "cram"], 0.05)
+    {'safe': {'rescale_dual': True, 'rho': 0.05}}
+  """
+  out = {m: dict(v) for m, v in (overrides or {}).items()}
+  for m in _rho_crossed(methods_):
+    out[m] = {**out.get(m, {}), "rho": rho}
+  return out
+
+
 def select_with_rho(base: configs.Config, methods_: Sequence[str], sparsities: Sequence[float],
                     grids: dict[str, Sequence[float]], rhos: Sequence[float], *,
                     method_overrides: Optional[dict[str, dict[str, Any]]] = None,
@@ -319,13 +333,11 @@ def select_with_rho(base: configs.Config, methods_: Sequence[str], sparsities: S
     raise ValueError(f"`rhos` must be a non-empty list of SAM radii >= 0, got {list(rhos)}.")
   by_rho, failed = {}, {}
   for rho in sorted(rhos):
-    overrides = {m: dict((method_overrides or {}).get(m, {})) for m in methods_}
-    for m in _rho_crossed(methods_):
-      overrides[m]["rho"] = rho
     try:
       by_rho[rho] = select_hyperparameters(base, methods_, sparsities, grids,
-                                           method_overrides=overrides, score_single=True,
-                                           **kwargs)
+                                           method_overrides=with_rho(method_overrides,
+                                                                     methods_, rho),
+                                           score_single=True, **kwargs)
     except ValueError as err:
       if "diverged" not in str(err):
         raise
