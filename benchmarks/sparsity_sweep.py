@@ -140,6 +140,10 @@ def convergence_table(rows: list[dict[str, Any]]) -> str:
   return "\n".join(lines)
 
 
+def _test_note(base: configs.Config) -> str:
+  return "" if base.test_subset is None else f", tested on {base.test_subset} test examples"
+
+
 def main(argv: Optional[list[str]] = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--preset", required=True, choices=sorted(configs.PRESETS))
@@ -151,6 +155,11 @@ def main(argv: Optional[list[str]] = None) -> int:
   parser.add_argument("--warmup-epochs", type=int)
   parser.add_argument("--batch-size", type=int)
   parser.add_argument("--eval-every", type=int)
+  parser.add_argument("--train-subset", type=int, default=None,
+                      help="train on this many training examples (seeded sample); the "
+                           "validation split is carved from them (default: all)")
+  parser.add_argument("--test-subset", type=int, default=None,
+                      help="evaluate on this many test examples (default: all)")
   parser.add_argument("--validation", type=int, default=10_000)
   parser.add_argument("--select-seeds", type=int, default=1)
   parser.add_argument("--safe-grid", type=float, nargs="+", default=[0.01, 0.1, 1.0])
@@ -177,8 +186,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     if values is not None and min(values) < 0:
       parser.error(f"{flag} must be SAM radii >= 0, got {values}")
   start = time.perf_counter()
-  base = configs.get_config(args.preset, epochs=args.epochs, warmup_epochs=args.warmup_epochs,
-                            batch_size=args.batch_size, eval_every=args.eval_every)
+  try:
+    base = configs.get_config(args.preset, epochs=args.epochs, warmup_epochs=args.warmup_epochs,
+                              batch_size=args.batch_size, eval_every=args.eval_every,
+                              train_subset=args.train_subset, test_subset=args.test_subset)
+    base.replace(validation=args.validation)  # validation < train_subset, checked up front
+  except ValueError as err:
+    parser.error(str(err))
   selection = select(base, args)
   data = train_lib.load_dataset(base, args.data_dir)
   root = pathlib.Path(args.workdir) / "final"
@@ -197,7 +211,8 @@ def main(argv: Optional[list[str]] = None) -> int:
   rows = summarize_convergence(runs)
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
-  title = (f"{args.preset}, {base.epochs} epochs, seeds {args.seeds}; lambda chosen on "
+  subset = "" if base.train_subset is None else f" on {base.train_subset} training examples"
+  title = (f"{args.preset}, {base.epochs} epochs{subset}, seeds {args.seeds}; lambda chosen on "
            f"{args.validation} validation examples")
   plot(runs, args.sparsities, title, out / "accuracy_vs_sparsity.png")
   summary = {"command": "python " + " ".join(sys.argv), "config": configs.to_dict(base),
@@ -223,7 +238,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                "penalty ramps; not the paper's update)")
   markdown = (f"Command: `{summary['command']}`\n\nTest accuracy (%) after the final projection "
               f"(and BNT), mean ± s.e. over seeds {args.seeds}; preset `{args.preset}`, "
-              f"{base.epochs} epochs.\n\n{table['markdown']}\n\nLambda (rho for CrAM) chosen on "
+              f"{base.epochs} epochs{subset}{_test_note(base)}.\n\n{table['markdown']}\n\nLambda (rho for CrAM) chosen on "
               f"{args.validation} held-out training examples: {chosen}.\n\nConvergence (means "
               f"over seeds):\n\n{convergence_table(rows)}\n")
   (out / "table.md").write_text(markdown, encoding="utf-8")

@@ -84,3 +84,33 @@ def test_a_negative_rho_grid_is_refused_naming_the_flag(flag, capsys):
                          "--sparsities", "0.9", flag, "0.05", "-0.1", "--workdir", "w",
                          "--out", "o"])
   assert f"{flag} must be SAM radii >= 0" in capsys.readouterr().err
+
+
+def test_train_and_test_subsets_reach_selection_and_final_runs(monkeypatch, tmp_path):
+  seen = test_sweeps.install_fake_runs(
+      monkeypatch, lambda c: 0.8 - abs(np.log10(c.penalty or c.admm_penalty) + 2))
+  out = tmp_path / "out"
+  assert sparsity_sweep.main([
+      "--preset", "mlp-mnist", "--data-dir", "unused", "--methods", "safe", "admm",
+      "--sparsities", "0.995", "--seeds", "0", "1", "--epochs", "4", "--warmup-epochs", "0",
+      "--train-subset", "4000", "--test-subset", "2000", "--validation", "1000",
+      "--safe-grid", "0.01", "0.1", "--admm-grid", "0.001", "0.01",
+      "--workdir", str(tmp_path / "work"), "--out", str(out)]) == 0
+  selection = [c for c, _ in seen if c.validation is not None]
+  finals = [c for c, _ in seen if c.validation is None]
+  assert len(selection) == 4 and len(finals) == 4
+  assert {(c.train_subset, c.test_subset) for c in selection + finals} == {(4000, 2000)}
+  assert {c.validation for c in selection} == {1000}
+  summary = json.loads((out / "sweep.json").read_text())
+  assert summary["config"]["train_subset"] == 4000
+  assert "on 4000 training examples, tested on 2000 test examples" in (out / "table.md").read_text()
+
+
+def test_a_validation_split_as_large_as_the_train_subset_is_refused_up_front(capsys, tmp_path):
+  with pytest.raises(SystemExit):
+    sparsity_sweep.main(["--preset", "mlp-mnist", "--data-dir", "unused", "--methods", "safe",
+                         "--sparsities", "0.9", "--train-subset", "4000",
+                         "--workdir", str(tmp_path / "w"), "--out", str(tmp_path / "o")])
+  err = capsys.readouterr().err
+  assert "`validation` (10000) must be smaller than `train_subset` (4000)" in err
+  assert not (tmp_path / "w").exists()
