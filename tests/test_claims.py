@@ -154,3 +154,41 @@ def test_rescaled_dual_keeps_safe_from_collapsing_at_extreme_sparsity(seed, tmp_
     assert record[label]["accuracy"] == pytest.approx(want["accuracy"], abs=0.02), label
   assert record["rescaled"]["accuracy"] > record["paper"]["accuracy"] + 0.20, record
   assert record["rescaled"]["constraint_distance"] < record["paper"]["constraint_distance"]
+
+
+@pytest.mark.skipif(not FMNIST_DIR.exists(),
+                    reason="apt-get install dataset-fashion-mnist (.ci/run installs it)")
+@pytest.mark.parametrize("seed", [0, 1])
+def test_safe_reaches_an_extreme_sparse_set_that_admm_does_not(seed, tmp_path):
+  """§5.2 at 99.5 %: SAFE's final sparse MLP beats ADMM's; its iterate sits on its sparse set.
+
+  The committed 5-seed sweep (``results/vision/fmnist_mlp_ci_995_60ep``:
+  Fashion-MNIST MLP, 4,000 training images, 60 epochs, lambdas chosen on 1,000
+  held-out training images, SAFE with ``rescale_dual``) has SAFE ahead of ADMM
+  by 10-19 points in every seed, SAFE's ``||x - z||`` at 0.14-0.45 against
+  ADMM's 5.1-6.0, and the final projection costing SAFE at most 0.3 points
+  against 12-21 for ADMM. The same two methods over the full 60k at 40 and 80
+  epochs keep that order at 99.5 % (``fmnist_mlp_40epochs``,
+  ``fmnist_mlp_80epochs/s995``), where ADMM is still rising: the claim guarded
+  here is that SAFE gets to its sparse set where ADMM, within the same steps,
+  does not. The test asserts an 8-point lead, SAFE's ``||x - z||`` below 0.6
+  and a projection cost under 1 point, and that the rerun reproduces the
+  committed accuracies within 1.5 points.
+  """
+  from safe_optax.vision import configs, sweeps  # pylint: disable=import-outside-toplevel
+  committed = json.loads((ROOT / "results" / "vision" / "fmnist_mlp_ci_995_60ep" / "sweep.json"
+                          ).read_text(encoding="utf-8"))
+  base = configs.from_dict(committed["config"]).replace(sparsity=0.995, seed=seed)
+  overrides = sweeps.rescaled_dual(["safe", "admm"], True)
+  record = {}
+  for method in ("safe", "admm"):
+    config = base.replace(method=method, **overrides.get(method, {}),
+                          **sweeps.chosen_overrides(committed["selection"], method, 0.995))
+    results = sweeps.run_or_load(config, tmp_path / method, data=None, data_dir=FMNIST_DIR)
+    record[method] = sweeps.record(config, results)
+    want, = [r for r in committed["runs"] if (r["method"], r["seed"]) == (method, seed)]
+    assert record[method]["accuracy"] == pytest.approx(want["accuracy"], abs=0.015), method
+  safe, admm = record["safe"], record["admm"]
+  assert safe["accuracy"] > admm["accuracy"] + 0.08, record
+  assert safe["constraint_distance"] < 0.6, safe["constraint_distance"]
+  assert safe["projection_cost"] < 0.01 < admm["projection_cost"], record
