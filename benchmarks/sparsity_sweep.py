@@ -140,10 +140,6 @@ def convergence_table(rows: list[dict[str, Any]]) -> str:
   return "\n".join(lines)
 
 
-def _test_note(base: configs.Config) -> str:
-  return "" if base.test_subset is None else f", tested on {base.test_subset} test examples"
-
-
 def main(argv: Optional[list[str]] = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--preset", required=True, choices=sorted(configs.PRESETS))
@@ -212,6 +208,7 @@ def main(argv: Optional[list[str]] = None) -> int:
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   subset = "" if base.train_subset is None else f" on {base.train_subset} training examples"
+  tested = "" if base.test_subset is None else f", tested on {base.test_subset} test examples"
   title = (f"{args.preset}, {base.epochs} epochs{subset}, seeds {args.seeds}; lambda chosen on "
            f"{args.validation} validation examples")
   plot(runs, args.sparsities, title, out / "accuracy_vs_sparsity.png")
@@ -238,9 +235,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                "penalty ramps; not the paper's update)")
   markdown = (f"Command: `{summary['command']}`\n\nTest accuracy (%) after the final projection "
               f"(and BNT), mean ± s.e. over seeds {args.seeds}; preset `{args.preset}`, "
-              f"{base.epochs} epochs{subset}{_test_note(base)}.\n\n{table['markdown']}\n\nLambda (rho for CrAM) chosen on "
-              f"{args.validation} held-out training examples: {chosen}.\n\nConvergence (means "
-              f"over seeds):\n\n{convergence_table(rows)}\n")
+              f"{base.epochs} epochs{subset}{tested}.\n\n{table['markdown']}\n\n"
+              f"Lambda (rho for CrAM) chosen on {args.validation} held-out training examples: "
+              f"{chosen}.\n\nConvergence (means over seeds):\n\n{convergence_table(rows)}\n")
   (out / "table.md").write_text(markdown, encoding="utf-8")
   print(markdown)
   return 0
