@@ -217,6 +217,12 @@ Does the paper's ordering hold (SAFE+ < SparseGPT <= Wanda << magnitude; SAFE fa
   ordering SAFE+ < SparseGPT < Wanda << magnitude holds on both texts (SAFE+ 20 % below
   SparseGPT on WikiText-2, 25 % on Austen); the 60-step row was the budget. s / block ran
   beside two other jobs (load up to 7.9).
+- SAFE at 2:4 with 250 steps per block (lr 3e-3, lambda 1e-2: the 250-step choice at 50 %;
+  the 2:4 selection ran at 60 steps only, where it also chose 1e-2): WikiText-2 142.98 and
+  Austen 181.44, 24x and 7x below magnitude (3427.84 / 1272.18), below Wanda on WikiText-2
+  (191.33) and level with it on Austen (178.03), above SparseGPT on both (113.29 / 151.97).
+  So "SAFE far below magnitude" holds at 2:4; "SAFE < SparseGPT" does not at this budget
+  (at 50 % it needed 250 steps to pass SparseGPT on WikiText-2). Ran beside two other jobs.
 - What limits convergence (SAFE+, block 0, 50 %, held-out): at 60 steps the step size: lr 2e-4
   / 1e-3 / 3e-3 give 0.0440 / 0.0359 / 0.0289, and 1e-2 overshoots (0.0843); a per-matrix
   relative step (`--lr-scale rms`, lr 3e-2 x each matrix's RMS, which ranges 0.05-0.40 in this
