@@ -279,7 +279,8 @@ def test_run_dir_names_every_setting_that_varies():
 
 
 def test_run_or_load_refuses_a_finished_run_of_other_settings(tmp_path):
-  config = configs.get_config("mlp-mnist", method="safe", sparsity=0.9, epochs=3)
+  config = configs.get_config("mlp-mnist", method="safe", sparsity=0.9, epochs=3,
+                              warmup_epochs=0)
   tmp_path.joinpath("results.json").write_text(json.dumps(_results(config, 0.5)))
   assert sweeps.run_or_load(config, tmp_path, data=None, data_dir="/")["final"][
       "sparse_accuracy"] == 0.5
