@@ -106,11 +106,15 @@ def test_train_and_test_subsets_reach_selection_and_final_runs(monkeypatch, tmp_
   assert "on 4000 training examples, tested on 2000 test examples" in (out / "table.md").read_text()
 
 
-def test_a_validation_split_as_large_as_the_train_subset_is_refused_up_front(capsys, tmp_path):
+@pytest.mark.parametrize("flags, message", [
+    (["--train-subset", "4000"], "`validation` (10000) must be smaller than `train_subset` (4000)"),
+    (["--train-subset", "0"], "`train_subset` must be a positive int, got 0"),
+    (["--test-subset", "-5"], "`test_subset` must be a positive int, got -5"),
+])
+def test_bad_subsets_are_refused_up_front_naming_the_setting(flags, message, capsys, tmp_path):
   with pytest.raises(SystemExit):
     sparsity_sweep.main(["--preset", "mlp-mnist", "--data-dir", "unused", "--methods", "safe",
-                         "--sparsities", "0.9", "--train-subset", "4000",
+                         "--sparsities", "0.9", *flags,
                          "--workdir", str(tmp_path / "w"), "--out", str(tmp_path / "o")])
-  err = capsys.readouterr().err
-  assert "`validation` (10000) must be smaller than `train_subset` (4000)" in err
+  assert message in capsys.readouterr().err
   assert not (tmp_path / "w").exists()
