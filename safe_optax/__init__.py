@@ -21,6 +21,7 @@ from safe_optax._alias import safe
 from safe_optax._alias import safe_multi
 from safe_optax._alias import safe_plus
 from safe_optax._alias import safe_sg
+from safe_optax._conv_layout import canonical_convs
 from safe_optax._cram import CramState
 from safe_optax._cram import cram
 from safe_optax._dual import dual_update
@@ -72,6 +73,7 @@ __all__ = (
     "add_projected_gradient",
     "admm",
     "admm_penalty",
+    "canonical_convs",
     "constraint_distance",
     "cram",
     "decoupled_admm_penalty",

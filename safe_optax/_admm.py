@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from safe_optax import _conv_layout
 from safe_optax import _dual
 from safe_optax import _projection
 from safe_optax import _prunable
@@ -168,7 +169,10 @@ def _admm_core(sparsity, penalty, *, dual_every, penalty_schedule, total_steps, 
       # and is counted below.
       missed = due
     elif isinstance(due, jax.core.Tracer):
-      z, u = lax.cond(due, run_dual, lambda z, u: (list(z), list(u)), z, u)
+      # A saliency may differentiate the model: keep its convolutions on
+      # XLA:CPU's fast kernel inside the branch (see _conv_layout).
+      dual = run_dual if saliency is None else _conv_layout.canonical_convs(run_dual)
+      z, u = lax.cond(due, dual, lambda z, u: (list(z), list(u)), z, u)
     elif due:
       # Called eagerly: branch in Python, since an eager lax.cond recompiles every call.
       z, u = run_dual(z, u)

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from safe_optax import _conv_layout
 from safe_optax import _prunable
 from safe_optax import _schedules
 from safe_optax import _scores
@@ -149,7 +150,8 @@ def _mean_grad_fn(loss_fn: LossFn, params: Any, batches: Sequence[Any],
                      zeros, stacked)[0]
     return jax.tree.map(lambda t: t / num, total)
 
-  return mean_grad
+  # The scan's body holds the backward convolutions (see the module notes).
+  return _conv_layout.canonical_convs(mean_grad)
 
 
 @functools.lru_cache(maxsize=8)
@@ -343,7 +345,7 @@ def max_hessian_eigenvalue(
 
   init = Carry(jnp.zeros((), jnp.int32), _start_vector(key, params, support),
                jnp.zeros((), jnp.float32), jnp.zeros((), bool))
-  final = lax.while_loop(cond, body, init)
+  final = lax.while_loop(cond, _conv_layout.canonical_convs(body), init)
   return PowerIterationResult(final.eigenvalue, final.vector, final.step,
                               (final.step >= 2) & final.converged)
 

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from safe_optax import _conv_layout
 from safe_optax import _prunable
 from safe_optax import _schedules
 
@@ -213,7 +214,7 @@ def probe_mean(add_probe: Callable[[Any, Any], Any], params: Any, key: jax.Array
 
   total = optax.tree.zeros_like(params)
   if loop:
-    total = jax.lax.fori_loop(0, num_probes, add, total)
+    total = jax.lax.fori_loop(0, num_probes, _conv_layout.canonical_convs(add), total)
   else:
     for i in range(num_probes):
       total = add(i, total)
