@@ -24,9 +24,11 @@ images and labels (the cost does not depend on the values):
   evaluation suite now calls it; the
   per-iteration cost is the slope between ``max_iterations`` 1 and 3 (so
   start-up and dispatch cancel);
-* ``trace``: one probe of :func:`safe_optax.flatness.hessian_trace` called
-  outside ``jax.jit`` (slope between 1 and 3 probes; the "before" run of
-  issue 14 called it inside ``jax.jit``, then the only fast way);
+* ``trace_jit`` / ``trace``: one probe of :func:`safe_optax.flatness.hessian_trace`
+  inside ``jax.jit`` / called outside it (slope between 1 and 3 probes);
+  inside ``jax.jit`` the loops' convolutions go through
+  :func:`safe_optax.canonical_convs` (``eval_speed_before_canonical.json`` is
+  the run before it: ``lambda_max_jit`` at 13.5x);
 * ``loss_line`` / ``loss``: :func:`safe_optax.flatness.loss_line` at 4 points
   against one plain jitted loss over the same batches;
 * ``pgd``: :func:`safe_optax.vision.robustness.pgd_attack` (10 l_inf steps,
@@ -212,10 +214,15 @@ def build_paths(case: Case) -> dict[str, dict[str, Any]]:
     paths[name] = {"slope": (power(1, jit), power(1 + SLOPE, jit)), "flops": hvp_flops,
                    "images": args.hvp_batch * args.hvp_batches}
 
-  def trace(n: int) -> Callable[[], Any]:
-    return lambda: flatness.hessian_trace(loss_fn, params, batch_list, key=key, num_probes=n)
-  paths["trace"] = {"slope": (trace(1), trace(1 + SLOPE)), "flops": hvp_flops,
-                    "images": args.hvp_batch * args.hvp_batches}
+  def trace(n: int, jit: bool) -> Callable[[], Any]:
+    def run(q, bs):
+      return flatness.hessian_trace(loss_fn, q, bs, key=key, num_probes=n)
+    fn = jax.jit(run) if jit else run
+    return lambda: fn(params, batch_list)
+
+  for name, jit in (("trace_jit", True), ("trace", False)):
+    paths[name] = {"slope": (trace(1, jit), trace(1 + SLOPE, jit)), "flops": hvp_flops,
+                   "images": args.hvp_batch * args.hvp_batches}
 
   plain_loss = jax.jit(lambda q, bs: sum(loss_fn(q, b) for b in bs) / len(bs))
   loss_flops = flops(plain_loss, params, batch_list)
@@ -324,7 +331,7 @@ def summarise(paths: dict[str, dict[str, Any]], measured: dict[str, Any]) -> dic
   ratios = {f"train_over_{name}_rate": rate_ratio("train_step", name)
             for name in ("eval_step", "eval_step_128", "predict", "evaluate", "bnt")}
   ratios.update({f"{name}_per_flop_over_gradient": rate_ratio("gradient", name)
-                 for name in ("lambda_max_jit", "lambda_max", "trace", "pgd")})
+                 for name in ("lambda_max_jit", "lambda_max", "trace_jit", "trace", "pgd")})
   ratios["loss_line_per_flop_over_loss"] = rate_ratio("loss", "loss_line")
   goals = {
       "eval_rate_within_2x_of_training": {
@@ -332,7 +339,7 @@ def summarise(paths: dict[str, dict[str, Any]], measured: dict[str, Any]) -> dic
           for name in ("eval_step", "predict", "evaluate", "bnt")},
       "hvp_per_flop_within_2x_of_gradient": {
           name: ratios[f"{name}_per_flop_over_gradient"] <= GOAL_HVP
-          for name in ("lambda_max", "trace", "pgd")},
+          for name in ("lambda_max_jit", "lambda_max", "trace_jit", "trace", "pgd")},
   }
   return {"paths": table, "ratios": ratios, "goals": goals}
 

@@ -18,12 +18,14 @@ Two ways to run the Hessian-vector products, with the same arithmetic:
   program (:func:`hessian_trace` with up to four probes unrolls its probe loop, as
   :func:`safe_optax.hutchinson_diagonal` does).
 
-The first is the fast one for convolutional nets on CPU: XLA:CPU rewrites a
-convolution whose dimension order its Eigen kernel cannot take (the
-kernel-gradient and input-gradient convolutions of the backward pass) only
-in a program's top-level computation (``ConvCanonicalization`` walks the
-entry computation alone), so inside a loop body they fall back to a naive
-loop nest, 20-60x slower (jax-ml/jax#12868; ``benchmarks/eval_speed.py``).
+XLA:CPU rewrites a convolution whose dimension order its Eigen kernel
+cannot take (the kernel-gradient and input-gradient convolutions of the
+backward pass) only in a program's top-level computation
+(``ConvCanonicalization`` walks the entry computation alone), so inside a
+loop body they would fall back to a naive loop nest, 20-60x slower
+(jax-ml/jax#12868). The loop bodies here therefore go through
+:func:`safe_optax.canonical_convs`, which does that rewrite in JAX
+(``benchmarks/eval_speed.py`` times both ways).
 """
 
 from __future__ import annotations
@@ -283,10 +285,10 @@ def max_hessian_eigenvalue(
 
   Called with concrete arrays, the iterations run in Python around one
   jitted product per batch (compiled once per ``loss_fn``, kept for later
-  calls), reading one scalar per iteration back to decide whether to stop:
-  call it this way for convolutional nets on CPU (see the module notes).
+  calls), reading one scalar per iteration back to decide whether to stop.
   Called inside ``jax.jit`` (``loss_fn`` must then be traceable), the loop
-  is one ``lax.while_loop``; pass ``batches`` as an argument of the jitted
+  is one ``lax.while_loop`` (its convolutions through
+  :func:`safe_optax.canonical_convs`, see the module notes); pass ``batches`` as an argument of the jitted
   function rather than closing over them (closed-over arrays become
   constants of the compiled program). Both give the same result up to float
   rounding.

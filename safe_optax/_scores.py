@@ -199,8 +199,9 @@ def probe_mean(add_probe: Callable[[Any, Any], Any], params: Any, key: jax.Array
     key: PRNG key, split into one key per probe.
     num_probes: how many probes.
     loop: a ``lax.fori_loop`` over the probes (inside ``jit``: memory of one
-      probe, but XLA:CPU runs the backward convolutions of a loop body on a
-      naive emitter, 20x slower, jax-ml/jax#12868), else a Python loop (outside
+      probe; its body goes through :func:`safe_optax.canonical_convs`, since
+      XLA:CPU would run the backward convolutions of a loop body on a naive
+      emitter, 20x slower, jax-ml/jax#12868), else a Python loop (outside
       ``jit``: one dispatch of a jitted ``add_probe`` per probe; inside: the
       probes unrolled into the program).
 
@@ -256,8 +257,9 @@ def hutchinson_diagonal(
   Python loop over one jitted product (compiled once per ``grad_fn``, which
   should then be a function kept between calls); inside ``jit`` up to
   four probes are unrolled into the program and more run in a
-  ``lax.fori_loop``. Loops are slow on CPU for conv nets: XLA:CPU runs the
-  backward convolutions of a loop body on a naive emitter (jax-ml/jax#12868).
+  ``lax.fori_loop`` whose body goes through :func:`safe_optax.canonical_convs`
+  (XLA:CPU would run the backward convolutions of a loop body on a naive
+  emitter, jax-ml/jax#12868).
 
   Args:
     grad_fn: ``grad_fn(params, step) -> grads`` (optax's SAM convention).
