@@ -288,9 +288,9 @@ def max_hessian_eigenvalue(
   calls), reading one scalar per iteration back to decide whether to stop.
   Called inside ``jax.jit`` (``loss_fn`` must then be traceable), the loop
   is one ``lax.while_loop`` (its convolutions through
-  :func:`safe_optax.canonical_convs`, see the module notes); pass ``batches`` as an argument of the jitted
-  function rather than closing over them (closed-over arrays become
-  constants of the compiled program). Both give the same result up to float
+  :func:`safe_optax.canonical_convs`, see the module notes); pass
+  ``batches`` as an argument of the jitted function rather than closing
+  over them (closed-over arrays become constants of the compiled program). Both give the same result up to float
   rounding.
 
   Args:
