@@ -290,8 +290,8 @@ def max_hessian_eigenvalue(
   is one ``lax.while_loop`` (its convolutions through
   :func:`safe_optax.canonical_convs`, see the module notes); pass
   ``batches`` as an argument of the jitted function rather than closing
-  over them (closed-over arrays become constants of the compiled program). Both give the same result up to float
-  rounding.
+  over them (closed-over arrays become constants of the compiled program).
+  Both give the same result up to float rounding.
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> scalar`` (mean loss of one batch).
