@@ -136,7 +136,8 @@ def plan_epochs(throughput: dict[str, Any], seconds: float, min_epochs_3_seeds: 
     epochs = math.floor(seconds / per_seed)
   epochs = max(1, min(PAPER_EPOCHS, epochs))
   return {"epochs": epochs, "seeds": seeds,
-          "warmup_epochs": warmup_for(epochs), "solo_epoch_s": epoch, "planned_shared_epoch_s": per_seed * len(seeds),
+          "warmup_epochs": warmup_for(epochs), "solo_epoch_s": epoch,
+          "planned_shared_epoch_s": per_seed * len(seeds),
           "training_seconds_available": seconds, "overhead_factor": overhead}
 
 
@@ -180,14 +181,115 @@ def pack(root: pathlib.Path, target: pathlib.Path) -> None:
         tar.add(path, arcname=str(path.relative_to(root)))
 
 
+def merge_leases(inputs: list[pathlib.Path], out: pathlib.Path) -> str:
+  """Merges the outputs of one or more leases into ``table.md``, ``runs.json`` and a figure.
+
+  Each input is a folder with a lease's ``cifar_gpu.json`` and ``runs.tar.gz``;
+  the runs are unpacked into ``out/runs``. Accuracies are the test set's, after
+  the final projection and BNT (``sparse_accuracy``); a dense run's is its own.
+  """
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  from safe_optax.experiment import mean_se  # pylint: disable=import-outside-toplevel
+
+  (out / "runs").mkdir(parents=True, exist_ok=True)
+  leases, runs = [], {}
+  for folder in inputs:
+    lease = json.loads((folder / "cifar_gpu.json").read_text())
+    with tarfile.open(folder / "runs.tar.gz") as tar:
+      tar.extractall(out / "runs", filter="data")
+    leases.append({k: lease.get(k) for k in ("command", "date", "nvidia_smi", "versions",
+                                             "plan", "run_commands", "wall_seconds")})
+    for name in lease["runs"]:
+      method, seed = name.rsplit("-seed", 1)
+      workdir = next((out / "runs").glob(f"{method}-s*-seed{seed}"))
+      run = summarise_run(workdir)
+      run["epochs_log"] = [json.loads(line) for line in
+                           (workdir / "metrics.jsonl").read_text().splitlines()]
+      run["lease"] = len(leases) - 1
+      runs.setdefault(method, {})[int(seed)] = run
+  epochs = {r["epochs_done"] for m in runs.values() for r in m.values()}
+  device = leases[0]["nvidia_smi"]
+
+  def accuracy(method: str, run: dict[str, Any]) -> float:
+    final = run["final"]
+    return 100 * final["dense_accuracy" if method == "dense" else "sparse_accuracy"]
+
+  epoch_text = ", ".join(map(str, sorted(epochs)))
+  lines = [f"# CIFAR-10, ResNet-20x2, on one GPU ({device})", "",
+           f"Epochs: {epoch_text} (the paper: 200). Test accuracy (%) after the final "
+           "projection and BNT on 10k training images; mean +- s.e. over the seeds listed. "
+           "`||x - Proj x||` and the training loss are the last epoch's.", "",
+           "| method | seeds | test accuracy | per seed | dense iterate | before BNT "
+           "| train loss | `||x - Proj x||` | steady images/s |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  for method, by_seed in runs.items():
+    seeds = sorted(by_seed)
+    accs = [accuracy(method, by_seed[s]) for s in seeds]
+    mean, se = mean_se(accs)
+    cell = f"{mean:.2f}" + (f" +- {se:.2f}" if se is not None else "")
+
+    def per(key: str) -> str:
+      vals = [by_seed[s]["final"].get(key) for s in seeds]
+      return " / ".join("-" if v is None else f"{100 * v:.2f}" for v in vals)
+    def last(key: str) -> str:
+      return " / ".join("-" if by_seed[s].get(key) is None else f"{by_seed[s][key]:.3g}"
+                        for s in seeds)
+    speed = " / ".join(f"{by_seed[s].get('steady_images_per_second') or 0:.0f}" for s in seeds)
+    lines.append(
+        f"| {method} | {', '.join(map(str, seeds))} | {cell} | "
+        f"{' / '.join(f'{a:.2f}' for a in accs)} | {per('dense_accuracy')} | "
+        f"{per('sparse_accuracy_before_bnt')} | {last('last_train_loss')} | "
+        f"{last('last_distance_to_projection')} | "
+        f"{speed} |")
+  table = "\n".join(lines) + "\n"
+  (out / "table.md").write_text(table)
+  summary_runs = {m: {seed: {k: v for k, v in run.items() if k != "epochs_log"}
+                      for seed, run in by_seed.items()} for m, by_seed in runs.items()}
+  (out / "runs.json").write_text(json.dumps({"leases": leases, "runs": summary_runs}, indent=1))
+
+  fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+  for (method, by_seed), color in zip(runs.items(), ("C0", "C1", "C2", "C3", "C4")):
+    for seed, run in sorted(by_seed.items()):
+      log_ = [r for r in run["epochs_log"] if "epoch_seconds" in r]
+      label = f"{method}" if seed == min(by_seed) else None
+      axes[0].plot([r["epoch"] + 1 for r in log_], [r["train_loss"] for r in log_],
+                   color=color, label=label, alpha=0.8)
+      tested = [r for r in log_ if "test_accuracy" in r]
+      key = "test_accuracy" if method == "dense" else "test_accuracy_projected"
+      axes[1].plot([r["epoch"] + 1 for r in tested], [100 * r[key] for r in tested], "o-",
+                   color=color, label=label, alpha=0.8)
+      if method != "dense":
+        axes[2].semilogy([r["epoch"] + 1 for r in log_],
+                         [max(r["distance_to_projection"], 1e-3) for r in log_],
+                         color=color, label=label, alpha=0.8)
+  axes[0].set(xlabel="epoch", ylabel="training loss", title="training loss")
+  axes[1].set(xlabel="epoch", ylabel="test accuracy (%)",
+              title="test accuracy of Proj(x) (dense: x), before BNT")
+  axes[2].set(xlabel="epoch", ylabel="||x - Proj x|| (floored at 1e-3)",
+              title="distance to the sparse set")
+  for ax in axes:
+    ax.legend()
+    ax.grid(alpha=0.3)
+  fig.suptitle(f"ResNet-20x2, CIFAR-10, {epoch_text} epochs, 90 % sparsity, {device}")
+  fig.tight_layout()
+  fig.savefig(out / "curves.png", dpi=110)
+  plt.close(fig)
+  return table
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--data-dir", required=True, help="CIFAR-10 archive or folder")
+  parser.add_argument("--data-dir", help="CIFAR-10 archive or folder (required to train)")
   parser.add_argument("--out", required=True, help="folder for the JSON and the archive")
   parser.add_argument("--workdir", default="/tmp/cifar_gpu", help="runs and caches")
   parser.add_argument("--deadline-s", type=float, default=480.0,
                       help="every run ends (or is stopped) this many seconds after the start")
   parser.add_argument("--sparsity", type=float, default=0.9)
+  parser.add_argument("--methods", nargs="+", default=list(METHODS),
+                      help="methods to train (the plan is sized for SAFE, ADMM and GMP; "
+                           "with --epochs any of the CLI's, e.g. dense as a calibration)")
   parser.add_argument("--throughput-steps", type=int, default=20)
   parser.add_argument("--min-epochs-3-seeds", type=int, default=40,
                       help="three seeds only if each still gets this many epochs")
@@ -204,7 +306,15 @@ def main() -> None:
                       help="skip the plan: this many epochs (a CPU dry run uses 1)")
   parser.add_argument("--train-subset", type=int, default=None, help="CPU dry runs only")
   parser.add_argument("--seeds", type=int, nargs="+", default=None, help="with --epochs")
+  parser.add_argument("--report-from", nargs="+", default=None, metavar="LEASE_OUT",
+                      help="train nothing: merge these lease outputs into --out (table.md, "
+                           "runs.json, curves.png)")
   args = parser.parse_args()
+  if args.report_from:
+    print(merge_leases([pathlib.Path(p) for p in args.report_from], pathlib.Path(args.out)))
+    return
+  if not args.data_dir:
+    parser.error("--data-dir is required to train (or give --report-from)")
 
   start = time.perf_counter()
   out = pathlib.Path(args.out)
@@ -243,7 +353,8 @@ def main() -> None:
       plan["startup_s_assumed"] = startup
     else:  # still train, on a guess, so the lease is not lost to a benchmark's failure
       plan = {"epochs": args.fallback_epochs, "seeds": [0],
-              "warmup_epochs": warmup_for(args.fallback_epochs), "throughput_failed": measured.returncode}
+              "warmup_epochs": warmup_for(args.fallback_epochs),
+              "throughput_failed": measured.returncode}
     log(start, f"plan {plan}")
   else:
     if decode.wait() != 0:
@@ -252,7 +363,7 @@ def main() -> None:
             "warmup_epochs": warmup_for(args.epochs)}
   report["plan"] = plan
 
-  runs = [(method, seed) for seed in plan["seeds"] for method in METHODS]
+  runs = [(method, seed) for seed in plan["seeds"] for method in args.methods]
   fraction = f"{0.9 / len(runs):.3f}"
   procs = {}
   for method, seed in runs:
