@@ -156,6 +156,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                            "validation split is carved from them (default: all)")
   parser.add_argument("--test-subset", type=int, default=None,
                       help="evaluate on this many test examples (default: all)")
+  parser.add_argument("--imp-every-epochs", type=int, default=None,
+                      help="IMP+SAM: epochs between prune rounds (default: the preset's); "
+                           "it is part of every run's config, so runs of other methods are "
+                           "not shared with a sweep without it")
   parser.add_argument("--validation", type=int, default=10_000)
   parser.add_argument("--select-seeds", type=int, default=1)
   parser.add_argument("--safe-grid", type=float, nargs="+", default=[0.01, 0.1, 1.0])
@@ -185,7 +189,8 @@ def main(argv: Optional[list[str]] = None) -> int:
   try:
     base = configs.get_config(args.preset, epochs=args.epochs, warmup_epochs=args.warmup_epochs,
                               batch_size=args.batch_size, eval_every=args.eval_every,
-                              train_subset=args.train_subset, test_subset=args.test_subset)
+                              train_subset=args.train_subset, test_subset=args.test_subset,
+                              imp_every_epochs=args.imp_every_epochs)
     base.replace(validation=args.validation)  # validation < train_subset, checked up front
   except ValueError as err:
     parser.error(str(err))

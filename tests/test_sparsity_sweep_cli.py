@@ -118,3 +118,23 @@ def test_bad_subsets_are_refused_up_front_naming_the_setting(flags, message, cap
                          "--workdir", str(tmp_path / "w"), "--out", str(tmp_path / "o")])
   assert message in capsys.readouterr().err
   assert not (tmp_path / "w").exists()
+
+
+def test_imp_every_epochs_reaches_the_imp_runs(monkeypatch, tmp_path):
+  seen = test_sweeps.install_fake_runs(monkeypatch, lambda c: 0.5)
+  assert sparsity_sweep.main([
+      "--preset", "mlp-mnist", "--data-dir", "unused", "--methods", "imp-sam",
+      "--sparsities", "0.995", "--seeds", "0", "1", "--epochs", "20", "--warmup-epochs", "1",
+      "--imp-every-epochs", "2", "--workdir", str(tmp_path / "w"),
+      "--out", str(tmp_path / "o")]) == 0
+  assert len(seen) == 2 and {c.imp_every_epochs for c, _ in seen} == {2}
+  assert json.loads((tmp_path / "o" / "sweep.json").read_text())["config"][
+      "imp_every_epochs"] == 2
+
+
+def test_a_bad_imp_every_epochs_is_refused_naming_the_field(capsys, tmp_path):
+  with pytest.raises(SystemExit):
+    sparsity_sweep.main(["--preset", "mlp-mnist", "--data-dir", "unused", "--methods",
+                         "imp-sam", "--sparsities", "0.9", "--imp-every-epochs", "0",
+                         "--workdir", str(tmp_path / "w"), "--out", str(tmp_path / "o")])
+  assert "imp_every_epochs" in capsys.readouterr().err
