@@ -48,6 +48,8 @@ import time
 from typing import Any
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # the GPU image runs this checkout uninstalled
+from safe_optax.vision import configs  # noqa: E402  pylint: disable=wrong-import-position
 METHODS = ("safe", "admm", "gmp")
 PAPER_EPOCHS = 200
 PAPER_WARMUP = 5
@@ -279,7 +281,7 @@ def merge_leases(inputs: list[pathlib.Path], out: pathlib.Path) -> str:
   return table
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--data-dir", help="CIFAR-10 archive or folder (required to train)")
   parser.add_argument("--out", required=True, help="folder for the JSON and the archive")
@@ -287,7 +289,7 @@ def main() -> None:
   parser.add_argument("--deadline-s", type=float, default=480.0,
                       help="every run ends (or is stopped) this many seconds after the start")
   parser.add_argument("--sparsity", type=float, default=0.9)
-  parser.add_argument("--methods", nargs="+", default=list(METHODS),
+  parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=configs.METHODS,
                       help="methods to train (the plan is sized for SAFE, ADMM and GMP; "
                            "with --epochs any of the CLI's, e.g. dense as a calibration)")
   parser.add_argument("--throughput-steps", type=int, default=20)
@@ -309,12 +311,18 @@ def main() -> None:
   parser.add_argument("--report-from", nargs="+", default=None, metavar="LEASE_OUT",
                       help="train nothing: merge these lease outputs into --out (table.md, "
                            "runs.json, curves.png)")
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
   if args.report_from:
     print(merge_leases([pathlib.Path(p) for p in args.report_from], pathlib.Path(args.out)))
     return
   if not args.data_dir:
     parser.error("--data-dir is required to train (or give --report-from)")
+  if not 0.0 < args.sparsity < 1.0:
+    parser.error(f"--sparsity must lie in (0, 1), got {args.sparsity}")
+  if args.deadline_s <= 0:
+    parser.error(f"--deadline-s must be > 0 seconds, got {args.deadline_s}")
+  if args.epochs is not None and args.epochs < 1:
+    parser.error(f"--epochs must be >= 1, got {args.epochs}")
 
   start = time.perf_counter()
   out = pathlib.Path(args.out)

@@ -1,4 +1,4 @@
-"""benchmarks/cifar_gpu.py: the epoch plan for a GPU lease, partial-run summaries, the merged table."""
+"""benchmarks/cifar_gpu.py: the epoch plan for a lease, partial-run summaries, the merged table."""
 
 from __future__ import annotations
 
@@ -119,3 +119,17 @@ def test_merged_table_gives_a_plain_mean_and_standard_error_per_method(tmp_path)
   assert merged["runs"]["safe"]["1"]["lease"] == 1
   assert (out / "curves.png").stat().st_size > 10_000
   assert (out / "runs" / "safe-s0.9-seed1" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    ([], "--data-dir is required to train"),
+    (["--data-dir", "d", "--sparsity", "1.0"], "--sparsity must lie in (0, 1), got 1.0"),
+    (["--data-dir", "d", "--deadline-s", "0"], "--deadline-s must be > 0 seconds, got 0.0"),
+    (["--data-dir", "d", "--epochs", "0"], "--epochs must be >= 1, got 0"),
+    (["--data-dir", "d", "--methods", "sage"], "invalid choice: 'sage'"),
+])
+def test_bad_flags_are_refused_before_anything_runs(flags, message, capsys, tmp_path):
+  with pytest.raises(SystemExit):
+    cifar_gpu.main(["--out", str(tmp_path / "out"), "--workdir", str(tmp_path / "w"), *flags])
+  assert message in capsys.readouterr().err
+  assert not (tmp_path / "out").exists() and not (tmp_path / "w").exists()
