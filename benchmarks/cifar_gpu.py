@@ -323,6 +323,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.error(f"--deadline-s must be > 0 seconds, got {args.deadline_s}")
   if args.epochs is not None and args.epochs < 1:
     parser.error(f"--epochs must be >= 1, got {args.epochs}")
+  if args.seeds is not None and args.epochs is None:
+    parser.error("--seeds needs --epochs (without it the plan chooses the seeds)")
 
   start = time.perf_counter()
   out = pathlib.Path(args.out)

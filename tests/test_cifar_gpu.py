@@ -127,6 +127,7 @@ def test_merged_table_gives_a_plain_mean_and_standard_error_per_method(tmp_path)
     (["--data-dir", "d", "--deadline-s", "0"], "--deadline-s must be > 0 seconds, got 0.0"),
     (["--data-dir", "d", "--epochs", "0"], "--epochs must be >= 1, got 0"),
     (["--data-dir", "d", "--methods", "sage"], "invalid choice: 'sage'"),
+    (["--data-dir", "d", "--seeds", "1"], "--seeds needs --epochs"),
 ])
 def test_bad_flags_are_refused_before_anything_runs(flags, message, capsys, tmp_path):
   with pytest.raises(SystemExit):
