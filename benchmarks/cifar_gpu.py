@@ -323,6 +323,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.error(f"--deadline-s must be > 0 seconds, got {args.deadline_s}")
   if args.epochs is not None and args.epochs < 1:
     parser.error(f"--epochs must be >= 1, got {args.epochs}")
+  for flag, value, low in (("--throughput-steps", args.throughput_steps, 1),
+                           ("--min-epochs-3-seeds", args.min_epochs_3_seeds, 1),
+                           ("--fallback-epochs", args.fallback_epochs, 1),
+                           ("--finish-s", args.finish_s, 0), ("--startup-s", args.startup_s, 0),
+                           ("--overhead", args.overhead, 1)):
+    if value is not None and value < low:
+      parser.error(f"{flag} must be >= {low}, got {value}")
   if args.seeds is not None and args.epochs is None:
     parser.error("--seeds needs --epochs (without it the plan chooses the seeds)")
 

@@ -128,6 +128,10 @@ def test_merged_table_gives_a_plain_mean_and_standard_error_per_method(tmp_path)
     (["--data-dir", "d", "--epochs", "0"], "--epochs must be >= 1, got 0"),
     (["--data-dir", "d", "--methods", "sage"], "invalid choice: 'sage'"),
     (["--data-dir", "d", "--seeds", "1"], "--seeds needs --epochs"),
+    (["--data-dir", "d", "--overhead", "0.5"], "--overhead must be >= 1, got 0.5"),
+    (["--data-dir", "d", "--throughput-steps", "0"], "--throughput-steps must be >= 1, got 0"),
+    (["--data-dir", "d", "--finish-s", "-1"], "--finish-s must be >= 0, got -1.0"),
+    (["--data-dir", "d", "--fallback-epochs", "0"], "--fallback-epochs must be >= 1, got 0"),
 ])
 def test_bad_flags_are_refused_before_anything_runs(flags, message, capsys, tmp_path):
   with pytest.raises(SystemExit):
