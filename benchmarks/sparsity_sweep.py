@@ -160,6 +160,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                       help="IMP+SAM: epochs between prune rounds (default: the preset's); "
                            "it is part of every run's config, so runs of other methods are "
                            "not shared with a sweep without it")
+  parser.add_argument("--structure", choices=configs.STRUCTURES, default=None,
+                      help="sparsity set of every pruning method: one top-k over all prunable "
+                           "leaves (global, the preset's) or the same sparsity in every leaf "
+                           "(per_leaf); part of each run's folder name")
   parser.add_argument("--validation", type=int, default=10_000)
   parser.add_argument("--select-seeds", type=int, default=1)
   parser.add_argument("--safe-grid", type=float, nargs="+", default=[0.01, 0.1, 1.0])
@@ -190,7 +194,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     base = configs.get_config(args.preset, epochs=args.epochs, warmup_epochs=args.warmup_epochs,
                               batch_size=args.batch_size, eval_every=args.eval_every,
                               train_subset=args.train_subset, test_subset=args.test_subset,
-                              imp_every_epochs=args.imp_every_epochs)
+                              imp_every_epochs=args.imp_every_epochs,
+                              structure=args.structure)
     base.replace(validation=args.validation)  # validation < train_subset, checked up front
   except ValueError as err:
     parser.error(str(err))
@@ -202,7 +207,9 @@ def main(argv: Optional[list[str]] = None) -> int:
   for method in args.methods:
     for s in ([0.0] if method == "dense" else args.sparsities):
       for seed in args.seeds:
+        # A dense run has no sparsity set: it is shared with sweeps of either structure.
         config = base.replace(method=method, sparsity=s, seed=seed,
+                              structure="global" if method == "dense" else None,
                               **rescaled.get(method, {}),
                               **sweeps.chosen_overrides(selection, method, s))
         results = sweeps.run_or_load(config, sweeps.run_dir(root, config), data=data,
@@ -214,6 +221,8 @@ def main(argv: Optional[list[str]] = None) -> int:
   out.mkdir(parents=True, exist_ok=True)
   subset = "" if base.train_subset is None else f" on {base.train_subset} training examples"
   tested = "" if base.test_subset is None else f", tested on {base.test_subset} test examples"
+  if base.structure != "global":
+    tested += f", sparsity set `{base.structure}` (the same sparsity in every prunable leaf)"
   title = (f"{args.preset}, {base.epochs} epochs{subset}, seeds {args.seeds}; lambda chosen on "
            f"{args.validation} validation examples")
   plot(runs, args.sparsities, title, out / "accuracy_vs_sparsity.png")

@@ -8,9 +8,12 @@ import warnings
 
 import pytest
 
+import safe_optax
+
 from safe_optax.vision import cli
 from safe_optax.vision import config_files
 from safe_optax.vision import configs
+from safe_optax.vision import sweeps
 from safe_optax.vision import workdirs
 
 RUN = ["train", "--data-dir", "DATA", "--workdir", "OUT"]
@@ -177,3 +180,22 @@ def test_sweep_takes_a_config_file_too():
                          "--config.dual_every=8", "--methods", "safe", "--sparsities", "0.9",
                          "--data-dir", "D", "--workdir", "W"])
   assert cli._config(args.parser, args) == configs.get_config("mlp-mnist", dual_every=8)
+
+
+def test_structure_is_a_config_field_a_flag_and_a_config_key(capsys):
+  from safe_optax.vision import methods  # pylint: disable=import-outside-toplevel
+  assert configs.get_config("mlp-mnist").structure == "global"
+  with pytest.raises(ValueError, match=r"`structure` must be one of \['global', 'per_leaf'\], "
+                                       r"got 'per_layer'"):
+    configs.get_config("mlp-mnist", structure="per_layer")
+  for argv in (["--structure", "per_leaf"], ["--config.structure=per_leaf"]):
+    config = cli.resolved_config(RUN + ["--preset", "mlp-mnist", *argv])
+    assert config.structure == "per_leaf"
+    assert methods.projection(config)["structure"] == safe_optax.PerLeaf()
+  assert "invalid choice: 'rows'" in _cli_error(
+      RUN + ["--preset", "mlp-mnist", "--structure", "rows"], capsys)
+  # Runs of another sparsity set never share a sweep folder with the global ones.
+  c = configs.get_config("mlp-mnist", method="gmp", sparsity=0.9)
+  assert sweeps.run_dir("r", c) != sweeps.run_dir("r", c.replace(structure="per_leaf"))
+  assert sweeps.run_dir("r", c.replace(method="dense", sparsity=0.0)) == sweeps.run_dir(
+      "r", c.replace(method="dense", sparsity=0.0, structure="per_leaf"))

@@ -82,6 +82,9 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
                     help="keep the unscaled dual while the penalty ramps (Boyd et al. 2011; "
                          "off: the paper's update, see docs/dual_rescaling.md)")
   over.add_argument("--saliency", choices=configs.SALIENCIES, help="SAFE+ scores")
+  over.add_argument("--structure", choices=configs.STRUCTURES,
+                    help="sparsity set: one top-k over all prunable leaves (global, the "
+                         "paper's) or the same sparsity in every leaf (per_leaf)")
   over.add_argument("--train-subset", type=int, help="train on this many examples")
   over.add_argument("--test-subset", type=int, help="evaluate on this many test examples")
   over.add_argument("--test-only-split", type=int, nargs=2, metavar=("N_TRAIN", "N_TEST"),
@@ -136,7 +139,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
            "admm_penalty",
            "rho", "dual_every", "saliency", "train_subset", "test_subset", "label_noise",
            "bnt_samples", "eval_every", "augment", "gmp_update_every", "validation", "log_every",
-           "rescale_dual")
+           "rescale_dual", "structure")
   values = {name: getattr(args, name) for name in names}
   if args.test_only_split is not None:
     values["test_only_split"] = tuple(args.test_only_split)

@@ -37,6 +37,9 @@ MODELS = ("resnet8", "resnet20", "resnet32", "vgg19", "mlp", "lenet5")
 
 DATASETS = ("cifar10", "cifar100", "mnist", "fashion_mnist")
 SALIENCIES = ("snip", "obd")
+STRUCTURES = ("global", "per_leaf")
+"""Sparsity sets of :attr:`Config.structure`: one top-k over all prunable leaves
+(:class:`~safe_optax.Global`) or the same fraction in each (:class:`~safe_optax.PerLeaf`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +56,10 @@ class Config:
   dataset: str = "cifar10"
   method: str = "safe"
   sparsity: float = 0.9
+  structure: str = "global"
+  """``global``: one top-k over all prunable leaves (the paper's vision setting; layers end
+  with different sparsities); ``per_leaf``: ``sparsity`` in every prunable leaf (a uniform
+  per-layer mask, which no layer can lose entirely)."""
   epochs: int = 200
   batch_size: int = 128
   eval_batch_size: int = 500
@@ -139,6 +146,7 @@ def validate(config: Config) -> Config:
   _one_of(config.dataset, "dataset", DATASETS)
   _one_of(config.method, "method", METHODS)
   _one_of(config.saliency, "saliency", SALIENCIES)
+  _one_of(config.structure, "structure", STRUCTURES)
   _one_of(config.penalty_schedule, "penalty_schedule", ("constant", "linear", "cosine"))
   _one_of(config.imp_power, "imp_power", (1, 3))
   for name in ("augment", "rescale_dual"):

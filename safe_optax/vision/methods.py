@@ -10,9 +10,10 @@ optimizer. :data:`REGISTRY` lists them in the order of
 :data:`~safe_optax.vision.configs.METHODS`, which is derived from it, as are
 :data:`~safe_optax.vision.sweeps.PENALTY_METHODS` and ``SAFE_FAMILY``.
 
-The sparsity set of a run (the target sparsity and the structure
-:class:`~safe_optax.Global`: one top-k over all
-:func:`~safe_optax.default_prunable` leaves) is :func:`projection`; every
+The sparsity set of a run (the target sparsity and the structure of
+``Config.structure``: :class:`~safe_optax.Global`, one top-k over all
+:func:`~safe_optax.default_prunable` leaves, by default, or
+:class:`~safe_optax.PerLeaf`) is :func:`projection`; every
 projection of the trainer (the optimizers, ``||x - Proj(x)||``, the final
 projection) takes its keywords from there.
 
@@ -49,21 +50,28 @@ def projection(config: "Config") -> dict[str, Any]:
   The one place the vision trainer describes its sparsity set: pass the
   result to :func:`safe_optax.project_topk`, :func:`safe_optax.finalize`,
   an alias or a pruner (``**projection(config)``). The structure is
-  :class:`~safe_optax.Global` (one top-k over all prunable leaves, the
-  paper's vision setting) and the prunable leaves the library's default.
+  ``config.structure``: :class:`~safe_optax.Global` (one top-k over all
+  prunable leaves, the paper's vision setting) or :class:`~safe_optax.PerLeaf`
+  (the same sparsity in every prunable leaf); the prunable leaves are the
+  library's default.
 
   Args:
     config: the run's configuration.
 
   Returns:
-    ``{"sparsity": config.sparsity, "structure": Global()}``.
+    ``{"sparsity": config.sparsity, "structure": Global() or PerLeaf()}``.
 
   Examples:
     >>> from safe_optax.vision import configs
     >>> projection(configs.get_config("mlp-mnist", sparsity=0.95))
     {'sparsity': 0.95, 'structure': Global()}
+    >>> projection(configs.get_config("mlp-mnist", sparsity=0.95, structure="per_leaf"))
+    {'sparsity': 0.95, 'structure': PerLeaf()}
   """
-  return {"sparsity": config.sparsity, "structure": safe_optax.Global()}
+  return {"sparsity": config.sparsity, "structure": _STRUCTURES[config.structure]()}
+
+
+_STRUCTURES = {"global": safe_optax.Global, "per_leaf": safe_optax.PerLeaf}
 
 
 def _set_keywords(config: "Config") -> dict[str, Any]:

@@ -74,12 +74,13 @@ def tuned_field(method: str) -> str:
 
 
 def run_dir(root: os.PathLike, config: configs.Config) -> pathlib.Path:
-  """``root/[noise<r>-]<method>-s<sparsity>[-lam<lambda>][-rho<rho>][-rescaled]-seed<seed>``.
+  """``root/[noise<r>-]<method>-s<sparsity>[-perleaf][-lam<lambda>][-rho<rho>][-rescaled]-seed<seed>``.
 
   ``-lam``: a penalty method's lambda; ``-rho``: CrAM's radius (its tuned
   value), or another SAM-type method's when it is not the default
   ``Config.rho``; ``-rescaled``: a SAFE-family run with ``rescale_dual``
-  (another update, so another folder).
+  (another update, so another folder); ``-perleaf``: ``structure="per_leaf"``
+  (another sparsity set).
 
   Examples:
     >>> c = configs.get_config("mlp-mnist", method="admm", sparsity=0.9, admm_penalty=0.01)
@@ -89,8 +90,12 @@ def run_dir(root: os.PathLike, config: configs.Config) -> pathlib.Path:
     'out/cram-s0.9-rho0.05-seed0'
     >>> run_dir("out", c.replace(method="safe", penalty=1.0, rho=0.02)).as_posix()
     'out/safe-s0.9-lam1-rho0.02-seed0'
+    >>> run_dir("out", c.replace(method="gmp", structure="per_leaf")).as_posix()
+    'out/gmp-s0.9-perleaf-seed0'
   """
   name = f"{config.method}-s{config.sparsity:g}"
+  if config.structure != "global" and config.method != "dense":
+    name += "-" + config.structure.replace("_", "")
   if config.label_noise > 0:
     name = f"noise{config.label_noise:g}-{name}"
   if config.method in PENALTY_METHODS:
@@ -176,6 +181,7 @@ def record(config: configs.Config, results: dict[str, Any]) -> dict[str, Any]:
           "noise": config.label_noise, "penalty": penalty,
           "rho": config.rho if methods.get(config.method).uses_grad_fn else None,
           "rescale_dual": config.rescale_dual and config.method in SAFE_FAMILY,
+          "structure": config.structure,
           "accuracy": final.get("sparse_accuracy", final["dense_accuracy"]),
           "accuracy_before_bnt": final.get("sparse_accuracy_before_bnt"),
           "dense_accuracy": final["dense_accuracy"], "achieved_sparsity": final["sparsity"],
