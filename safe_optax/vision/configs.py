@@ -37,7 +37,7 @@ MODELS = ("resnet8", "resnet20", "resnet32", "vgg19", "mlp", "lenet5")
 
 DATASETS = ("cifar10", "cifar100", "mnist", "fashion_mnist")
 SALIENCIES = ("snip", "obd")
-STRUCTURES = ("global", "per_leaf")
+STRUCTURES = tuple(methods.STRUCTURES)
 """Sparsity sets of :attr:`Config.structure`: one top-k over all prunable leaves
 (:class:`~safe_optax.Global`) or the same fraction in each (:class:`~safe_optax.PerLeaf`)."""
 

@@ -68,10 +68,12 @@ def projection(config: "Config") -> dict[str, Any]:
     >>> projection(configs.get_config("mlp-mnist", sparsity=0.95, structure="per_leaf"))
     {'sparsity': 0.95, 'structure': PerLeaf()}
   """
-  return {"sparsity": config.sparsity, "structure": _STRUCTURES[config.structure]()}
+  return {"sparsity": config.sparsity, "structure": STRUCTURES[config.structure]()}
 
 
-_STRUCTURES = {"global": safe_optax.Global, "per_leaf": safe_optax.PerLeaf}
+STRUCTURES = {"global": safe_optax.Global, "per_leaf": safe_optax.PerLeaf}
+"""``Config.structure`` names -> the library's structure types; the names, in this order, are
+:data:`~safe_optax.vision.configs.STRUCTURES`."""
 
 
 def _set_keywords(config: "Config") -> dict[str, Any]:
