@@ -21,6 +21,10 @@ median) / K``, compared with ``optax_sam``'s median.
 picked by the host's step counter (``update(..., dual_due=is_dual_step(t,
 32))``, jitted with the hint static); the 31 steps of 32 without a dual update
 run a program that holds no projection, so their temporary buffer is SAM's.
+``safe_alone`` is ``safe`` run as the vision trainer runs it: on a dual step
+the dual update first runs as a program of its own
+(``safe_optax.run_dual_update``), then the step without the projection
+(``dual_due=False``); both are timed as that step.
 
 Diagnostics (``--methods``): ``admm`` (SAFE without SAM, ``safe_optax.admm``
 with the same settings: the ADMM overhead over ``sgd``) and ``safe_nodual``
@@ -105,9 +109,11 @@ MODELS = {
 }
 DEFAULT_STEPS = {"mlp": 128, "resnet20x2": 64}
 DEFAULT_WARMUP = {"mlp": 8, "resnet20x2": 2}
-BARS = {"safe/sam": 1.05, "sam/sgd": 2.1, "safe/optax_sam": 1.05, "safe_split/optax_sam": 1.05}
-ALL_METHODS = (*METHODS, "optax_sam", "safe_k8", "safe_split")
-DUAL_PERIODS = {"safe": DUAL_EVERY, "admm": DUAL_EVERY, "safe_k8": 8, "safe_split": DUAL_EVERY}
+BARS = {"safe/sam": 1.05, "sam/sgd": 2.1, "safe/optax_sam": 1.05, "safe_split/optax_sam": 1.05,
+        "safe_alone/optax_sam": 1.05}
+ALL_METHODS = (*METHODS, "optax_sam", "safe_k8", "safe_split", "safe_alone")
+DUAL_PERIODS = {"safe": DUAL_EVERY, "admm": DUAL_EVERY, "safe_k8": 8, "safe_split": DUAL_EVERY,
+                "safe_alone": DUAL_EVERY}
 
 
 def make_method(method: str) -> tuple[optax.GradientTransformation, bool]:
@@ -116,7 +122,7 @@ def make_method(method: str) -> tuple[optax.GradientTransformation, bool]:
     outer = optax.chain(optax.add_decayed_weights(1e-4), optax.sgd(0.1, momentum=0.9))
     ascent = optax.chain(optax.contrib.normalize(), optax.sgd(0.1))
     return optax.contrib.sam(outer, ascent, sync_period=2, opaque_mode=True), True
-  if method == "safe_split":
+  if method in ("safe_split", "safe_alone"):
     return make_tx("safe")
   if method == "safe_k8":
     return safe_optax.safe(0.1, 0.9, penalty=1e-3, total_steps=10000, dual_every=8,
@@ -158,6 +164,18 @@ def bench_model(name: str, methods: list[str], steps: int, block: int, warmup: i
       step = lambda count, *a, v=variants: v[count % DUAL_EVERY == 0](*a)
       dual_temp_mb = temp_mb(variants[True], *state, batch)
       plain_step = variants[False]
+    elif method == "safe_alone":
+      # As the vision trainer runs SAFE: on a dual step the dual update runs first as a
+      # program of its own (``safe_optax.run_dual_update``), then the step without it.
+      plain_step = make_step(model.apply, tx, needs_grad_fn, dual_due=False)
+      run_dual = functools.partial(safe_optax.run_dual_update, tx)
+      dual_temp_mb = temp_mb(jax.jit(run_dual), state[2], state[0])
+      dual = jax.jit(run_dual, donate_argnums=0)
+
+      def step(count, params, model_state, opt_state, batch, f=plain_step, dual=dual):
+        if count % DUAL_EVERY == 0:
+          opt_state = dual(opt_state, params)
+        return f(params, model_state, opt_state, batch)
     else:
       plain_step = make_step(model.apply, tx, needs_grad_fn)
       step = lambda count, *a, f=plain_step: f(*a)
@@ -359,7 +377,8 @@ def ratios(entries: dict[str, dict[str, Any]], rounds: int) -> dict[str, dict[st
   for num, den in (("safe", "sam"), ("sam", "sgd"), ("admm", "sgd"), ("safe_nodual", "sam"),
                    ("sam", "optax_sam"), ("safe", "optax_sam"), ("safe_k8", "optax_sam"),
                    ("safe_nodual", "optax_sam"), ("safe_split", "optax_sam"),
-                   ("safe_split", "safe")):
+                   ("safe_split", "safe"), ("safe_alone", "optax_sam"),
+                   ("safe_alone", "safe_split")):
     if num not in entries or den not in entries:
       continue
     a, b = entries[num], entries[den]

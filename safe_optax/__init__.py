@@ -16,6 +16,7 @@ from safe_optax._admm import constraint_distance
 from safe_optax._admm import decoupled_admm_penalty
 from safe_optax._admm import find_admm_state
 from safe_optax._admm import is_dual_step
+from safe_optax._admm import run_dual_update
 from safe_optax._alias import admm
 from safe_optax._alias import safe
 from safe_optax._alias import safe_multi
@@ -91,6 +92,7 @@ __all__ = (
     "penalty_schedule",
     "polynomial_sparsity",
     "project_topk",
+    "run_dual_update",
     "prunable_mask",
     "safe",
     "safe_multi",

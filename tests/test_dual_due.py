@@ -5,7 +5,8 @@ projection (the dual steps) and one without it (the others). These tests check
 that such a run equals the default run (one program, the dual update in a
 ``lax.cond``) bit for bit, that the program without the dual update holds no
 projection (traced primitives, XLA's temporary buffer), and that a wrong hint
-is counted rather than silently dropped.
+is counted rather than silently dropped. ``run_dual_update`` (the dual update
+as a program of its own, then a ``dual_due=False`` step) equals them too.
 """
 
 import functools
@@ -64,12 +65,17 @@ def _step_fn(tx):
   return step
 
 
-def _run(tx, split: bool):
+def _run(tx, split: bool, separate: bool = False):
   step = jax.jit(_step_fn(tx), static_argnames="dual_due")
+  dual = jax.jit(functools.partial(safe_optax.run_dual_update, tx))
   params = _params()
   state = tx.init(params)
   for t in range(STEPS):
     hint = {"dual_due": safe_optax.is_dual_step(t, K)} if split else {}
+    if separate:
+      if safe_optax.is_dual_step(t, K):
+        state = dual(state, params)
+      hint = {"dual_due": False}
     params, state = step(params, state, _batch(t), **hint)
   return params, state
 
@@ -87,6 +93,80 @@ def test_split_programs_equal_the_cond_program_bit_for_bit(name):
   z = [l for l in jax.tree.leaves(admm_state.z) if l.ndim == 2]
   z0 = jax.tree.leaves(safe_optax.find_admm_state(tx.init(_params())).z)
   assert any(not np.array_equal(a, b) for a, b in zip(z, [l for l in z0 if l.ndim == 2]))
+
+
+WRAPPED = {
+    # Optax wrappers around SAFE: their own state must come through run_dual_update unchanged.
+    "apply_if_finite": lambda: optax.chain(safe_optax.sam_perturb(0.05), optax.apply_if_finite(
+        safe_optax.safe(0.05, 0.6, penalty=0.1, total_steps=STEPS, dual_every=K, rho=None),
+        max_consecutive_errors=2)),
+    "inject_hyperparams": lambda: optax.inject_hyperparams(safe_optax.safe)(
+        learning_rate=0.05, sparsity=0.6, penalty=0.1, total_steps=STEPS, dual_every=K),
+    "clipped": lambda: safe_optax.safe(0.05, 0.6, penalty=0.1, total_steps=STEPS, dual_every=K,
+                                       max_grad_norm=0.5),
+}
+
+
+@pytest.mark.parametrize("name", sorted(set(TRANSFORMS) - {"safe_plus"}) + sorted(WRAPPED))
+def test_dual_update_as_its_own_program_equals_one_program_bit_for_bit(name):
+  tx = {**TRANSFORMS, **WRAPPED}[name]()
+  expected = _run(tx, split=False)
+  got = _run(tx, split=False, separate=True)
+  jax.tree.map(np.testing.assert_array_equal, got, expected)
+  admm_state = safe_optax.find_admm_state(got[1])
+  assert int(admm_state.invalid_hyperparams) == 0  # no dual update counted as missed
+  assert int(admm_state.count) == STEPS and int(admm_state.dual_count) == 6
+
+
+def test_run_dual_update_changes_only_z_u_and_runs_once_per_count():
+  tx = TRANSFORMS["safe"]()
+  params = _params()
+  step = jax.jit(_step_fn(tx), static_argnames="dual_due")
+  dual = jax.jit(functools.partial(safe_optax.run_dual_update, tx))
+  state = tx.init(params)
+  for t in range(K):  # counts 0 .. K - 1; count K is due next
+    params, state = step(params, state, _batch(t))
+  ran = dual(state, params)
+  before, after = safe_optax.find_admm_state(state), safe_optax.find_admm_state(ran)
+  assert int(after.count) == int(before.count) == K and int(after.dual_count) == K
+  assert int(after.invalid_hyperparams) == 0
+  # By hand: z = Proj(x + u), u = u + x - z on the prunable (2-D) leaves.
+  for name in ("w1", "w2"):
+    x, u = np.asarray(params[name]), np.asarray(before.u[name])
+    assert not np.array_equal(after.z[name], before.z[name])
+    np.testing.assert_array_equal(after.u[name], u + x - np.asarray(after.z[name]))
+  z_all = np.concatenate([np.asarray(after.z[n]).ravel() for n in ("w1", "w2")])
+  assert np.count_nonzero(z_all) == safe_optax.num_keep(z_all.size, 0.6)
+  # Every other leaf of the state (SAM's, momentum's) is the input's.
+  is_admm = lambda s: isinstance(s, safe_optax.ADMMState)
+  others = lambda s: jax.tree.leaves(jax.tree.map(lambda n: None if is_admm(n) else n, s,
+                                                  is_leaf=is_admm))
+  jax.tree.map(np.testing.assert_array_equal, others(ran), others(state))
+  # A second call at the same count changes nothing (the dual update ran once).
+  jax.tree.map(np.testing.assert_array_equal, dual(ran, params), ran)
+  # At a count that is not a dual step it changes nothing either.
+  params, stepped = step(params, ran, _batch(K), dual_due=False)
+  jax.tree.map(np.testing.assert_array_equal, dual(stepped, params), stepped)
+
+
+def test_run_dual_update_refuses_a_saliency_and_a_state_without_admm():
+  params = _params()
+  tx = TRANSFORMS["safe_plus"]()
+  with pytest.raises(ValueError, match=r"saliency \(scores='snip'\).*dual_due=True"):
+    safe_optax.run_dual_update(tx, tx.init(params), params)
+  sam = optax.chain(safe_optax.sam_perturb(0.05), optax.sgd(0.1))
+  with pytest.raises(ValueError, match="ADMMState"):
+    safe_optax.run_dual_update(sam, sam.init(params), params)
+
+
+def test_dual_program_holds_no_gradient_pass():
+  """The dual program computes only the projection: the SAM and momentum work is removed."""
+  w = {"w": jnp.asarray(np.random.default_rng(1).normal(size=(64, 64)), jnp.float32)}
+  tx = safe_optax.safe(0.1, 0.9, penalty=1e-3, total_steps=100, dual_every=K)
+  hlo = jax.jit(functools.partial(safe_optax.run_dual_update, tx)).lower(
+      tx.init(w), w).compile().as_text()
+  assert "sort" in hlo or "scatter" in hlo or "reduce" in hlo  # the projection is there
+  assert " dot(" not in hlo and "convolution" not in hlo
 
 
 def _primitives(jaxpr):

@@ -274,17 +274,22 @@ def test_train_step_compiles_once_per_batch_shape(full_run):
   del full_run
   config = tiny_config()
   programs = train.build_programs(config, N_TRAIN, 4, (8, 8, 1))
-  # 3 epochs x 7 steps: one program per batch shape (full, the short last one) and per dual
-  # hint (SAFE: steps with and without a dual update compile apart): 4 here, none per step.
+  # 3 epochs x 7 steps: one step program per batch shape (full, the short last one), all
+  # without the projection (SAFE's dual update runs as a program of its own, compiled once),
+  # none per step.
   spe = -(-N_TRAIN // BATCH)
-  used = {(step % spe == spe - 1, train._dual_due(config, step))  # pylint: disable=protected-access
-          for step in range(EPOCHS * spe)}
-  assert len(used) == 4 and programs.train._cache_size() == len(used)
+  plans = [train._plan(programs, config, step)  # pylint: disable=protected-access
+           for step in range(EPOCHS * spe)]
+  used = {(step % spe == spe - 1, plan[1]) for step, plan in enumerate(plans)}
+  assert used == {(True, False), (False, False)}
+  assert sum(plan[0] for plan in plans) == len(range(0, EPOCHS * spe, config.dual_every))
+  assert programs.train._cache_size() == len(used) and programs.dual._cache_size() == 1
 
 
 def test_split_dual_programs_train_bit_for_bit_like_one_program(full_run, tmp_path, monkeypatch):
-  """The host's dual hint (two programs, the non-dual one without the projection) changes
-  nothing: a run with one program that decides inside reaches the same state, bit for bit."""
+  """The host's dual hint (the dual update as a program of its own, the steps without the
+  projection) changes nothing: a run with one program that decides inside reaches the same
+  state, bit for bit."""
   monkeypatch.setattr(train, "_dual_due", lambda config, step: None)
   single = train.train_and_evaluate(tiny_config(), tmp_path, data_dir=None,
                                     dataset=tiny_dataset())

@@ -133,9 +133,8 @@ def test_mask_churn_matches_masks_read_on_the_host(run):
   expected, previous = [], None
   for indices in train.epoch_batches(N_TRAIN, BATCH, CONFIG.seed, 0):
     count = int(state.step)
-    state = programs.train(state, *train.gather_batch(
-        programs.mesh, (data.train_images, data.train_labels), indices),
-        dual_due=train._dual_due(CONFIG, count))  # pylint: disable=protected-access
+    state = train.run_step(programs, CONFIG, state, *train.gather_batch(
+        programs.mesh, (data.train_images, data.train_labels), indices), count)
     if count % K == 0:
       current = mask()
       if previous is not None:
@@ -238,10 +237,13 @@ def test_event_files_hold_the_values_of_metrics_jsonl(run):
 def test_no_recompilation_across_epochs(run):
   del run
   programs = train.build_programs(CONFIG, N_TRAIN, 4, (8, 8, 1))
-  # 2 epochs: one program per batch shape (full, the short last one) and per dual hint.
-  used = {(step % SPE == SPE - 1, train._dual_due(CONFIG, step))  # pylint: disable=protected-access
+  # 2 epochs: one step program per batch shape (full, the short last one), the dual update
+  # a program of its own.
+  used = {(step % SPE == SPE - 1,
+           train._plan(programs, CONFIG, step)[1])  # pylint: disable=protected-access
           for step in range(EPOCHS * SPE)}
-  assert len(used) == 4 and programs.train._cache_size() == len(used)
+  assert len(used) == 2 and programs.train._cache_size() == len(used)
+  assert programs.dual._cache_size() == 1
 
 
 def test_a_resumed_run_logs_the_rows_of_the_uninterrupted_one(run, tmp_path):

@@ -207,6 +207,10 @@ class Method:
   (CrAM's radius ``rho``, its one hyperparameter); see :attr:`selected_field`."""
   seeded: Callable[["Config"], bool] = _never
   """Whether ``config.seed`` enters the optimizer (else its programs are shared across seeds)."""
+  dual_alone: bool = False
+  """Its dual update reads no gradient (magnitude scores), so the trainer runs it as a
+  program of its own on dual steps (:func:`safe_optax.run_dual_update`); SAFE+'s
+  saliency reads the step's gradient and runs inside the step."""
 
   @property
   def selected_field(self) -> Optional[str]:
@@ -214,15 +218,15 @@ class Method:
     return self.penalty_field or self.tuned_field
 
 
-_SAFE = dict(uses_grad_fn=True, has_admm_state=True, penalty_field="penalty")
+_SAFE = dict(uses_grad_fn=True, has_admm_state=True, penalty_field="penalty", dual_alone=True)
 
 REGISTRY: Mapping[str, Method] = {
     "dense": Method(_dense),
     "safe": Method(_safe_alias(safe_optax.safe), **_SAFE),
-    "safe-plus": Method(_safe_plus, **_SAFE,
+    "safe-plus": Method(_safe_plus, **{**_SAFE, "dual_alone": False},
                         # OBD scores draw Hutchinson probes from the seed.
                         seeded=lambda config: config.saliency == "obd"),
-    "admm": Method(_admm, has_admm_state=True, penalty_field="admm_penalty"),
+    "admm": Method(_admm, has_admm_state=True, penalty_field="admm_penalty", dual_alone=True),
     "gmp": Method(_gradual),
     "magnitude": Method(_magnitude),
     "imp-sam": Method(_gradual, uses_grad_fn=True),

@@ -146,7 +146,8 @@ class StepLogger:
     return empty_log(rows, len(self.fields), dual_rows)
 
   def record(self, log: StepLog, step: jax.Array, *, loss: jax.Array, accuracy: jax.Array,
-             params: Any, old_opt_state: Any, opt_state: Any) -> StepLog:
+             params: Any, old_opt_state: Any, opt_state: Any,
+             dual_in_step: bool = True) -> StepLog:
     """``log`` with step ``step``'s row and dual update written when they are due (in jit).
 
     Args:
@@ -155,6 +156,9 @@ class StepLogger:
       loss, accuracy: of this step's batch.
       params, opt_state: after this step.
       old_opt_state: before this step (its ``z`` is the previous dual update's).
+      dual_in_step: whether this step's program can run a dual update (static);
+        ``False`` for a ``dual_due=False`` step, whose dual update, if any, ran
+        apart and was logged there (:meth:`record_dual`).
 
     Returns:
       The updated log. Only the branch of a due row computes anything beyond
@@ -174,8 +178,21 @@ class StepLogger:
                                                    for v in values])))
 
     log = lax.cond(position % self.every == 0, write_row, lambda log: log, log)
-    if self.penalty is None:
+    if self.penalty is None or not dual_in_step:
       return log
+    return self.record_dual(log, step, old_opt_state, opt_state)
+
+  def record_dual(self, log: StepLog, step: jax.Array, old_opt_state: Any,
+                  opt_state: Any) -> StepLog:
+    """``log`` with the mask churn of step ``step``'s dual update written, when it ran (in jit).
+
+    Args:
+      log: the epoch's :class:`StepLog`.
+      step: the steps taken before this one.
+      old_opt_state, opt_state: before and after the dual update (a whole step,
+        or :func:`safe_optax.run_dual_update` alone).
+    """
+    position = step % self.steps_per_epoch
     old, new = (safe_optax.find_admm_state(s) for s in (old_opt_state, opt_state))
     # Dual updates fall at counts 0, K, 2K, ...; the one at 0 has no previous mask.
     due = (old.count % self.dual_every == 0) & (old.count > 0)

@@ -167,7 +167,9 @@ def train_step(state: TrainState, images: jax.Array, labels: jax.Array,
     dual_due: for the ADMM-based methods, whether this step runs the dual
       update, known on the host (``safe_optax.is_dual_step``); a static
       argument, so the ``K - 1`` steps without one run a program without the
-      projection (``None``: one program that decides inside).
+      projection (``None``: one program that decides inside). ``False`` on a
+      dual step whose update :func:`dual_step` ran just before (see
+      :func:`run_step`).
 
   Returns:
     The new state (epoch metric sums and log updated).
@@ -189,11 +191,29 @@ def train_step(state: TrainState, images: jax.Array, labels: jax.Array,
   log = state.metrics.log
   if step_logger is not None:
     log = step_logger.record(log, state.step, loss=loss, accuracy=correct / n, params=params,
-                             old_opt_state=state.opt_state, opt_state=opt_state)
+                             old_opt_state=state.opt_state, opt_state=opt_state,
+                             dual_in_step=dual_due is not False)
   metrics = EpochMetrics(state.metrics.loss_sum + loss * n, state.metrics.correct + correct,
                          state.metrics.count + n, log)
   return TrainState(optax.safe_increment(state.step), state.rng, params, new_model_state,
                     opt_state, metrics)
+
+
+def dual_step(state: TrainState, *, tx: optax.GradientTransformation,
+              step_logger: Optional[metrics_lib.StepLogger] = None) -> TrainState:
+  """The dual update due at ``state.step``, alone (pure; jit it with the keywords bound).
+
+  :func:`safe_optax.run_dual_update` on the state's optimizer state, its mask
+  churn logged; the :func:`train_step` that follows takes ``dual_due=False``.
+  Only for the methods whose dual update reads no gradient
+  (:attr:`~safe_optax.vision.methods.Method.dual_alone`).
+  """
+  opt_state = safe_optax.run_dual_update(tx, state.opt_state, state.params)
+  metrics = state.metrics
+  if step_logger is not None and step_logger.penalty is not None:
+    metrics = metrics._replace(log=step_logger.record_dual(metrics.log, state.step,
+                                                           state.opt_state, opt_state))
+  return state._replace(opt_state=opt_state, metrics=metrics)
 
 
 def eval_step(params: Any, model_state: Any, images: jax.Array, labels: jax.Array,
@@ -235,6 +255,30 @@ def _dual_due(config: Config, step: int) -> Optional[bool]:
   return safe_optax.is_dual_step(step, config.dual_every)
 
 
+def _plan(programs: "Programs", config: Config, step: int) -> tuple[bool, Optional[bool]]:
+  """``(run programs.dual first, the dual_due of programs.train)`` for step ``step``.
+
+  On a dual step of a method whose dual update reads no gradient, the dual
+  update runs as a program of its own and the step without it: on XLA:CPU a
+  step that also holds the projection runs their operations interleaved on
+  the worker threads, several times slower (README, "Step overhead").
+  """
+  due = _dual_due(config, step)
+  if due and programs.dual is not None:
+    return True, False
+  return False, due
+
+
+def run_step(programs: "Programs", config: Config, state: TrainState, images: jax.Array,
+             labels: jax.Array, step: int) -> TrainState:
+  """Training step ``step`` (the host's count of ``state.step``): the dual program when
+  :func:`_plan` says so, then :attr:`Programs.train`."""
+  run_dual, dual_due = _plan(programs, config, step)
+  if run_dual:
+    state = programs.dual(state)
+  return programs.train(state, images, labels, dual_due=dual_due)
+
+
 # ----------------------------------------------------------------------------- the run
 
 
@@ -254,6 +298,9 @@ class Programs(NamedTuple):
   train: Callable[..., Any]
   """:func:`train_step`, the state donated; ``dual_due`` static (two programs for the
   ADMM-based methods, one without the projection)."""
+  dual: Optional[Callable[..., Any]]
+  """:func:`dual_step`, the state donated, for the methods whose dual update runs alone
+  (:attr:`~safe_optax.vision.methods.Method.dual_alone`), else ``None``."""
   eval: Callable[..., Any]
   """:func:`eval_step` (its sums replicated)."""
   distance: Optional[Callable[..., Any]]
@@ -315,6 +362,8 @@ def _cached_programs(config: Config, num_train: int, num_classes: int,
       init=jax.jit(init, out_shardings=replicated),
       train=jax.jit(step, donate_argnums=0, out_shardings=replicated,
                     static_argnames="dual_due"),
+      dual=jax.jit(functools.partial(dual_step, tx=tx, step_logger=step_logger),
+                   donate_argnums=0, out_shardings=replicated) if method.dual_alone else None,
       eval=jax.jit(evaluate_batch, out_shardings=replicated),
       distance=jax.jit(functools.partial(distance_to_projection, **projection))
       if projection else None,
@@ -438,8 +487,7 @@ def train_and_evaluate(config: Config, workdir: os.PathLike, *, data_dir: os.Pat
         # The step donates the old state's buffers: a Ctrl-C between the dispatch and the
         # rebinding would leave `state` deleted, so it is held back until `state` is new.
         with checkpoint_lib.sigint_deferred():
-          state = programs.train(state, images, labels,
-                                 dual_due=_dual_due(config, epoch * spe + position))
+          state = run_step(programs, config, state, images, labels, epoch * spe + position)
         position += 1
         bar.update(1)
         if on_step is not None:
