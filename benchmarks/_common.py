@@ -56,9 +56,11 @@ def make_tx(method: str) -> tuple[optax.GradientTransformation, bool]:
 
 
 def make_step(apply_fn: Callable[..., Any], tx: optax.GradientTransformation,
-              needs_grad_fn: bool, dual_due: bool | None = None) -> Callable[..., Any]:
+              needs_grad_fn: bool, dual_due: bool | None = None,
+              donate: bool = True) -> Callable[..., Any]:
   """``step(params, model_state, opt_state, batch) -> (params, model_state, opt_state, loss)``,
-  jitted with the three states donated; ``dual_due`` (if not ``None``) goes to ``tx.update``."""
+  jitted with the three states donated (unless ``donate=False``); ``dual_due`` (if not
+  ``None``) goes to ``tx.update``."""
   hint = {} if dual_due is None else {"dual_due": dual_due}
 
   def step(params, model_state, opt_state, batch):
@@ -71,7 +73,7 @@ def make_step(apply_fn: Callable[..., Any], tx: optax.GradientTransformation,
       updates, opt_state = tx.update(grads, opt_state, params, **hint)
     return optax.apply_updates(params, updates), new_model_state, opt_state, loss
 
-  return jax.jit(step, donate_argnums=(0, 1, 2))
+  return jax.jit(step, donate_argnums=(0, 1, 2) if donate else ())
 
 
 def summary(times: list[float]) -> dict[str, float]:

@@ -9,11 +9,19 @@ dual period and all in one process:
 * ``dual``: the dual step as training runs it, right after 31 plain steps;
 * ``dual_again``: the dual program again right away on a copy of the state
   whose ADMM count is due (warm code and caches; the projection runs);
+* ``dual_not_donated``: the dual step's program compiled without donating the
+  state, on a copy whose count is due, right after a plain step;
 * ``cond_false``: the dual program on a copy whose count is not due (the
   cond's branch not taken: the program switch and its buffer, no projection);
 * ``plain_after``: the plain program on a copy, right after those;
 * ``dual_update``: the dual update alone (``safe_optax.dual_update`` on the
   MLP's kernels, jitted), right after a plain step;
+* ``dual_program``: ``safe_optax.run_dual_update`` jitted (the program the
+  vision trainer runs before a dual step) on the optimizer state the plain
+  step before it returned (its count is not due: the projection runs and is
+  not selected, so the state keeps its values); ``dual_program_donated`` the
+  same with that state donated (``donate_argnums``); the two alternate in
+  order, each right after a plain step;
 * ``optax_sam``: ``optax.contrib.sam`` as in ``step_overhead.py``, 32 steps a round.
 
 For each: wall ms (median over rounds), minor page faults per call
@@ -49,8 +57,8 @@ from step_overhead import BATCH, fix_malloc_thresholds, make_method, temp_mb
 def _set_admm_count(opt_state: Any, count: int) -> Any:
   """A copy of ``opt_state`` with every ADMM count set to ``count`` (other leaves copied)."""
   def fix(s):
-    if isinstance(s, safe_optax.ADMMState):
-      return s._replace(count=jnp.int32(count))
+    if isinstance(s, safe_optax.ADMMState):  # and no dual update run at that count yet
+      return s._replace(count=jnp.int32(count), dual_count=jnp.int32(-1))
     return s
   state = jax.tree.map(fix, opt_state, is_leaf=lambda s: isinstance(s, safe_optax.ADMMState))
   return jax.tree.map(jnp.copy, state)
@@ -84,6 +92,7 @@ def main() -> None:
 
   tx, _ = make_method("safe_split")
   programs = {due: make_step(model.apply, tx, True, dual_due=due) for due in (False, True)}
+  dual_kept = make_step(model.apply, tx, True, dual_due=True, donate=False)
   state = [jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, model_state), tx.init(params)]
   sam_tx, _ = make_method("optax_sam")
   sam_step = make_step(model.apply, sam_tx, True)
@@ -98,17 +107,23 @@ def main() -> None:
     return safe_optax.dual_update(p, u, 0.9, flags=flags, first=jnp.bool_(False))
 
   us = [0.01 * jnp.ones_like(k) for k in kernels]
+  dual_program = jax.jit(functools.partial(safe_optax.run_dual_update, tx))
+  dual_donated = jax.jit(functools.partial(safe_optax.run_dual_update, tx), donate_argnums=0)
   temps = {"plain": temp_mb(programs[False], *state, batch),
            "dual": temp_mb(programs[True], *state, batch),
            "dual_update": temp_mb(dual_only, params, us),
+           "dual_program": temp_mb(dual_program, state[2], params),
+           "dual_program_donated": temp_mb(dual_donated, state[2], params),
            "optax_sam": temp_mb(sam_step, *sam_state, batch)}
   count = 0
   for _ in range(2 * DUAL_EVERY + 1):  # compile and warm up
     *state, _ = programs[count % DUAL_EVERY == 0](*state, batch)
     *sam_state, _ = sam_step(*sam_state, batch)
     count += 1
-  jax.block_until_ready(dual_only(params, us))
-  cases = ("plain", "dual", "dual_again", "cond_false", "plain_after", "dual_update", "optax_sam")
+  jax.block_until_ready((dual_only(params, us), dual_program(state[2], params),
+                         dual_donated(jax.tree.map(jnp.copy, state[2]), params)))
+  cases = ("plain", "dual", "dual_again", "dual_not_donated", "cond_false", "plain_after",
+           "dual_update", "dual_program", "dual_program_donated", "optax_sam")
   times: dict[str, list[float]] = {c: [] for c in cases}
   faults: dict[str, list[int]] = {c: [] for c in cases}
   loads = []
@@ -129,6 +144,7 @@ def main() -> None:
     *state, _ = record("dual", lambda: programs[True](*state, batch))
     count += 1
     due = _set_admm_count(state[2], count - 1)
+    kept_state = [jax.tree.map(jnp.copy, s) for s in (*state[:2], due)]
     copy = [jax.tree.map(jnp.copy, s) for s in state[:2]]
     record("dual_again", lambda: programs[True](*copy, due, batch))
     copy = [jax.tree.map(jnp.copy, s) for s in state]
@@ -138,6 +154,22 @@ def main() -> None:
     *state, _ = record("plain", lambda: programs[False](*state, batch))
     count += 1
     record("dual_update", lambda: dual_only(state[0], us))
+    *state, _ = record("plain", lambda: programs[False](*state, batch))
+    count += 1
+    record("dual_not_donated", lambda: dual_kept(*kept_state, batch))
+    *state, _ = record("plain", lambda: programs[False](*state, batch))
+    count += 1
+    # Alternate which of the two runs right after a plain step.
+    for case in (("dual_program", "dual_program_donated") if r % 2 else
+                 ("dual_program_donated", "dual_program")):
+      # On the live state the last plain step produced (its count is not due, so the
+      # projection runs and its result is not selected: the state keeps its values).
+      if case == "dual_program":
+        record(case, lambda: dual_program(state[2], state[0]))
+      else:
+        state[2] = record(case, lambda: dual_donated(state[2], state[0]))
+      *state, _ = record("plain", lambda: programs[False](*state, batch))
+      count += 1
     if not r % 2:
       for _ in range(DUAL_EVERY):
         *sam_state, _ = record("optax_sam", lambda: sam_step(*sam_state, batch))
@@ -148,7 +180,8 @@ def main() -> None:
   result = {c: {"median_ms": 1e3 * statistics.median(times[c]),
                 "p25_ms": 1e3 * float(np.percentile(times[c], 25)),
                 "faults_median": statistics.median(faults[c]), "n": len(times[c]),
-                "temp_mib": temps.get(c, temps["dual"] if c in ("dual_again", "cond_false")
+                "temp_mib": temps.get(c, temps["dual"] if c in ("dual_again", "cond_false",
+                                                                 "dual_not_donated")
                                       else temps["plain"]),
                 "times_s": times[c], "faults": faults[c]} for c in cases}
   plain = result["plain"]["median_ms"]

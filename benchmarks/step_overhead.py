@@ -168,9 +168,10 @@ def bench_model(name: str, methods: list[str], steps: int, block: int, warmup: i
       # As the vision trainer runs SAFE: on a dual step the dual update runs first as a
       # program of its own (``safe_optax.run_dual_update``), then the step without it.
       plain_step = make_step(model.apply, tx, needs_grad_fn, dual_due=False)
-      run_dual = functools.partial(safe_optax.run_dual_update, tx)
-      dual_temp_mb = temp_mb(jax.jit(run_dual), state[2], state[0])
-      dual = jax.jit(run_dual, donate_argnums=0)
+      # Not donated: on XLA:CPU a donated dual program took 4-5 ms in most calls against
+      # 0.7-1.3 ms undonated (the same program, interleaved; README "Step overhead").
+      dual = jax.jit(functools.partial(safe_optax.run_dual_update, tx))
+      dual_temp_mb = temp_mb(dual, state[2], state[0])
 
       def step(count, params, model_state, opt_state, batch, f=plain_step, dual=dual):
         if count % DUAL_EVERY == 0:

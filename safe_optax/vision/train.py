@@ -299,7 +299,7 @@ class Programs(NamedTuple):
   """:func:`train_step`, the state donated; ``dual_due`` static (two programs for the
   ADMM-based methods, one without the projection)."""
   dual: Optional[Callable[..., Any]]
-  """:func:`dual_step`, the state donated, for the methods whose dual update runs alone
+  """:func:`dual_step` (the state not donated), for the methods whose dual update runs alone
   (:attr:`~safe_optax.vision.methods.Method.dual_alone`), else ``None``."""
   eval: Callable[..., Any]
   """:func:`eval_step` (its sums replicated)."""
@@ -362,8 +362,10 @@ def _cached_programs(config: Config, num_train: int, num_classes: int,
       init=jax.jit(init, out_shardings=replicated),
       train=jax.jit(step, donate_argnums=0, out_shardings=replicated,
                     static_argnames="dual_due"),
+      # Not donated: on XLA:CPU the donated dual program ran 4-5 ms in most calls, the
+      # undonated one 0.7-1.3 ms (benchmarks/dual_step_breakdown.py); only z and u are new buffers.
       dual=jax.jit(functools.partial(dual_step, tx=tx, step_logger=step_logger),
-                   donate_argnums=0, out_shardings=replicated) if method.dual_alone else None,
+                   out_shardings=replicated) if method.dual_alone else None,
       eval=jax.jit(evaluate_batch, out_shardings=replicated),
       distance=jax.jit(functools.partial(distance_to_projection, **projection))
       if projection else None,
