@@ -519,7 +519,10 @@ def run_dual_update(tx: optax.GradientTransformation, opt_state: Any, params: An
   already run, leaves ``opt_state`` as it is, so a second call is harmless.
 
   Only the magnitude-scored dual update (SAFE, ADMM, SAFE-SG, SAFE-Multi) can
-  run alone; SAFE+'s saliency reads the step's gradient and is refused.
+  run alone; SAFE+'s saliency reads the step's gradient and is refused. Under
+  ``optax.MultiSteps`` the transform counts accumulated steps: call it on the
+  micro-step that ends an accumulation whose inner count is due (on other
+  micro-steps it changes nothing).
 
   Args:
     tx: the optimizer holding the :func:`admm_penalty` (or

@@ -287,3 +287,32 @@ def test_llm_block_step_split_equals_cond_program():
     runs.append((params, state))
   jax.tree.map(np.testing.assert_array_equal, runs[1], runs[0])
   assert int(safe_optax.find_admm_state(runs[1][1]).invalid_hyperparams) == 0
+
+
+def test_run_dual_update_under_multisteps_equals_the_plain_run():
+  """Under optax.MultiSteps the ADMM count is the inner one (one per accumulated step): the
+  dual program runs on the micro-steps that end an accumulation at a due inner count."""
+  every_k = 2
+  inner = lambda: safe_optax.admm(0.05, 0.6, penalty=0.1, dual_every=K)
+  steps = 2 * every_k * K + 1
+
+  def run(separate):
+    tx = optax.MultiSteps(inner(), every_k_schedule=every_k)
+    step = jax.jit(_step_fn(tx), static_argnames="dual_due")
+    dual = jax.jit(functools.partial(safe_optax.run_dual_update, tx))
+    params = _params()
+    state = tx.init(params)
+    for t in range(steps):
+      hint = {}
+      if separate:
+        if t % every_k == every_k - 1 and safe_optax.is_dual_step(t // every_k, K):
+          state = dual(state, params)
+        hint = {"dual_due": False}
+      params, state = step(params, state, _batch(t), **hint)
+    return params, state
+
+  expected, got = run(False), run(True)
+  jax.tree.map(np.testing.assert_array_equal, got, expected)
+  admm_state = safe_optax.find_admm_state(got[1])
+  assert int(admm_state.invalid_hyperparams) == 0
+  assert int(admm_state.count) == steps // every_k and int(admm_state.dual_count) == K
