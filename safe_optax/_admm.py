@@ -191,7 +191,7 @@ def _admm_core(sparsity, penalty, *, dual_every, penalty_schedule, total_steps, 
       missed = due
     elif dual_due == DUAL_ONLY and isinstance(due, jax.core.Tracer):
       # A program of its own, called on dual steps: compute and select rather than
-      # branch (on XLA:CPU the projection inside a lax.cond runs several times slower).
+      # branch (a branch would only add the cond's operand and result copies).
       new_z, new_u = run_dual(z, u)
       z = [jnp.where(due, a, b) for a, b in zip(new_z, z)]
       u = [jnp.where(due, a, b) for a, b in zip(new_u, u)]
@@ -512,11 +512,12 @@ def run_dual_update(tx: optax.GradientTransformation, opt_state: Any, params: An
       opt_state = dual(opt_state, params)   # jax.jit(partial(run_dual_update, tx))
     params, opt_state = step(params, opt_state, batch, dual_due=False)
 
-  Running the projection apart from the forward and backward passes keeps
-  XLA:CPU from interleaving the two on its worker threads, which made a
-  fused dual step of a small MLP cost about 5 ms instead of 1 ms (README,
-  "Step overhead"). A count that is not a dual step, or whose dual update has
-  already run, leaves ``opt_state`` as it is, so a second call is harmless.
+  On XLA:CPU a small MLP's fused dual step fell into a slow mode (4-6 ms
+  instead of about 2 ms) in some processes; this program, undonated, then a
+  plain step did not, in 12 of 12 (README, "Step overhead"). Do not donate
+  its ``opt_state``: donated, the same program was slow in most calls. A
+  count that is not a dual step, or whose dual update has already run, leaves
+  ``opt_state`` as it is, so a second call is harmless.
 
   Only the magnitude-scored dual update (SAFE, ADMM, SAFE-SG, SAFE-Multi) can
   run alone; SAFE+'s saliency reads the step's gradient and is refused. Under
@@ -533,7 +534,10 @@ def run_dual_update(tx: optax.GradientTransformation, opt_state: Any, params: An
       missing: SAM's transforms need one to trace, and their output is unused).
 
   Returns:
-    The new optimizer state, with the structure of ``opt_state``.
+    The new optimizer state, with the structure of ``opt_state``. Undonated,
+    a jitted call copies the state's unchanged leaves too (momentum, SAM's);
+    a program that returns only the :class:`ADMMState` nodes avoids that
+    (``safe_optax.vision.train.dual_step`` does).
 
   Raises:
     ValueError: ``opt_state`` holds no :class:`ADMMState`, or an ADMM

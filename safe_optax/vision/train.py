@@ -200,20 +200,42 @@ def train_step(state: TrainState, images: jax.Array, labels: jax.Array,
 
 
 def dual_step(state: TrainState, *, tx: optax.GradientTransformation,
-              step_logger: Optional[metrics_lib.StepLogger] = None) -> TrainState:
+              step_logger: Optional[metrics_lib.StepLogger] = None
+              ) -> tuple[list[safe_optax.ADMMState], metrics_lib.StepLog]:
   """The dual update due at ``state.step``, alone (pure; jit it with the keywords bound).
 
   :func:`safe_optax.run_dual_update` on the state's optimizer state, its mask
   churn logged; the :func:`train_step` that follows takes ``dual_due=False``.
   Only for the methods whose dual update reads no gradient
   (:attr:`~safe_optax.vision.methods.Method.dual_alone`).
+
+  Returns:
+    The new :class:`~safe_optax.ADMMState` nodes of the optimizer state, in
+    tree order, and the epoch's log: only what changed, so that the undonated
+    program copies no parameters (:func:`with_dual_step` puts them back).
   """
   opt_state = safe_optax.run_dual_update(tx, state.opt_state, state.params)
-  metrics = state.metrics
+  log = state.metrics.log
   if step_logger is not None and step_logger.penalty is not None:
-    metrics = metrics._replace(log=step_logger.record_dual(metrics.log, state.step,
-                                                           state.opt_state, opt_state))
-  return state._replace(opt_state=opt_state, metrics=metrics)
+    log = step_logger.record_dual(log, state.step, state.opt_state, opt_state)
+  return _admm_nodes(opt_state), log
+
+
+def _is_admm(node: Any) -> bool:
+  return isinstance(node, safe_optax.ADMMState)
+
+
+def _admm_nodes(opt_state: Any) -> list[safe_optax.ADMMState]:
+  return [n for n in jax.tree.leaves(opt_state, is_leaf=_is_admm) if _is_admm(n)]
+
+
+def with_dual_step(state: TrainState, out: tuple[list[Any], metrics_lib.StepLog]) -> TrainState:
+  """``state`` with :func:`dual_step`'s output ``(ADMM nodes, log)`` put in (on the host)."""
+  nodes, log = out
+  it = iter(nodes)
+  opt_state = jax.tree.map(lambda n: next(it) if _is_admm(n) else n, state.opt_state,
+                           is_leaf=_is_admm)
+  return state._replace(opt_state=opt_state, metrics=state.metrics._replace(log=log))
 
 
 def eval_step(params: Any, model_state: Any, images: jax.Array, labels: jax.Array,
@@ -260,8 +282,8 @@ def _plan(programs: "Programs", config: Config, step: int) -> tuple[bool, Option
 
   On a dual step of a method whose dual update reads no gradient, the dual
   update runs as a program of its own and the step without it: on XLA:CPU a
-  step that also holds the projection runs their operations interleaved on
-  the worker threads, several times slower (README, "Step overhead").
+  step that also holds the projection fell into a slow mode in some processes
+  (README, "Step overhead").
   """
   due = _dual_due(config, step)
   if due and programs.dual is not None:
@@ -275,7 +297,7 @@ def run_step(programs: "Programs", config: Config, state: TrainState, images: ja
   :func:`_plan` says so, then :attr:`Programs.train`."""
   run_dual, dual_due = _plan(programs, config, step)
   if run_dual:
-    state = programs.dual(state)
+    state = with_dual_step(state, programs.dual(state))
   return programs.train(state, images, labels, dual_due=dual_due)
 
 
@@ -299,7 +321,8 @@ class Programs(NamedTuple):
   """:func:`train_step`, the state donated; ``dual_due`` static (two programs for the
   ADMM-based methods, one without the projection)."""
   dual: Optional[Callable[..., Any]]
-  """:func:`dual_step` (the state not donated), for the methods whose dual update runs alone
+  """:func:`dual_step` (the state not donated; :func:`with_dual_step` applies its output),
+  for the methods whose dual update runs alone
   (:attr:`~safe_optax.vision.methods.Method.dual_alone`), else ``None``."""
   eval: Callable[..., Any]
   """:func:`eval_step` (its sums replicated)."""
