@@ -95,7 +95,8 @@ def fresh_venv(venv: pathlib.Path) -> pathlib.Path:
   it. Instead a ``.pth`` file adds this interpreter's ``sys.path`` entries as
   site directories (their own ``.pth`` files processed), after the venv's own
   site-packages, so what is installed into the venv is imported first. The
-  checkout is left out, so ``safe_optax`` can only come from what is installed.
+  checkout is left out (a venv inside it, such as ``.venv/``, is not), so
+  ``safe_optax`` can only come from what is installed.
   """
   subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
                  timeout=120)
@@ -103,7 +104,10 @@ def fresh_venv(venv: pathlib.Path) -> pathlib.Path:
   borrowed = []
   for entry in sys.path:
     path = pathlib.Path(entry or ".").resolve()
-    if path.is_dir() and path != ROOT and ROOT not in path.parents and str(path) not in borrowed:
+    # The checkout's own folders are left out, but not a venv kept inside it (`.venv/`).
+    in_checkout = (path == ROOT or ROOT in path.parents) and not (
+        {"site-packages", "dist-packages"} & set(path.parts))
+    if path.is_dir() and not in_checkout and str(path) not in borrowed:
       borrowed.append(str(path))
   # A .pth line starting with "import" is executed; it must be one line.
   (site_dir / "_borrowed_site_packages.pth").write_text(
