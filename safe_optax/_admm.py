@@ -548,17 +548,17 @@ def run_dual_update(tx: optax.GradientTransformation, opt_state: Any, params: An
     >>> from safe_optax import admm_penalty, is_dual_step, run_dual_update
     >>> tx = optax.chain(admm_penalty(0.5, penalty=1.0, dual_every=2), optax.sgd(0.1))
     >>> dual = jax.jit(functools.partial(run_dual_update, tx))
-    >>> @functools.partial(jax.jit, static_argnames="dual_due")
-    ... def step(params, state, *, dual_due):
-    ...   zero = jax.tree.map(jnp.zeros_like, params)
-    ...   updates, state = tx.update(zero, state, params, dual_due=dual_due)
+    >>> @jax.jit
+    ... def step(params, state):  # never holds the projection
+    ...   updates, state = tx.update(jax.tree.map(jnp.zeros_like, params), state, params,
+    ...                              dual_due=False)
     ...   return optax.apply_updates(params, updates), state
     >>> params = {'w': jnp.array([[4., -3.], [0.2, 0.1]])}
     >>> state = tx.init(params)
     >>> for t in range(50):
     ...   if is_dual_step(t, 2):
     ...     state = dual(state, params)
-    ...   params, state = step(params, state, dual_due=False)
+    ...   params, state = step(params, state)
     >>> jnp.round(params['w'], 2)
     Array([[ 4., -3.],
            [ 0.,  0.]], dtype=float32)
