@@ -51,6 +51,7 @@ import numpy as np
 from safe_optax.experiment import mean_se, versions
 from safe_optax.vision import cli as vision_cli
 from safe_optax.vision import configs
+from safe_optax.vision import methods
 from safe_optax.vision import sweeps
 from safe_optax.vision import train as train_lib
 
@@ -161,9 +162,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                            "it is part of every run's config, so runs of other methods are "
                            "not shared with a sweep without it")
   parser.add_argument("--structure", choices=configs.STRUCTURES, default=None,
-                      help="sparsity set of every pruning method: one top-k over all prunable "
-                           "leaves (global, the preset's) or the same sparsity in every leaf "
-                           "(per_leaf); part of each run's folder name")
+                      help="sparsity set of every pruning method (part of each run's folder "
+                           "name): " + "; ".join(
+                               f"{k}: {v}" for k, v in methods.STRUCTURE_HELP.items()))
   parser.add_argument("--validation", type=int, default=10_000)
   parser.add_argument("--select-seeds", type=int, default=1)
   parser.add_argument("--safe-grid", type=float, nargs="+", default=[0.01, 0.1, 1.0])
@@ -222,7 +223,7 @@ def main(argv: Optional[list[str]] = None) -> int:
   subset = "" if base.train_subset is None else f" on {base.train_subset} training examples"
   tested = "" if base.test_subset is None else f", tested on {base.test_subset} test examples"
   if base.structure != "global":
-    tested += f", sparsity set `{base.structure}` (the same sparsity in every prunable leaf)"
+    tested += f", sparsity set `{base.structure}` ({methods.STRUCTURE_HELP[base.structure]})"
   title = (f"{args.preset}, {base.epochs} epochs{subset}, seeds {args.seeds}; lambda chosen on "
            f"{args.validation} validation examples")
   plot(runs, args.sparsities, title, out / "accuracy_vs_sparsity.png")

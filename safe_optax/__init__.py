@@ -1,7 +1,7 @@
 """safe_optax: SAFE / SAFE+ sparse and flat training as composable optax transforms.
 
 Layers, bottom up: the sparsity set (``Global``, ``PerLeaf``, ``PerOutput``,
-``NM``, ``Projection``), exact top-k projection kernels (``project_topk``),
+``NM``, ``ERK``, ``Projection``), exact top-k projection kernels (``project_topk``),
 optax transforms (``sam_perturb``, ``admm_penalty``, ``decoupled_admm_penalty``,
 ``add_projected_gradient``), aliases (``safe``, ``safe_plus``, ``admm``,
 ``safe_sg``, ``safe_multi``), the baseline pruners (``magnitude_pruning``,
@@ -48,7 +48,9 @@ from safe_optax._scores import obd_scores
 from safe_optax._scores import snip_scores
 from safe_optax._scores import wanda_saliency
 from safe_optax._scores import wanda_scores
+from safe_optax._select import erk_keep_counts
 from safe_optax._select import num_keep
+from safe_optax._structures import ERK
 from safe_optax._structures import NM
 from safe_optax._structures import Global
 from safe_optax._structures import PerLeaf
@@ -62,6 +64,7 @@ __all__ = (
     "AddProjectedGradientState",
     "CramState",
     "DecoupledADMMState",
+    "ERK",
     "Global",
     "LeafSparsity",
     "MagnitudePruningState",
@@ -80,6 +83,7 @@ __all__ = (
     "decoupled_admm_penalty",
     "default_prunable",
     "dual_update",
+    "erk_keep_counts",
     "finalize",
     "find_admm_state",
     "hutchinson_diagonal",

@@ -9,7 +9,9 @@ the groups the structure (``_structures.py``) names:
 * :class:`NM`: ``n`` kept in every group of ``m`` consecutive entries along
   the reduction axis (2:4, 4:8 hardware sparsity);
 * :class:`PerOutput`: the same sparsity within every output unit (Wanda's
-  per-row grouping).
+  per-row grouping);
+* :class:`ERK`: a per-leaf count from the leaf's shape (Erdős–Rényi-Kernel),
+  the same total as :class:`Global`.
 
 The global threshold is found by radix selection on the float bit patterns
 (see ``_select.py``), never by sorting the concatenated model.
@@ -28,6 +30,7 @@ from jax import lax
 from safe_optax import _prunable
 from safe_optax import _select
 from safe_optax import _structures
+from safe_optax._structures import ERK
 from safe_optax._structures import NM
 from safe_optax._structures import Global
 from safe_optax._structures import PerLeaf
@@ -85,6 +88,9 @@ def _keep_counts(shapes, sparsity, structure):
   """
   if isinstance(structure, NM):
     return [jnp.int32(structure.n)] * len(shapes)
+  if isinstance(structure, ERK):
+    return [jnp.asarray(k, jnp.int32)
+            for k in _select.erk_keep_counts(shapes, sparsity, structure.power_scale)]
   sizes = [int(np.prod(shape)) for shape in shapes]
   if isinstance(structure, Global):
     sizes = [sum(sizes)]
@@ -102,7 +108,7 @@ def _project_leaves(leaves, score_leaves, counts, *, structure):
   key_fn = _select.magnitude_keys if by_magnitude else _select.order_keys
   if isinstance(structure, Global):
     masks, _ = _select.topk_masks(ranked, counts[0], key_fn=key_fn)
-  elif isinstance(structure, PerLeaf):
+  elif isinstance(structure, (PerLeaf, ERK)):
     masks = [_select.topk_masks([x], k, key_fn=key_fn)[0][0] for x, k in zip(ranked, counts)]
   else:
     masks = [
@@ -163,7 +169,8 @@ def project_topk(
       ``1 - n/m`` for :class:`NM`.
     structure: the groups whose entries compete: :class:`Global` (default,
       one threshold across all prunable leaves), :class:`PerLeaf` (the same
-      sparsity in every leaf), :class:`PerOutput` or :class:`NM`.
+      sparsity in every leaf), :class:`ERK` (a per-leaf sparsity from the
+      shapes, the same total as :class:`Global`), :class:`PerOutput` or :class:`NM`.
     scores: optional pytree shaped like ``tree`` with the ranking score of each
       prunable entry (higher is kept); other leaves may be ``None``.
     prunable: which leaves are pruned: ``None`` (floating leaves with
@@ -177,7 +184,7 @@ def project_topk(
     masks (all ``True`` for non-prunable leaves).
 
   Raises:
-    TypeError: ``structure`` is not one of the four structures.
+    TypeError: ``structure`` is not one of the five structures.
     ValueError: a sparsity outside ``[0, 1)`` (or missing, or contradicting
       ``NM``), a leaf that cannot carry ``structure`` (naming its path), or
       ``scores`` not shaped like the prunable leaves.

@@ -106,6 +106,120 @@ def num_keep(size: int, sparsity) -> int | jax.Array:
   return jnp.int32(size) - pruned.astype(jnp.int32)
 
 
+def _check_shapes(shapes: Any) -> list[tuple[int, ...]]:
+  try:
+    out = [tuple(shape) for shape in shapes]
+  except TypeError as err:
+    raise ValueError(f"`shapes` must be a sequence of leaf shapes, got {shapes!r}.") from err
+  for shape in out:
+    if not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0
+               for d in shape):
+      raise ValueError(f"`shapes` must hold tuples of non-negative ints, got {shape!r}.")
+  return [tuple(int(d) for d in shape) for shape in out]
+
+
+def erk_keep_counts(shapes: Sequence[Sequence[int]], sparsity,
+                    power_scale: float = 1.0) -> list[int] | list[jax.Array]:
+  r"""Entries kept in each leaf under the Erdős–Rényi-Kernel allocation.
+
+  Leaf ``i`` of shape ``(d_1, ..., d_r)`` and size ``n_i`` has the raw density
+  ``r_i = ((d_1 + ... + d_r) / n_i) ** power_scale``. A common scale ``eps``
+  meets the budget ``num_keep(sum n_i, sparsity)``; a leaf whose
+  ``eps * r_i`` would pass 1 is made dense and ``eps`` recomputed for the
+  rest (RigL's loop; here in one pass, since the dense leaves are always the
+  ones with the largest ``r_i``). The real counts ``eps * r_i * n_i`` are
+  rounded by largest remainder (ties: the earlier leaf), so the counts add up
+  to exactly ``num_keep(sum n_i, sparsity)``: the same total as
+  :class:`safe_optax.Global`.
+
+  A Python or concrete ``sparsity`` is allocated in float64 on the host and
+  gives Python ints. A traced one (a schedule inside ``jit``) is allocated
+  in float32 and gives int32 scalars, each within one entry of the float64
+  count for leaves under about 2**23 entries; their total is still exact.
+
+  Args:
+    shapes: the shapes of the prunable leaves, in flatten order.
+    sparsity: fraction of all their entries to prune, in ``[0, 1)``.
+    power_scale: exponent of the raw density: ``1`` is ERK, ``0`` uniform.
+
+  Returns:
+    One kept count per shape.
+
+  Raises:
+    ValueError: a bad shape, a sparsity outside ``[0, 1)`` or a negative
+      ``power_scale`` (``TypeError`` for a non-number).
+
+  Examples:
+    >>> from safe_optax import erk_keep_counts
+    >>> erk_keep_counts([(784, 300), (300, 100), (100, 10)], 0.9)  # MLP: output dense
+    [18714, 6906, 1000]
+    >>> erk_keep_counts([(784, 300), (300, 100), (100, 10)], 0.9, power_scale=0.0)
+    [23520, 3000, 100]
+  """
+  # Deferred: _structures sits above the kernels (it imports _prunable).
+  from safe_optax import _structures  # pylint: disable=g-import-not-at-top
+  shapes = _check_shapes(shapes)
+  power_scale = _structures.check_power_scale(power_scale)
+  _structures.validate_sparsity(sparsity)
+  if not shapes:
+    return []
+  sizes = np.array([math.prod(shape) for shape in shapes], np.int64)
+  raw = np.array([(sum(shape) / n) ** power_scale if n else 0.0
+                  for shape, n in zip(shapes, sizes)])
+  # Largest raw density first (earlier leaf first on ties); empty leaves last.
+  order = np.lexsort((np.arange(len(shapes)), -raw))
+  ns, rs = sizes[order], raw[order]
+  dense_before = np.concatenate([[0], np.cumsum(ns)])          # the first j leaves dense
+  mass_after = np.concatenate([np.cumsum((rs * ns)[::-1])[::-1], [0.0]])
+  next_raw = np.concatenate([rs, [0.0]])
+  target = num_keep(int(sizes.sum()), sparsity)
+  traced = isinstance(target, jax.core.Tracer)
+  xp = jnp if traced else np
+  if traced:
+    ns_x, rs_x = jnp.asarray(ns, jnp.float32), jnp.asarray(rs, jnp.float32)
+    budget = target.astype(jnp.float32) - jnp.asarray(dense_before, jnp.float32)
+    mass, nxt = jnp.asarray(mass_after, jnp.float32), jnp.asarray(next_raw, jnp.float32)
+  else:
+    target = int(target)
+    ns_x, rs_x = ns.astype(np.float64), rs
+    budget, mass, nxt = target - dense_before.astype(np.float64), mass_after, next_raw
+  safe_mass = xp.where(mass > 0, mass, 1.0)
+  eps = xp.where(mass > 0, budget / safe_mass, 0.0)
+  # RigL's loop stops at the first j where the densest leaf left fits under 1.
+  j = xp.argmax((mass <= 0) | (eps * nxt <= 1.0))
+  position = xp.arange(len(shapes))
+  real = xp.minimum(xp.where(position < j, ns_x, eps[j] * rs_x * ns_x), ns_x)
+  real = xp.maximum(real, 0.0)
+  floor = xp.floor(real)
+  frac = (real - floor)[np.argsort(order)]                    # back to flatten order
+  counts = floor.astype(xp.int32 if traced else np.int64)[np.argsort(order)]
+  sizes_x = xp.asarray(sizes, counts.dtype) if traced else sizes
+  counts = _largest_remainder(xp, counts, frac, sizes_x, target - counts.sum())
+  if traced:
+    return [counts[i] for i in range(len(shapes))]
+  return [int(c) for c in counts]
+
+
+def _largest_remainder(xp, counts, frac, sizes, deficit):
+  """Adds the ``deficit`` to ``counts``: one entry each, largest remainder first.
+
+  A negative deficit (float32 rounding up) takes one entry each from the
+  smallest remainders; whatever is left over (only when the rounding error
+  passes one entry per leaf) goes to the leaf with the most room.
+  """
+  index = xp.arange(counts.shape[0])
+  rank_down = xp.argsort(xp.lexsort((index, -frac)))            # 0: largest remainder
+  rank_up = xp.argsort(xp.lexsort((index, frac)))
+  room_up, room_down = counts < sizes, counts > 0
+  counts = counts + xp.where((rank_down < deficit) & room_up, 1, 0).astype(counts.dtype)
+  counts = counts - xp.where((rank_up < -deficit) & room_down, 1, 0).astype(counts.dtype)
+  left = deficit - (xp.where((rank_down < deficit) & room_up, 1, 0).sum()
+                    - xp.where((rank_up < -deficit) & room_down, 1, 0).sum())
+  widest = xp.argmax(xp.where(left >= 0, sizes - counts, counts))
+  left = xp.clip(left, -counts, sizes - counts)                 # never past empty or dense
+  return counts + xp.where(index == widest, left, 0).astype(counts.dtype)
+
+
 def order_keys(scores: jax.Array) -> jax.Array:
   """Maps float scores to ``uint32`` keys whose unsigned order is the float order.
 

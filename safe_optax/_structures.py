@@ -5,7 +5,9 @@ Four small, hashable NamedTuples (after JaxPruner's ``sparsity_types``):
 * :class:`Global`: one threshold over all prunable leaves (default; vision);
 * :class:`PerLeaf`: the same sparsity in every prunable leaf (LLM);
 * :class:`PerOutput`: the same sparsity within every output unit (Wanda's rows);
-* :class:`NM`: ``n`` kept in every ``m`` consecutive entries (2:4 hardware sparsity).
+* :class:`NM`: ``n`` kept in every ``m`` consecutive entries (2:4 hardware sparsity);
+* :class:`ERK`: a per-leaf sparsity from the leaf's shape (Erdős–Rényi-Kernel),
+  the same total as :class:`Global`.
 
 :class:`Projection` bundles a sparsity, a structure and a ``prunable`` rule
 into one value that can be built once from a config and passed around.
@@ -157,9 +159,64 @@ class NM(_Typed, _NMFields):
     return super().__new__(cls, n, m, axis)
 
 
-Structure = Union[Global, PerLeaf, PerOutput, NM]
-STRUCTURES = (Global, PerLeaf, PerOutput, NM)
-_ALLOWED = "Global(), PerLeaf(), PerOutput(axis) or NM(n, m, axis)"
+def check_power_scale(power_scale: Any) -> float:
+  """``power_scale`` as a float; raises unless it is a finite real ``>= 0``."""
+  if isinstance(power_scale, bool) or not isinstance(power_scale, numbers.Real):
+    raise TypeError(f"ERK `power_scale` must be a finite real number >= 0, got {power_scale!r}.")
+  if not (np.isfinite(power_scale) and power_scale >= 0):
+    raise ValueError(f"ERK `power_scale` must be a finite real number >= 0, got {power_scale!r}.")
+  return float(power_scale)
+
+
+class _ERKFields(NamedTuple):
+  power_scale: float = 1.0
+
+
+class ERK(_Typed, _ERKFields):
+  r"""Unstructured sparsity allocated across leaves by shape (Erdős–Rényi-Kernel).
+
+  The kept entries of all prunable leaves add up to the same number as
+  :class:`Global`'s, but each leaf gets its own count, fixed by its shape: a
+  leaf of shape ``(d_1, ..., d_r)`` and size ``n`` keeps a fraction
+  ``eps * ((d_1 + ... + d_r) / n) ** power_scale`` of its entries, one ``eps``
+  for the model, and a leaf whose fraction would pass 1 stays dense (the
+  allocation of RigL, Evci et al. 2020, used by JaxPruner and most
+  sparse-training code). Small layers (the output layer, the first conv)
+  stay denser than large ones, so no layer is emptied at extreme sparsity,
+  which :class:`Global` can do at initialisation (magnitudes are set by each
+  layer's fan-in). Inside a leaf the largest scores are kept, as with
+  :class:`PerLeaf`. The counts are :func:`safe_optax.erk_keep_counts`.
+
+  Attributes:
+    power_scale: exponent of the raw density; ``1`` is ERK, ``0`` the uniform
+      allocation (:class:`PerLeaf`'s fractions, rounded to the same total).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from safe_optax import ERK, project_topk
+    >>> tree = {'big': jnp.ones((40, 30)), 'small': jnp.ones((30, 2))}
+    >>> masks = project_topk(tree, 0.9, structure=ERK())[1]
+    >>> int(masks['big'].sum()), int(masks['small'].sum())   # 126 kept in all: 7 % and 67 %
+    (86, 40)
+    >>> ERK(-1.0)
+    Traceback (most recent call last):
+    ...
+    ValueError: ERK `power_scale` must be a finite real number >= 0, got -1.0.
+
+  References:
+    Evci, Gale, Menick, Castro, Elsen, `Rigging the Lottery: Making All
+    Tickets Winners <https://arxiv.org/abs/1911.11134>`_, ICML 2020.
+  """
+
+  __slots__ = ()
+
+  def __new__(cls, power_scale: float = 1.0) -> "ERK":
+    return super().__new__(cls, check_power_scale(power_scale))
+
+
+Structure = Union[Global, PerLeaf, PerOutput, NM, ERK]
+STRUCTURES = (Global, PerLeaf, PerOutput, NM, ERK)
+_ALLOWED = "Global(), PerLeaf(), PerOutput(axis), NM(n, m, axis) or ERK(power_scale)"
 # The deprecated ``scope`` strings and the structures that replace them.
 SCOPES = {"global": Global(), "per_leaf": PerLeaf()}
 
@@ -258,6 +315,8 @@ def check_config(sparsity: Any, structure: Structure) -> Structure:
   validate_sparsity(sparsity)
   if isinstance(structure, PerOutput):
     _check_axis(structure.axis, "PerOutput")  # PerOutput._replace bypasses the check
+  if isinstance(structure, ERK):
+    check_power_scale(structure.power_scale)  # so does ERK._replace
   return structure
 
 
@@ -292,7 +351,7 @@ class Projection(_ProjectionFields):
     >>> Projection(0.3, structure='per_leaf')
     Traceback (most recent call last):
     ...
-    TypeError: `structure` must be one of Global(), PerLeaf(), PerOutput(axis) or NM(n, m, axis), got 'per_leaf'.
+    TypeError: `structure` must be one of Global(), PerLeaf(), PerOutput(axis), NM(n, m, axis) or ERK(power_scale), got 'per_leaf'.
   """
 
   __slots__ = ()

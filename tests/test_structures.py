@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import safe_optax
-from safe_optax import NM, Global, PerLeaf, PerOutput, Projection
+from safe_optax import ERK, NM, Global, PerLeaf, PerOutput, Projection
 from safe_optax import _structures
 
 PARAMS = {"b": jnp.ones(3), "w1": jnp.array([[4., -3., 0.5], [0.2, 0.1, -2.]]),
@@ -67,14 +67,17 @@ def test_structures_compare_by_type_and_fields():
   assert Global() == Global() and hash(Global()) == hash(Global())
   assert PerOutput(-1) != (-1,) and NM(2, 4) != (2, 4, -2)
   assert NM(2, 4) == NM(2, 4, -2) and NM(2, 4) != NM(2, 4, 0)
-  assert len({Global(), PerLeaf(), PerOutput(), NM(2, 4), Global()}) == 4
+  assert len({Global(), PerLeaf(), PerOutput(), NM(2, 4), ERK(), Global()}) == 5
+  assert ERK() == ERK(1) and ERK() != ERK(0.5) and ERK(0.0) != (0.0,)
 
 
-@given(st.sampled_from(["g", "l", "o", "nm"]), st.sampled_from(["g", "l", "o", "nm"]),
-       st.integers(-3, 2), st.integers(-3, 2))
+KINDS = ["g", "l", "o", "nm", "erk"]
+
+
+@given(st.sampled_from(KINDS), st.sampled_from(KINDS), st.integers(-3, 2), st.integers(-3, 2))
 def test_equality_is_type_and_fields_property(kind_a, kind_b, axis_a, axis_b):
   make = {"g": lambda a: Global(), "l": lambda a: PerLeaf(), "o": PerOutput,
-          "nm": lambda a: NM(1, 2, a)}
+          "nm": lambda a: NM(1, 2, a), "erk": lambda a: ERK(abs(a) % 2)}
   a, b = make[kind_a](axis_a), make[kind_b](axis_b)
   same = type(a) is type(b) and tuple(a) == tuple(b)
   assert (a == b) is same and (a != b) is (not same)
@@ -92,20 +95,25 @@ def test_structures_are_distinct_static_jit_arguments():
 
 
 def test_structures_pickle_and_keep_their_checks():
-  for structure in (Global(), PerLeaf(), PerOutput(0), NM(2, 4, -1)):
+  for structure in (Global(), PerLeaf(), PerOutput(0), NM(2, 4, -1), ERK(0.5)):
     assert pickle.loads(pickle.dumps(structure)) == structure
   with pytest.raises(ValueError, match="PerOutput `axis` must be an int"):
     PerOutput(1.5)
   with pytest.raises(ValueError, match="PerOutput `axis`"):  # _replace bypasses __new__
     safe_optax.project_topk(PARAMS, 0.5, structure=PerOutput()._replace(axis="x"))
+  with pytest.raises(ValueError, match="ERK `power_scale`"):
+    safe_optax.project_topk(PARAMS, 0.5, structure=ERK()._replace(power_scale=-2.0))
 
 
 def test_check_config_returns_the_typed_structure():
-  for structure in (Global(), PerLeaf(), PerOutput()):
+  for structure in (Global(), PerLeaf(), PerOutput(), ERK()):
     assert _structures.check_config(0.5, structure) is structure
   assert _structures.check_config(None, NM(2, 4)) == NM(2, 4)
+  with pytest.raises(ValueError, match="`sparsity` is required"):
+    _structures.check_config(None, ERK())
   with pytest.raises(TypeError, match=r"`structure` must be one of Global\(\), PerLeaf\(\), "
-                                      r"PerOutput\(axis\) or NM\(n, m, axis\), got 'global'"):
+                                      r"PerOutput\(axis\), NM\(n, m, axis\) or "
+                                      r"ERK\(power_scale\), got 'global'"):
     _structures.check_config(0.5, "global")
 
 
@@ -171,6 +179,18 @@ def test_per_leaf_and_global_differ_on_this_tree():
   global_masks = _masks(BUILDERS["project_topk"](structure=Global()))
   per_leaf_masks = _masks(BUILDERS["project_topk"](structure=PerLeaf()))
   assert not np.array_equal(global_masks["w1"], per_leaf_masks["w1"])
+
+
+@pytest.mark.parametrize("name", [n for n in BUILDERS if n not in ("add_projected_gradient", "cram")])
+def test_every_builder_takes_erk_and_keeps_its_counts(name):
+  """Each function with a sparsity set keeps exactly the ERK count in every leaf."""
+  counts = safe_optax.erk_keep_counts([PARAMS["w1"].shape, PARAMS["w2"].shape], 0.5)
+  masks = _masks(BUILDERS[name](structure=ERK()))
+  assert [int(np.sum(masks["w1"])), int(np.sum(masks["w2"]))] == counts
+  # ERK's allocation (3 and 3: equal shapes sums and sizes) is not Global's (4 and 2)
+  # on this tree, so a builder that dropped the structure would fail.
+  global_masks = _masks(BUILDERS["project_topk"](structure=Global()))
+  assert [int(np.sum(global_masks["w1"])), int(np.sum(global_masks["w2"]))] != counts
 
 
 def test_scope_contradicting_structure_raises():

@@ -82,18 +82,34 @@ def _kernel_counts(tree) -> list[tuple[int, int]]:
 PRUNING_METHODS = [m for m in configs.METHODS if m != "dense"]
 
 
-@pytest.mark.parametrize("method", PRUNING_METHODS)
-def test_per_leaf_structure_prunes_every_kernel_to_the_sparsity(method, tmp_path):
-  """``structure="per_leaf"`` reaches the sparsity in each kernel, during training too."""
+def _expected_counts(structure, sizes_shapes):
+  shapes = [shape for _, shape in sizes_shapes]
+  if structure == "per_leaf":
+    return [safe_optax.num_keep(int(np.prod(shape)), 0.8) for shape in shapes]
+  return safe_optax.erk_keep_counts(shapes, 0.8)
+
+
+# ERK on the methods of the CrAM / ERK comparison and one of each family.
+STRUCTURE_CASES = [(m, "per_leaf") for m in PRUNING_METHODS] + [
+    (m, "erk") for m in ("safe", "safe-plus", "admm", "gmp", "cram")]
+
+
+@pytest.mark.parametrize("method, structure", STRUCTURE_CASES)
+def test_per_leaf_structures_prune_every_kernel_to_its_count(method, structure, tmp_path):
+  """``per_leaf`` / ``erk`` reach each kernel's own count, during training too."""
   config = test_train.tiny_config(method=method, epochs=1, warmup_epochs=0, gmp_update_every=2,
                                   imp_every_epochs=1, multi_sparsities=(0.5, 0.8),
-                                  structure="per_leaf")
+                                  structure=structure)
   out = train.train_and_evaluate(config, tmp_path, data_dir=None,
                                  dataset=test_train.tiny_dataset())
   counts = _kernel_counts(out.sparse_params)
+  shapes = [(n, np.shape(leaf)) for n, leaf in zip(
+      [c for c, _ in counts], [x for x in jax.tree.leaves(out.sparse_params) if np.ndim(x) >= 2])]
   assert len(counts) == 2
-  # Each kernel keeps its own top-k count, as if it were the only prunable leaf.
-  assert counts == [(safe_optax.num_keep(size, 0.8), size) for _, size in counts]
+  # Each kernel keeps its own count: the per-leaf top-k, or its ERK share of the total.
+  want = _expected_counts(structure, shapes)
+  assert [n for n, _ in counts] == want
+  assert want != _expected_counts("erk" if structure == "per_leaf" else "per_leaf", shapes)
   if method in ("gmp", "imp-sam"):
     # The pruners hold their mask on the trained weights themselves.
     assert _kernel_counts(out.state.params) == counts

@@ -185,17 +185,20 @@ def test_sweep_takes_a_config_file_too():
 def test_structure_is_a_config_field_a_flag_and_a_config_key(capsys):
   from safe_optax.vision import methods  # pylint: disable=import-outside-toplevel
   assert configs.get_config("mlp-mnist").structure == "global"
-  with pytest.raises(ValueError, match=r"`structure` must be one of \['global', 'per_leaf'\], "
-                                       r"got 'per_layer'"):
+  with pytest.raises(ValueError, match=r"`structure` must be one of \['global', 'per_leaf', "
+                                       r"'erk'\], got 'per_layer'"):
     configs.get_config("mlp-mnist", structure="per_layer")
   for argv in (["--structure", "per_leaf"], ["--config.structure=per_leaf"]):
     config = cli.resolved_config(RUN + ["--preset", "mlp-mnist", *argv])
     assert config.structure == "per_leaf"
     assert methods.projection(config)["structure"] == safe_optax.PerLeaf()
+  config = cli.resolved_config(RUN + ["--preset", "mlp-mnist", "--structure", "erk"])
+  assert methods.projection(config)["structure"] == safe_optax.ERK()
   assert "invalid choice: 'rows'" in _cli_error(
       RUN + ["--preset", "mlp-mnist", "--structure", "rows"], capsys)
   # Runs of another sparsity set never share a sweep folder with the global ones.
   c = configs.get_config("mlp-mnist", method="gmp", sparsity=0.9)
   assert sweeps.run_dir("r", c) != sweeps.run_dir("r", c.replace(structure="per_leaf"))
+  assert sweeps.run_dir("r", c.replace(structure="erk")).name == "gmp-s0.9-erk-seed0"
   assert sweeps.run_dir("r", c.replace(method="dense", sparsity=0.0)) == sweeps.run_dir(
       "r", c.replace(method="dense", sparsity=0.0, structure="per_leaf"))

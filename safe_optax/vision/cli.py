@@ -51,6 +51,7 @@ from typing import Any, Optional
 from safe_optax.experiment import mean_se, versions
 from safe_optax.vision import config_files
 from safe_optax.vision import configs
+from safe_optax.vision import methods
 
 _CONFIG_OVERRIDE = "--config."
 
@@ -83,8 +84,8 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
                          "off: the paper's update, see docs/dual_rescaling.md)")
   over.add_argument("--saliency", choices=configs.SALIENCIES, help="SAFE+ scores")
   over.add_argument("--structure", choices=configs.STRUCTURES,
-                    help="sparsity set: one top-k over all prunable leaves (global, the "
-                         "paper's) or the same sparsity in every leaf (per_leaf)")
+                    help="sparsity set: " + "; ".join(
+                        f"{k}: {v}" for k, v in methods.STRUCTURE_HELP.items()))
   over.add_argument("--train-subset", type=int, help="train on this many examples")
   over.add_argument("--test-subset", type=int, help="evaluate on this many test examples")
   over.add_argument("--test-only-split", type=int, nargs=2, metavar=("N_TRAIN", "N_TEST"),

@@ -39,7 +39,8 @@ DATASETS = ("cifar10", "cifar100", "mnist", "fashion_mnist")
 SALIENCIES = ("snip", "obd")
 STRUCTURES = tuple(methods.STRUCTURES)
 """Sparsity sets of :attr:`Config.structure`: one top-k over all prunable leaves
-(:class:`~safe_optax.Global`) or the same fraction in each (:class:`~safe_optax.PerLeaf`)."""
+(:class:`~safe_optax.Global`), the same fraction in each (:class:`~safe_optax.PerLeaf`) or
+a fraction per leaf from its shape (:class:`~safe_optax.ERK`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +60,8 @@ class Config:
   structure: str = "global"
   """``global``: one top-k over all prunable leaves (the paper's vision setting; layers end
   with different sparsities); ``per_leaf``: ``sparsity`` in every prunable leaf (a uniform
-  per-layer mask, which no layer can lose entirely)."""
+  per-layer mask, which no layer can lose entirely); ``erk``: RigL's Erdős–Rényi-Kernel
+  allocation, small layers denser, the same total as ``global``."""
   epochs: int = 200
   batch_size: int = 128
   eval_batch_size: int = 500

@@ -51,15 +51,16 @@ def projection(config: "Config") -> dict[str, Any]:
   result to :func:`safe_optax.project_topk`, :func:`safe_optax.finalize`,
   an alias or a pruner (``**projection(config)``). The structure is
   ``config.structure``: :class:`~safe_optax.Global` (one top-k over all
-  prunable leaves, the paper's vision setting) or :class:`~safe_optax.PerLeaf`
-  (the same sparsity in every prunable leaf); the prunable leaves are the
-  library's default.
+  prunable leaves, the paper's vision setting), :class:`~safe_optax.PerLeaf`
+  (the same sparsity in every prunable leaf) or :class:`~safe_optax.ERK`
+  (per-leaf sparsities from the shapes, RigL's allocation); the prunable
+  leaves are the library's default.
 
   Args:
     config: the run's configuration.
 
   Returns:
-    ``{"sparsity": config.sparsity, "structure": Global() or PerLeaf()}``.
+    ``{"sparsity": config.sparsity, "structure": Global(), PerLeaf() or ERK()}``.
 
   Examples:
     >>> from safe_optax.vision import configs
@@ -71,9 +72,17 @@ def projection(config: "Config") -> dict[str, Any]:
   return {"sparsity": config.sparsity, "structure": STRUCTURES[config.structure]()}
 
 
-STRUCTURES = {"global": safe_optax.Global, "per_leaf": safe_optax.PerLeaf}
+STRUCTURES = {"global": safe_optax.Global, "per_leaf": safe_optax.PerLeaf, "erk": safe_optax.ERK}
 """``Config.structure`` names -> the library's structure types; the names, in this order, are
 :data:`~safe_optax.vision.configs.STRUCTURES`."""
+
+STRUCTURE_HELP = {
+    "global": "one top-k over all prunable leaves (the paper's)",
+    "per_leaf": "the same sparsity in every prunable leaf",
+    "erk": "a per-leaf sparsity from each leaf's shape (Erdős–Rényi-Kernel, RigL's), "
+           "the same total as global",
+}
+"""One line per :data:`STRUCTURES` name, for help texts and result tables."""
 
 
 def _set_keywords(config: "Config") -> dict[str, Any]:
