@@ -245,3 +245,19 @@ def test_safe_reaches_the_erk_allocation_after_finalize():
   counts = erk_keep_counts([x.shape for x in leaves], 0.9)
   assert [int(np.sum(m)) for m, x in zip(jax.tree.leaves(masks), jax.tree.leaves(TREE))
           if x.ndim >= 2] == counts
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_at_init_global_empties_the_mlp_input_layer_and_erk_does_not(seed):
+  """The mechanism of CrAM's collapse at 99.5 % (README): at initialisation the
+  input layer's weights are the smallest (fan-in 784), so one global top-k keeps
+  none of them and the compressed model CrAM differentiates is constant. ERK's
+  counts depend on the shapes only: every layer keeps weights, whatever the seed."""
+  from safe_optax.vision import configs, models  # pylint: disable=import-outside-toplevel
+  model = models.create_model(configs.get_config("mlp-fashion-mnist"), 10)
+  params = model.init(jax.random.PRNGKey(seed), jnp.zeros((1, 28, 28, 1)))["params"]
+  kept = lambda structure: [int(m.sum()) for m in jax.tree.leaves(
+      project_topk(params, 0.995, structure=structure)[1]) if m.ndim >= 2]
+  assert kept(Global())[0] == 0
+  assert kept(ERK()) == erk_keep_counts([(784, 300), (300, 100), (100, 10)], 0.995)
+  assert min(kept(ERK())) > 0 and sum(kept(ERK())) == sum(kept(Global()))
