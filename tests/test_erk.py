@@ -141,6 +141,24 @@ def test_traced_sparsity_total_exact_and_within_one_of_eager(shapes, s):
   assert np.all((np.asarray(traced) >= 0) & (np.asarray(traced) <= np.array(sizes)))
 
 
+VGG19_SHAPES = ([(3, 3, 3, 64), (3, 3, 64, 64), (3, 3, 64, 128), (3, 3, 128, 128),
+                 (3, 3, 128, 256)] + [(3, 3, 256, 256)] * 3 + [(3, 3, 256, 512)]
+                + [(3, 3, 512, 512)] * 7 + [(512, 10)])
+LLM_SHAPES = ([(4096, 4096)] * 4 + [(4096, 11008)] * 2 + [(11008, 4096)]) * 4  # 808M entries
+
+
+@pytest.mark.parametrize("shapes", [VGG19_SHAPES, LLM_SHAPES], ids=["vgg19", "llm"])
+@pytest.mark.parametrize("s", [0.5, 0.9, 0.98, 0.995])
+def test_traced_counts_of_large_models(shapes, s):
+  """float32 under jit on 20M- and 808M-entry models: the total stays exact, each leaf
+  within one entry of the float64 count (leaves of 45M entries included)."""
+  eager = np.array(erk_keep_counts(shapes, np.float32(s)))
+  traced = np.asarray(jax.jit(lambda x: jnp.stack(erk_keep_counts(shapes, x)))(jnp.float32(s)))
+  total = int(num_keep(sum(math.prod(shape) for shape in shapes), jnp.float32(s)))
+  assert int(eager.sum()) == int(traced.astype(np.int64).sum()) == total
+  assert np.abs(eager - traced).max() <= 1
+
+
 def test_bad_arguments_raise_naming_them():
   for bad in (-1.0, float("nan"), float("inf"), "1", True):
     with pytest.raises((ValueError, TypeError), match="power_scale"):
