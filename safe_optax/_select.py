@@ -212,11 +212,10 @@ def _largest_remainder(xp, counts, frac, sizes, deficit):
   index = xp.arange(counts.shape[0])
   rank_down = xp.argsort(xp.lexsort((index, -frac)))            # 0: largest remainder
   rank_up = xp.argsort(xp.lexsort((index, frac)))
-  room_up, room_down = counts < sizes, counts > 0
-  counts = counts + xp.where((rank_down < deficit) & room_up, 1, 0).astype(counts.dtype)
-  counts = counts - xp.where((rank_up < -deficit) & room_down, 1, 0).astype(counts.dtype)
-  left = deficit - (xp.where((rank_down < deficit) & room_up, 1, 0).sum()
-                    - xp.where((rank_up < -deficit) & room_down, 1, 0).sum())
+  step = (xp.where((rank_down < deficit) & (counts < sizes), 1, 0)
+          - xp.where((rank_up < -deficit) & (counts > 0), 1, 0)).astype(counts.dtype)
+  counts = counts + step
+  left = deficit - step.sum()
   widest = xp.argmax(xp.where(left >= 0, sizes - counts, counts))
   left = xp.clip(left, -counts, sizes - counts)                 # never past empty or dense
   return counts + xp.where(index == widest, left, 0).astype(counts.dtype)
