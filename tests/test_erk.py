@@ -30,14 +30,20 @@ from safe_optax import ERK, Global, PerLeaf, erk_keep_counts, num_keep, project_
 # --------------------------------------------------------------------------- #
 
 
-def ref_erk(shapes, sparsity: str) -> list[int]:
-  """RigL's loop (power_scale 1) in exact arithmetic, then largest remainder."""
+def ref_erk_real(shapes, sparsity: str, power: float = 1.0) -> tuple[int, list[Fraction]]:
+  """RigL's loop in exact arithmetic: the budget and each leaf's real-valued count.
+
+  With ``power`` 1 the raw densities are exact rationals; otherwise each is the
+  exact rational value of its float64 power, and the loop is exact from there.
+  """
   sizes = [math.prod(s) for s in shapes]
   total = sum(sizes)
   target = total - math.floor(Fraction(sparsity) * total)
   target = max(target, 1) if total else 0
-  raw = [Fraction(sum(s), n) if n else Fraction(0) for s, n in zip(shapes, sizes)]
+  raw = [(Fraction(sum(s), n) if power == 1 else Fraction((sum(s) / n) ** power)) if n
+         else Fraction(0) for s, n in zip(shapes, sizes)]
   dense: set[int] = {i for i, n in enumerate(sizes) if n == 0}  # nothing to allocate
+  eps = Fraction(0)
   while True:
     budget = target - sum(sizes[i] for i in dense)
     mass = sum(raw[i] * sizes[i] for i in range(len(sizes)) if i not in dense)
@@ -51,9 +57,15 @@ def ref_erk(shapes, sparsity: str) -> list[int]:
     dense |= {i for i in free if raw[i] == top}
   real = [Fraction(sizes[i]) if i in dense else eps * raw[i] * sizes[i]
           for i in range(len(sizes))]
+  return target, real
+
+
+def ref_erk(shapes, sparsity: str) -> list[int]:
+  """RigL's loop (power_scale 1) in exact arithmetic, then largest remainder."""
+  target, real = ref_erk_real(shapes, sparsity)
   counts = [math.floor(x) for x in real]
   deficit = target - sum(counts)
-  order = sorted(range(len(sizes)), key=lambda i: (-(real[i] - counts[i]), i))
+  order = sorted(range(len(real)), key=lambda i: (-(real[i] - counts[i]), i))
   for i in order[:deficit]:
     counts[i] += 1
   return counts
@@ -92,20 +104,10 @@ def test_counts_are_exact_bounded_and_proportional(shapes, sparsity, power):
   sizes = [math.prod(s) for s in shapes]
   assert sum(counts) == num_keep(sum(sizes), float(sparsity))
   assert all(0 <= c <= n for c, n in zip(counts, sizes))
-  raw = np.array([(sum(s) / n) ** power for s, n in zip(shapes, sizes)])
-  sparse = [i for i, (c, n) in enumerate(zip(counts, sizes)) if c < n]
-  dense = [i for i, (c, n) in enumerate(zip(counts, sizes)) if c == n]
-  if not sparse:
-    return
-  # One scale eps for every leaf left sparse: its count is eps * raw * size up to
-  # rounding (largest remainder: < 1 entry; a leaf that rounded up to dense shifts
-  # eps by less than one more); a dense leaf is one whose eps * raw reaches 1.
-  target = sum(counts)
-  eps = (target - sum(sizes[i] for i in dense)) / sum(raw[i] * sizes[i] for i in sparse)
-  for i in sparse:
-    assert abs(counts[i] - eps * raw[i] * sizes[i]) < 2
-  for i in dense:
-    assert eps * raw[i] * sizes[i] > sizes[i] - 2
+  # Each count is its real-valued share from RigL's loop, rounded up or down.
+  _, real = ref_erk_real(shapes, sparsity, power)
+  for count, x in zip(counts, real):
+    assert math.floor(x) - 1e-9 * x <= count <= math.ceil(x) + 1e-9 * x
 
 
 def test_power_scale_zero_is_uniform():
