@@ -193,13 +193,14 @@ def erk_keep_counts(shapes: Sequence[Sequence[int]], sparsity,
   real = xp.minimum(xp.where(position < j, ns_x, eps[j] * rs_x * ns_x), ns_x)
   real = xp.maximum(real, 0.0)
   floor = xp.floor(real)
-  frac = (real - floor)[np.argsort(order)]                    # back to flatten order
+  unsort = np.argsort(order)                                   # back to flatten order
+  frac = (real - floor)[unsort]
   if not traced:
     # float64 remainders that differ only by rounding error tie (the earlier leaf
     # wins), as equal remainders do in exact arithmetic (RigL's loop on rationals).
     quantum = float(np.finfo(np.float64).eps) * 64 * max(float(sizes.max()), 1.0)
     frac = np.round(frac / quantum) * quantum
-  counts = floor.astype(xp.int32 if traced else np.int64)[np.argsort(order)]
+  counts = floor.astype(xp.int32 if traced else np.int64)[unsort]
   sizes_x = xp.asarray(sizes, counts.dtype) if traced else sizes
   counts = _largest_remainder(xp, counts, frac, sizes_x, target - counts.sum())
   if traced:
