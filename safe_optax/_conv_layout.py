@@ -8,7 +8,7 @@ inside a ``lax.while_loop``, ``lax.fori_loop``, ``lax.scan`` or ``lax.cond``
 the backward pass's kernel-gradient and input-gradient convolutions (whose
 orders are permuted) run on a naive loop nest instead (jax-ml/jax#12868;
 ``lambda_max`` inside ``jax.jit`` cost 13.5x a plain gradient per FLOP on
-ResNet-20 before this rewrite, 0.89x with it: ``benchmarks/eval_speed.py``). :func:`canonical_convs` does the rewrite in JAX
+ResNet-20 before this rewrite, 0.89x with it: ``benchmarks/perf/eval_speed.py``). :func:`canonical_convs` does the rewrite in JAX
 before XLA sees the program: it traces a function to a jaxpr and evaluates it
 again with every ``conv_general_dilated`` in canonical order between
 transposes, in nested jaxprs too. The result is the same computation (the

@@ -25,7 +25,7 @@ backward pass) only in a program's top-level computation
 loop body they would fall back to a naive loop nest, 20-60x slower
 (jax-ml/jax#12868). The loop bodies here therefore go through
 :func:`safe_optax.canonical_convs`, which does that rewrite in JAX
-(``benchmarks/eval_speed.py`` times both ways).
+(``benchmarks/perf/eval_speed.py`` times both ways).
 """
 
 from __future__ import annotations

@@ -368,7 +368,7 @@ def topk_masks(
   elementwise kernel (the mask, fused with whatever the caller does with it),
   traced, lowered and compiled once per leaf shape and dtype; what remains per
   leaf is XLA's optimisation of each leaf's copy of it and the leaf's operand
-  of the concatenation (``benchmarks/projection.py --parts compile``).
+  of the concatenation (``benchmarks/perf/projection.py --parts compile``).
 
   Args:
     keys: ``uint32`` arrays from :func:`order_keys`, any shapes; or, with

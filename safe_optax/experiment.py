@@ -6,7 +6,7 @@ library versions and the device (:func:`versions`), summarises seeds as
 mean +- standard error (:func:`mean_se`), shows tqdm bars
 (:func:`progress`) and trains classifiers with the mean softmax cross entropy
 (:func:`cross_entropy`). The fixed-size minibatch orders of the whole-run
-``lax.scan`` trainers (the demo, ``benchmarks/flatness_mlp.py``) are
+``lax.scan`` trainers (the demo, ``benchmarks/claims/flatness_mlp.py``) are
 :func:`batch_order`.
 
 Nothing here knows a model or a method; nothing below the experiment layer

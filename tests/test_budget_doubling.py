@@ -1,4 +1,4 @@
-"""benchmarks/budget_doubling.py: the change between budgets, its verdict and order flips."""
+"""benchmarks/claims/budget_doubling.py: the change between budgets, its verdict and order flips."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "claims"))
 import budget_doubling  # noqa: E402  pylint: disable=wrong-import-position
 
 

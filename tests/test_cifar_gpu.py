@@ -1,4 +1,4 @@
-"""benchmarks/cifar_gpu.py: the epoch plan for a lease, partial-run summaries, the merged table."""
+"""benchmarks/claims/cifar_gpu.py: the epoch plan for a lease, partial-run summaries, the merged table."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import tarfile
 from hypothesis import given, settings, strategies as st
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "claims"))
 import cifar_gpu  # noqa: E402  pylint: disable=wrong-import-position
 
 

@@ -24,7 +24,7 @@ from safe_optax.vision import models
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MNIST_DIR = ROOT.parent / "shared" / "data" / "mnist"
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "claims"))
 import flatness_mlp  # noqa: E402  pylint: disable=wrong-import-position
 
 needs_mnist = pytest.mark.skipif(not MNIST_DIR.exists(),
@@ -32,14 +32,14 @@ needs_mnist = pytest.mark.skipif(not MNIST_DIR.exists(),
 
 
 def _committed(name: str) -> dict:
-  with open(ROOT / "results" / "flatness" / name, encoding="utf-8") as f:
+  with open(ROOT / "results" / name, encoding="utf-8") as f:
     return json.load(f)
 
 
 @pytest.fixture(scope="module")
 def mnist_flatness_config() -> flatness_mlp.Config:
   """The committed §4.1 MNIST run's config (100 epochs, chosen lambdas), on 1,000 Hessian images."""
-  recorded = _committed("flatness_mnist.json")["config"]
+  recorded = _committed("flatness_mnist/flatness_mnist.json")["config"]
   assert recorded["select"], "the committed run chose its lambdas on a validation split"
   return flatness_mlp.Config(
       dataset="mnist", data_dir=str(MNIST_DIR), epochs=recorded["epochs"],
@@ -83,8 +83,8 @@ def test_safe_finds_flatter_sparse_minima_than_admm(mnist_flatness_config, seed)
 @pytest.fixture(scope="module")
 def label_noise_runs() -> dict:
   """The committed Table 3 run: lambdas chosen on a noisy validation split, per noise ratio."""
-  recorded = _committed("label_noise_mlp-mnist.json")
-  five = _committed("label_noise_mlp-mnist_5seeds.json")
+  recorded = _committed("label_noise/label_noise_3seeds.json")
+  five = _committed("label_noise/label_noise_5seeds.json")
   return {"config": recorded["config"], "chosen": recorded["selection"], "five": five["runs"]}
 
 
@@ -93,8 +93,8 @@ def label_noise_runs() -> dict:
 def test_safe_is_more_robust_to_label_noise_than_admm(label_noise_runs, seed, tmp_path):
   """Table 3 at 25 % symmetric label noise: SAFE's 90 %-sparse MLP beats ADMM's on clean test data.
 
-  The committed 5-seed run (``label_noise_mlp-mnist_5seeds.json``, the lambdas
-  chosen on a noisy validation split in ``label_noise_mlp-mnist.json``) has
+  The committed 5-seed run (``results/label_noise/label_noise_5seeds.json``, the lambdas
+  chosen on a noisy validation split in ``label_noise_3seeds.json``) has
   SAFE ahead by 0.8-2.0 points in every seed; the test asserts more than 0.4,
   that both iterates reached their sparse sets, and that the rerun reproduces
   the committed accuracy within a point (same seed and data order; another CPU may round
@@ -130,14 +130,14 @@ FMNIST_DIR = pathlib.Path("/usr/share/datasets/fashion-mnist")
 def test_rescaled_dual_keeps_safe_from_collapsing_at_extreme_sparsity(seed, tmp_path):
   """At 99.5 % sparsity under the cosine ramp, the paper's dual update collapses; rescaling does not.
 
-  The committed 5-seed run (``results/vision/dual_rescaling``: Fashion-MNIST
+  The committed 5-seed run (``results/dual_rescaling``: Fashion-MNIST
   MLP, 4,000 training images, 20 epochs, lambda 0.1) has the rescaled dual
   ahead by 35-45 points in every seed, with ``||x - z||`` less than half the
   paper update's. The test asserts a 20-point lead, the smaller ``||x - z||``, and
   that the rerun reproduces the committed accuracies within 2 points.
   """
   from safe_optax.vision import configs, sweeps  # pylint: disable=import-outside-toplevel
-  committed = json.loads((ROOT / "results" / "vision" / "dual_rescaling" / "dual_rescaling.json"
+  committed = json.loads((ROOT / "results" / "dual_rescaling" / "dual_rescaling.json"
                           ).read_text(encoding="utf-8"))
   args = committed["args"]
   base = configs.get_config(args["preset"], method="safe", sparsity=args["sparsity"],
@@ -178,7 +178,7 @@ def test_safe_reaches_an_extreme_sparse_set_that_admm_does_not(seed, tmp_path):
   committed accuracies within 1.5 points.
   """
   from safe_optax.vision import configs, sweeps  # pylint: disable=import-outside-toplevel
-  committed = json.loads((ROOT / "results" / "vision" / "fmnist_mlp_ci_995_60ep" / "sweep.json"
+  committed = json.loads((ROOT / "results" / "sparse_set_995_small" / "sweep_60epochs.json"
                           ).read_text(encoding="utf-8"))
   base = configs.from_dict(committed["config"]).replace(sparsity=0.995, seed=seed)
   overrides = sweeps.rescaled_dual(["safe", "admm"], True)

@@ -1,4 +1,4 @@
-"""benchmarks/label_noise.py: which lambda each run uses, and no grid silently ignored."""
+"""benchmarks/claims/label_noise.py: which lambda each run uses, and no grid silently ignored."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "claims"))
 import label_noise  # noqa: E402  pylint: disable=wrong-import-position
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))

@@ -56,7 +56,7 @@ def block0_held_out_errors(config, params, tokens, seed, methods, steps=40, wind
   Calibration windows come from the first 80 % of WikiText-2 validation and
   held-out windows from the last 20 % (seeded); SAFE / SAFE+ take ``steps``
   Adam steps of ``windows`` windows at lr 3e-3, lambda 1e-3 (the block study's
-  selected step size, results/llm/block_selection_block0.json).
+  selected step size, results/llm_pruning/block_selection_block0.json).
   """
   cut = int(0.8 * len(tokens))
   calib = data.calibration_windows(tokens[:cut], windows, seqlen, seed)
@@ -81,7 +81,7 @@ def block0_held_out_errors(config, params, tokens, seed, methods, steps=40, wind
 def test_safe_plus_beats_magnitude_on_held_out_block0(smollm2):
   """SAFE+ at a sufficient step budget beats magnitude on real weights (block 0, held out).
 
-  Seeds 0-4, 8 x 32 calibration tokens, 40 steps (results/llm/block_selection_ci_seeds.json):
+  Seeds 0-4, 8 x 32 calibration tokens, 40 steps (results/llm_pruning/block_selection_ci_seeds.json):
   SAFE+ / magnitude error ratio 0.54-0.61 (threshold 0.75). With so few calibration tokens SAFE+ does not
   reach Wanda here (the 16 x 128-token study does); at the paper's lr 2e-4 it stays at Wanda.
   """

@@ -1,4 +1,4 @@
-"""benchmarks/sparsity_sweep.py: selection reaches the final runs, CrAM's rho included."""
+"""benchmarks/claims/sparsity_sweep.py: selection reaches the final runs, CrAM's rho included."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "claims"))
 import sparsity_sweep  # noqa: E402  pylint: disable=wrong-import-position
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))

@@ -1,7 +1,7 @@
 """Many runs of the vision trainer: one folder per run, lambda chosen on a validation split.
 
 The pieces that the ``sweep`` command and the evidence benchmarks
-(``benchmarks/sparsity_sweep.py``, ``benchmarks/label_noise.py``) share:
+(``benchmarks/claims/sparsity_sweep.py``, ``benchmarks/claims/label_noise.py``) share:
 
 * :func:`run_dir` names a run's folder by every setting that differs between
   the runs of a sweep; :func:`run_or_load` trains a configuration there, or

@@ -386,7 +386,7 @@ def _cached_programs(config: Config, num_train: int, num_classes: int,
       train=jax.jit(step, donate_argnums=0, out_shardings=replicated,
                     static_argnames="dual_due"),
       # Not donated: on XLA:CPU the donated dual program ran 4-5 ms in most calls, the
-      # undonated one 0.7-1.3 ms (benchmarks/dual_step_breakdown.py); only z and u are new buffers.
+      # undonated one 0.7-1.3 ms (benchmarks/perf/dual_step_breakdown.py); only z and u are new buffers.
       dual=jax.jit(functools.partial(dual_step, tx=tx, step_logger=step_logger),
                    out_shardings=replicated) if method.dual_alone else None,
       eval=jax.jit(evaluate_batch, out_shardings=replicated),

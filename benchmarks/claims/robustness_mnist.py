@@ -1,0 +1,100 @@
+"""SAFE vs ADMM robustness table: clean / corrupted (sev 3, 5) / PGD accuracy and lambda_max.
+
+Trains each (method, seed) with the vision trainer
+(:func:`safe_optax.vision.train.train_and_evaluate`, final projection + BNT),
+then runs :func:`safe_optax.vision.evaluation.evaluate_workdir` on it, and
+writes one table (mean +- s.e. over seeds) to ``--out``. Finished runs and
+corruption sets are reused from ``--workdir``.
+
+  python benchmarks/claims/robustness_mnist.py --preset mlp-mnist --data-dir ../shared/data/mnist \\
+      --test-only-split 8000 2000 --epochs 20 --seeds 0 --out results/robustness_mnist
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+from typing import Any, Optional
+
+from safe_optax.experiment import mean_se, versions
+from safe_optax.vision import configs
+from safe_optax.vision import evaluation
+from safe_optax.vision import train
+
+
+def _cell(values: list[float]) -> str:
+  mean, se = mean_se([100 * v for v in values])
+  return f"{mean:.2f}" if se is None else f"{mean:.2f} ± {se:.2f}"
+
+
+def table(evals: dict[str, list[dict[str, Any]]]) -> str:
+  """Rows: methods; columns: clean, corrupted sev 3 / 5, PGD l_inf / l_2 (percent)."""
+  columns = [("clean", lambda e: e["clean"]),
+             ("corrupted sev 3", lambda e: e["corruptions"]["mean"]["3"]),
+             ("corrupted sev 5", lambda e: e["corruptions"]["mean"]["5"]),
+             ("PGD l_inf 1/255", lambda e: e["pgd-linf"]["adversarial"]),
+             ("PGD l_2 3/255", lambda e: e["pgd-l2"]["adversarial"])]
+  lines = ["| method | " + " | ".join(c for c, _ in columns) + " | lambda_max (support) |",
+           "|---|" + "---|" * (len(columns) + 1)]
+  for method, runs in evals.items():
+    lam = mean_se([e["hessian"]["lambda_max_support"] for e in runs])
+    lam_text = f"{lam[0]:.3g}" + ("" if lam[1] is None else f" ± {lam[1]:.2g}")
+    lines.append(f"| {method} | " + " | ".join(_cell([fn(e) for e in runs]) for _, fn in columns)
+                 + f" | {lam_text} |")
+  return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--preset", default="mlp-mnist", choices=sorted(configs.PRESETS))
+  parser.add_argument("--data-dir", required=True)
+  parser.add_argument("--test-only-split", type=int, nargs=2, default=None)
+  parser.add_argument("--methods", nargs="+", default=["safe", "admm"])
+  parser.add_argument("--sparsity", type=float, default=0.9)
+  parser.add_argument("--epochs", type=int, default=20)
+  parser.add_argument("--warmup-epochs", type=int, default=1)
+  parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+  parser.add_argument("--corruption-subset", type=int, default=1000)
+  parser.add_argument("--workdir", default="/tmp/safe_optax_robustness")
+  parser.add_argument("--out", default="results/robustness_mnist")
+  args = parser.parse_args(argv)
+  start = time.perf_counter()
+  overrides = {"epochs": args.epochs, "warmup_epochs": args.warmup_epochs}
+  if args.test_only_split:
+    overrides["test_only_split"] = tuple(args.test_only_split)
+  base = configs.get_config(args.preset, **overrides)
+  data = train.load_dataset(base, args.data_dir)
+  evals: dict[str, list[dict[str, Any]]] = {}
+  for method in args.methods:
+    for seed in args.seeds:
+      config = base.replace(method=method, sparsity=args.sparsity, seed=seed)
+      run_dir = pathlib.Path(args.workdir) / f"{method}-s{args.sparsity:g}-seed{seed}"
+      print(f"{method} seed {seed}", file=sys.stderr, flush=True)
+      train.train_and_evaluate(config, run_dir, data_dir=args.data_dir, dataset=data,
+                               progress=True)
+      evals.setdefault(method, []).append(evaluation.evaluate_workdir(
+          run_dir, data_dir=args.data_dir, dataset=data,
+          corruption_subset=args.corruption_subset,
+          cache_dir=pathlib.Path(args.workdir) / "corruptions"))
+  markdown = table(evals)
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  command = "python " + " ".join(sys.argv)
+  stem = f"robustness_{args.preset}"
+  (out / f"{stem}.json").write_text(json.dumps(
+      {"command": command, "config": configs.to_dict(base), "sparsity": args.sparsity,
+       "seeds": args.seeds, "versions": versions(), "evals": evals, "wall_seconds": time.perf_counter() - start},
+      indent=1))
+  (out / f"{stem}.md").write_text(
+      f"Command: `{command}`\n\nAccuracy (%) of the sparse model after projection + BNT, "
+      f"mean ± s.e. over seeds {args.seeds}; corruptions on the first "
+      f"{args.corruption_subset} test images.\n\n{markdown}\n")
+  print(markdown)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
