@@ -23,7 +23,8 @@ LAYERS = {
                 "_conv_layout"),
     "transforms": ("_dual", "_admm", "_sam", "_cram", "_pruners", "_alias", "_finalize",
                    "__init__"),
-    "helpers": ("flax_utils", "_flax_linen", "_flax_nnx", "distributed", "_hessian", "_landscape", "plots", "flatness"),
+    "helpers": ("flax_utils", "_flax_linen", "_flax_nnx", "distributed", "_hessian", "_landscape", "plots", "flatness",
+                "data_paths"),
     "experiment": ("experiment",),
     "applications": ("demo", "vision", "llm"),
 }

@@ -23,12 +23,10 @@ from safe_optax import flatness
 from safe_optax.vision import models
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-MNIST_DIR = ROOT.parent / "shared" / "data" / "mnist"
 sys.path.insert(0, str(ROOT / "benchmarks" / "claims"))
 import flatness_mlp  # noqa: E402  pylint: disable=wrong-import-position
+from data_required import require_data  # noqa: E402  pylint: disable=wrong-import-position
 
-needs_mnist = pytest.mark.skipif(not MNIST_DIR.exists(),
-                                 reason="../shared/data/mnist is not beside the checkout")
 
 
 def _committed(name: str) -> dict:
@@ -42,13 +40,12 @@ def mnist_flatness_config() -> flatness_mlp.Config:
   recorded = _committed("flatness_mnist/flatness_mnist.json")["config"]
   assert recorded["select"], "the committed run chose its lambdas on a validation split"
   return flatness_mlp.Config(
-      dataset="mnist", data_dir=str(MNIST_DIR), epochs=recorded["epochs"],
+      dataset="mnist", data_dir=str(require_data("mnist")), epochs=recorded["epochs"],
       sparsity=recorded["sparsity"], safe_penalty=recorded["safe_penalty"],
       admm_penalty=recorded["admm_penalty"], rho=recorded["rho"],
       dual_every=recorded["dual_every"], hessian_examples=1000)
 
 
-@needs_mnist
 @pytest.mark.parametrize("seed", [0, 1])
 def test_safe_finds_flatter_sparse_minima_than_admm(mnist_flatness_config, seed):
   """§4.1: SAFE's 90 %-sparse MLP has a smaller lambda_max than ADMM's.
@@ -88,7 +85,6 @@ def label_noise_runs() -> dict:
   return {"config": recorded["config"], "chosen": recorded["selection"], "five": five["runs"]}
 
 
-@needs_mnist
 @pytest.mark.parametrize("seed", [0, 1])
 def test_safe_is_more_robust_to_label_noise_than_admm(label_noise_runs, seed, tmp_path):
   """Table 3 at 25 % symmetric label noise: SAFE's 90 %-sparse MLP beats ADMM's on clean test data.
@@ -111,7 +107,8 @@ def test_safe_is_more_robust_to_label_noise_than_admm(label_noise_runs, seed, tm
   for method in ("safe", "admm"):
     config = base.replace(method=method,
                           **{sweeps.penalty_field(method): chosen[f"{method}@0.9"]})
-    results = sweeps.run_or_load(config, tmp_path / method, data=None, data_dir=MNIST_DIR)
+    results = sweeps.run_or_load(config, tmp_path / method, data=None,
+                                 data_dir=require_data("mnist"))
     record = sweeps.record(config, results)
     committed, = [r for r in label_noise_runs["five"]
                   if (r["method"], r["noise"], r["seed"]) == (method, 0.25, seed)]
@@ -121,11 +118,8 @@ def test_safe_is_more_robust_to_label_noise_than_admm(label_noise_runs, seed, tm
   assert accuracy["safe"] > accuracy["admm"] + 0.004, accuracy
 
 
-FMNIST_DIR = pathlib.Path("/usr/share/datasets/fashion-mnist")
 
 
-@pytest.mark.skipif(not FMNIST_DIR.exists(),
-                    reason="apt-get install dataset-fashion-mnist (.ci/run installs it)")
 @pytest.mark.parametrize("seed", [0, 1])
 def test_rescaled_dual_keeps_safe_from_collapsing_at_extreme_sparsity(seed, tmp_path):
   """At 99.5 % sparsity under the cosine ramp, the paper's dual update collapses; rescaling does not.
@@ -147,7 +141,8 @@ def test_rescaled_dual_keeps_safe_from_collapsing_at_extreme_sparsity(seed, tmp_
   record = {}
   for label, rescale in (("paper", False), ("rescaled", True)):
     config = base.replace(rescale_dual=rescale)
-    results = sweeps.run_or_load(config, tmp_path / label, data=None, data_dir=FMNIST_DIR)
+    results = sweeps.run_or_load(config, tmp_path / label, data=None,
+                                 data_dir=require_data("fashion-mnist"))
     record[label] = sweeps.record(config, results)
     want, = [r for r in committed["runs"]
              if (r["variant"], r["penalty"], r["seed"]) == (label, 0.1, seed)]
@@ -156,8 +151,6 @@ def test_rescaled_dual_keeps_safe_from_collapsing_at_extreme_sparsity(seed, tmp_
   assert record["rescaled"]["constraint_distance"] < record["paper"]["constraint_distance"]
 
 
-@pytest.mark.skipif(not FMNIST_DIR.exists(),
-                    reason="apt-get install dataset-fashion-mnist (.ci/run installs it)")
 @pytest.mark.parametrize("seed", [0, 1])
 def test_safe_reaches_an_extreme_sparse_set_that_admm_does_not(seed, tmp_path):
   """§5.2 at 99.5 %: SAFE's final sparse MLP beats ADMM's; its iterate sits on its sparse set.
@@ -186,7 +179,8 @@ def test_safe_reaches_an_extreme_sparse_set_that_admm_does_not(seed, tmp_path):
   for method in ("safe", "admm"):
     config = base.replace(method=method, **overrides.get(method, {}),
                           **sweeps.chosen_overrides(committed["selection"], method, 0.995))
-    results = sweeps.run_or_load(config, tmp_path / method, data=None, data_dir=FMNIST_DIR)
+    results = sweeps.run_or_load(config, tmp_path / method, data=None,
+                                 data_dir=require_data("fashion-mnist"))
     record[method] = sweeps.record(config, results)
     want, = [r for r in committed["runs"] if (r["method"], r["seed"]) == (method, seed)]
     assert record[method]["accuracy"] == pytest.approx(want["accuracy"], abs=0.015), method

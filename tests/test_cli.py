@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import pathlib
 from importlib import metadata
 
 import numpy as np
@@ -13,7 +12,8 @@ import pytest
 import safe_optax
 from safe_optax.vision import cli
 
-MNIST_DIR = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist"
+from data_required import require_data
+
 
 
 def _run(argv, capsys):
@@ -101,12 +101,11 @@ def test_sweep_table_is_mean_and_standard_error():
   assert lines[2].count("±") == 2  # dense repeats its accuracy in every column
 
 
-@pytest.mark.skipif(not MNIST_DIR.exists(), reason="../shared/data/mnist is not beside the "
-                                                   "checkout")
 def test_two_epoch_smoke_run_has_exact_sparsity_and_beats_chance(tmp_path, capsys):
   workdir = tmp_path / "run"
+  mnist = str(require_data("mnist"))
   code = cli.main(["train", "--preset", "mlp-mnist", "--method", "safe", "--sparsity", "0.9",
-                   "--data-dir", str(MNIST_DIR), "--test-only-split", "8000", "2000",
+                   "--data-dir", mnist, "--test-only-split", "8000", "2000",
                    "--train-subset", "2048", "--epochs", "2", "--warmup-epochs", "1",
                    "--workdir", str(workdir), "--no-progress"])
   assert code == 0

@@ -16,7 +16,8 @@ from safe_optax.llm import cli
 from safe_optax.llm import data
 from safe_optax.llm import prune
 
-WIKITEXT = pathlib.Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
+from data_required import require_data
+
 
 
 def _gguf() -> pathlib.Path:
@@ -33,19 +34,20 @@ def test_smollm2_wikitext2_perplexity():
       30, 576, 9, 3)
   assert config.rope_base == 1e5 and config.tie_embeddings
   tokenizer = checkpoints.load_tokenizer(path)
-  result = cli.evaluate(config, params, tokenizer, str(WIKITEXT), 512, 2048)
+  wikitext = require_data("wikitext-2-raw/wiki.test.raw")
+  result = cli.evaluate(config, params, tokenizer, str(wikitext), 512, 2048)
   assert result["tokens"] == 2048 and result["windows"] == 4
   assert 27.0 < result["perplexity"] < 33.0, result  # measured 30.23
 
 
-CALIB = pathlib.Path(__file__).resolve().parents[2] / "shared/data/wikitext-2/valid.txt"
 
 
 @pytest.fixture(name="smollm2", scope="module")
 def fixture_smollm2():
   path = _gguf()
   config, params = checkpoints.load_gguf(path)
-  tokens = data.tokenize(checkpoints.load_tokenizer(path), data.read_text(CALIB))
+  text = data.read_text(require_data("wikitext-2/valid.txt"))
+  tokens = data.tokenize(checkpoints.load_tokenizer(path), text)
   return config, params, tokens
 
 

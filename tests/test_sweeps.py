@@ -11,7 +11,8 @@ import pytest
 from safe_optax.vision import cli, configs, input_pipeline, sweeps
 from safe_optax.vision import train as train_lib
 
-MNIST_DIR = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist"
+from data_required import require_data
+
 
 
 def _fake_dataset(n_train=50, n_test=20):
@@ -289,11 +290,10 @@ def test_run_or_load_refuses_a_finished_run_of_other_settings(tmp_path):
                        data_dir="/")
 
 
-@pytest.mark.skipif(not MNIST_DIR.exists(), reason="../shared/data/mnist is not beside the "
-                                                   "checkout")
 def test_cli_sweep_refuses_stale_results_and_train_reports_the_validation_split(tmp_path,
                                                                                  capsys):
-  common = ["--preset", "mlp-mnist", "--data-dir", str(MNIST_DIR), "--test-only-split",
+  mnist = str(require_data("mnist"))
+  common = ["--preset", "mlp-mnist", "--data-dir", mnist, "--test-only-split",
             "8000", "2000", "--train-subset", "512", "--epochs", "1", "--warmup-epochs", "0",
             "--workdir", str(tmp_path), "--no-progress", "--methods", "safe",
             "--sparsities", "0.9", "--seeds", "0"]
