@@ -24,7 +24,8 @@ README = ROOT / "README.md"
 MARKDOWN_PAGES = [README, *sorted(DOCS.glob("*.md"))]
 # Pages that describe experiments: their numbers live in the results files.
 NUMBER_FREE_PAGES = [README] + [DOCS / f"{name}.md" for name in
-                                ("vision", "flatness", "llm", "performance", "demo")]
+                                ("vision", "flatness", "llm", "performance", "demo",
+                                 "dual_rescaling")]
 README_SECTIONS = [
     "Installation", "Set-up: two commands", "Usage", "Composing with optax", "Evidence",
     "Compared with safe-jax, JaxPruner and optax.contrib.sam", "Documentation", "Citation",

@@ -169,7 +169,7 @@ def bench_model(name: str, methods: list[str], steps: int, block: int, warmup: i
       # program of its own (``safe_optax.run_dual_update``), then the step without it.
       plain_step = make_step(model.apply, tx, needs_grad_fn, dual_due=False)
       # Not donated: on XLA:CPU a donated dual program took 4-5 ms in most calls against
-      # 0.7-1.3 ms undonated (the same program, interleaved; README "Step overhead").
+      # 0.7-1.3 ms undonated (the same program, interleaved; docs/performance.md, "Step overhead").
       dual = jax.jit(functools.partial(safe_optax.run_dual_update, tx))
       dual_temp_mb = temp_mb(dual, state[2], state[0])
 
