@@ -269,7 +269,7 @@ def test_safe_reaches_the_erk_allocation_after_finalize():
 
 @pytest.mark.parametrize("seed", range(3))
 def test_at_init_global_empties_the_mlp_input_layer_and_erk_does_not(seed):
-  """The mechanism of CrAM's collapse at 99.5 % (docs: the evidence report, results/erk_cram): at initialisation the
+  """The mechanism of CrAM's collapse at 99.5 % (results/erk_cram): at initialisation the
   input layer's weights are the smallest (fan-in 784), so one global top-k keeps
   none of them and the compressed model CrAM differentiates is constant. ERK's
   counts depend on the shapes only: every layer keeps weights, whatever the seed."""
