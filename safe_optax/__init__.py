@@ -37,7 +37,9 @@ from safe_optax._pruners import polynomial_sparsity
 from safe_optax._prunable import default_prunable
 from safe_optax._prunable import prunable_mask
 from safe_optax._sam import AddProjectedGradientState
+from safe_optax._sam import SAMState
 from safe_optax._sam import add_projected_gradient
+from safe_optax._sam import sam
 from safe_optax._sam import sam_perturb
 from safe_optax._schedules import penalty_schedule
 from safe_optax._scores import SaliencyInputs
@@ -72,6 +74,7 @@ __all__ = (
     "PerLeaf",
     "PerOutput",
     "Projection",
+    "SAMState",
     "SaliencyInputs",
     "SparsityReport",
     "add_projected_gradient",
@@ -102,6 +105,7 @@ __all__ = (
     "safe_multi",
     "safe_plus",
     "safe_sg",
+    "sam",
     "sam_perturb",
     "snip_scores",
     "sparsity_report",

@@ -13,7 +13,7 @@ The variants only set their own arguments, as optax's ``nadamw`` sets
 (``sparse_gradient=True``), :func:`admm` (no SAM, constant penalty) and
 :func:`safe_multi` (a set of sparsities). Call ``update`` with ``params`` and
 ``grad_fn`` (the SAM aliases need it; ``admm`` does not). ``rho=None`` leaves
-SAM out, for ``optax.chain(sam_perturb(rho), wrapper(alias))`` with
+SAM out, for ``sam(wrapper(alias(..., rho=None)), rho)`` with
 ``optax.MultiSteps`` / ``apply_if_finite`` / ``masked`` (see ``_sam.py``).
 """
 
@@ -76,11 +76,10 @@ def safe(
     penalty_schedule: ``"cosine"`` (vision default), ``"linear"`` or
       ``"constant"``; ``None`` when ``penalty`` is a schedule.
     total_steps: training steps ``T``, required by the ramps.
-    rho: SAM radius; ``None`` leaves SAM out, to put
-      :func:`safe_optax.sam_perturb` before an optax wrapper:
-      ``optax.chain(sam_perturb(rho), optax.MultiSteps(safe(..., rho=None), k))``
-      (``MultiSteps``, ``apply_if_finite``, ``masked`` and ``multi_transform``
-      refuse to wrap SAM itself).
+    rho: SAM radius; ``None`` leaves SAM out, to wrap the optimizer in an
+      optax wrapper inside :func:`safe_optax.sam`:
+      ``sam(optax.MultiSteps(safe(..., rho=None), k), rho)`` (likewise
+      ``apply_if_finite``, ``masked``, ``multi_transform`` and clips).
     dual_every: ``K``, steps between dual updates.
     momentum, nesterov: SGD momentum.
     weight_decay: L2 weight decay added to the gradient (all leaves).
@@ -94,7 +93,8 @@ def safe(
     max_grad_norm: if set, clip the loss gradient (the SAM gradient) to this
       global norm, before the penalty and weight decay are added. An optax clip
       placed *before* the alias in an ``optax.chain`` would clip nothing (SAM's
-      gradient replaces its output), so the first ``update`` raises on it.
+      gradient replaces its output) and is not detected: use this argument or
+      ``sam(optax.chain(clip, safe(..., rho=None)), rho)``.
     decoupled_penalty: apply the penalty as a plain step after SGD (paper)
       instead of through momentum (official code, default).
     seed: seeds SAFE-Multi draws and OBD's Hutchinson probes.

@@ -115,13 +115,12 @@ def cram(
   base_key = jax.random.PRNGKey(seed)
 
   def init_fn(params):
-    _sam.check_placement(params, "cram")
+    _sam.check_full_params(params, "cram")
     return CramState(count=jnp.zeros([], jnp.int32))
 
   def update_fn(updates, state, params=None, *, grad_fn=None, **extra_args):
     del extra_args
-    grad_fn = _sam._require_grad_fn(grad_fn, "cram")
-    _sam.check_no_clip_before("cram")
+    grad_fn = _sam.require_grad_fn(grad_fn, "cram")
     if params is None:
       raise ValueError("cram needs `params` in update(updates, state, params).")
     perturbed = _sam.ascent_point(params, updates, rho, normalize=normalize, eps=eps)

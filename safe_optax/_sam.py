@@ -1,33 +1,35 @@
 r"""Sharpness-aware gradients as optax transforms.
 
-:func:`sam_perturb` turns the gradient at ``x`` into SAM's gradient at the
-ascent point ``x + rho * g / ||g||``; :func:`add_projected_gradient` adds the
-gradient at the projected point ``Proj(x)`` (SAFE+SG, CrAM+). Both obtain
-gradients from the ``grad_fn(params, step)`` keyword argument of ``update``,
-the convention of ``optax.contrib.sam``.
+:func:`sam` turns the gradient at ``x`` into SAM's gradient at the ascent
+point ``x + rho * g / ||g||`` and hands it to an inner transform, the way
+``optax.contrib.sam`` takes an inner optimizer: whatever sits inside (a clip,
+``optax.MultiSteps``, ``optax.apply_if_finite``, ``optax.masked``) sees SAM's
+gradient by construction::
 
-Their gradient pass replaces the incoming gradient, so they go **first** in
-the chain, on all parameters, and the optax wrappers that must see the final
-gradient go after them, around the rest::
+  safe_optax.sam(
+      optax.chain(
+          optax.clip_by_global_norm(max_norm),       # clips the SAM gradient
+          optax.apply_if_finite(                     # counts a NaN from SAM's pass
+              optax.MultiSteps(safe_optax.safe(..., rho=None), k),  # mean of k SAM grads
+              max_consecutive_errors)),
+      rho)
 
-  optax.chain(
-      safe_optax.sam_perturb(rho),                 # (+ add_projected_gradient)
-      optax.clip_by_global_norm(max_norm),         # clips the SAM gradient
-      optax.apply_if_finite(                       # counts a NaN from SAM's pass
-          optax.MultiSteps(safe_optax.safe(..., rho=None), k),  # mean of k SAM grads
-          max_consecutive_errors),
-  )
+:func:`sam_perturb` is ``sam(optax.identity(), rho)``, for the first place of
+an ``optax.chain``; :func:`add_projected_gradient` adds the gradient at the
+projected point ``Proj(x)`` (SAFE+SG, CrAM+). All obtain gradients from the
+``grad_fn(params, step)`` keyword argument of ``update``.
 
-Inside ``optax.MultiSteps``, ``optax.apply_if_finite``, ``optax.masked`` or
-``optax.multi_transform`` they would be silently wrong, so ``init`` raises;
-after an optax clip in the same chain (which would clip nothing) the first
-``update`` raises.
+Their gradient pass replaces the incoming gradient, so a transform placed
+*before* them in a chain only moves the ascent point, and a wrapper around
+them would give SAM the wrong gradients or parameters. What is structural is
+refused at ``init``: ``optax.MaskedNode`` placeholders in ``params`` (inside
+``optax.masked`` / ``multi_transform``). The rest (a clip before them, a
+``MultiSteps`` or ``apply_if_finite`` around them) cannot be seen from inside
+the transform: put those inside :func:`sam`, as above.
 """
 
 from __future__ import annotations
 
-import functools
-import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple, Optional, Sequence, Union
 
@@ -47,7 +49,8 @@ from safe_optax._structures import Structure
 GradFn = Callable[[Any, int], Any]
 
 
-def _require_grad_fn(grad_fn: Optional[GradFn], name: str) -> GradFn:
+def require_grad_fn(grad_fn: Optional[GradFn], name: str) -> GradFn:
+  """``grad_fn``, or a ``ValueError`` saying how to pass it."""
   if grad_fn is None:
     raise ValueError(
         f"{name} needs `grad_fn`: call tx.update(grads, state, params, grad_fn=grad_fn) "
@@ -56,95 +59,21 @@ def _require_grad_fn(grad_fn: Optional[GradFn], name: str) -> GradFn:
   return grad_fn
 
 
-_RECIPE = (
-    "optax.chain(safe_optax.sam_perturb(rho), {wrapper}(safe_optax.safe(..., rho=None), ...)) "
-    "(for SAFE+SG add safe_optax.add_projected_gradient(sparsity) after sam_perturb)")
+def check_full_params(params: Any, name: str) -> None:
+  """Raises ``ValueError`` when ``params`` hold ``optax.MaskedNode`` placeholders.
 
-
-@functools.cache
-def _wrapper_inits() -> dict[Any, tuple[str, str]]:
-  """Code objects of the optax wrappers' ``init`` that cannot hold a gradient pass, with why."""
-  return {
-      optax.MultiSteps.init.__code__: (
-          "optax.MultiSteps",
-          "MultiSteps calls the inner update once every k micro-batches, with the mean "
-          "gradient and the last micro-batch's grad_fn, so every other micro-batch would be "
-          "dropped. Put it before the accumulation, so that each micro-batch gets its own SAM "
-          "gradient and MultiSteps averages them"),
-      optax.apply_if_finite(optax.identity(), 0).init.__code__: (
-          "optax.apply_if_finite",
-          "apply_if_finite checks only the gradient it receives, so a NaN or Inf from this "
-          "transform's own gradient pass would not be counted and would reach the parameters "
-          "and the state. Put it before the check"),
-  }
-
-
-def check_placement(params: Any, name: str) -> None:
-  """Raises ``ValueError`` when a ``grad_fn`` transform is initialised inside a wrapper.
-
-  Its gradient pass needs the full parameters and replaces the incoming
-  gradient, so inside ``optax.masked`` / ``multi_transform`` (MaskedNode
-  placeholders in ``params``), ``optax.MultiSteps`` or ``optax.apply_if_finite``
-  (found among the calling frames) the result would be silently wrong.
+  A gradient pass needs every parameter, so inside ``optax.masked`` or
+  ``optax.multi_transform`` (which hand the inner transform placeholders for
+  the masked-out leaves) it would evaluate the loss at the wrong point.
   """
-  masked = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
-  if any(isinstance(leaf, optax.MaskedNode) for leaf in masked):
+  leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+  if any(isinstance(leaf, optax.MaskedNode) for leaf in leaves):
     raise ValueError(
         f"{name} inside optax.masked / optax.multi_transform: its grad_fn would get "
-        "optax.MaskedNode placeholders instead of the masked-out parameters. Put it before the "
-        "mask, on all parameters: " + _RECIPE.format(wrapper="optax.masked")
-        + " (likewise with optax.multi_transform); or prune a subset with "
+        "optax.MaskedNode placeholders instead of the masked-out parameters. Put the mask "
+        "inside SAM instead: safe_optax.sam(optax.masked(safe_optax.safe(..., rho=None), "
+        "mask), rho) (likewise with optax.multi_transform); or prune a subset with "
         "safe_optax.safe(..., prunable=mask).")
-  wrappers = _wrapper_inits()
-  frame = sys._getframe(1)
-  while frame is not None:
-    if frame.f_code in wrappers:
-      wrapper, why = wrappers[frame.f_code]
-      raise ValueError(f"{name} inside {wrapper}: {why}: " + _RECIPE.format(wrapper=wrapper) + ".")
-    frame = frame.f_back
-
-
-@functools.cache
-def _clip_updates() -> dict[Any, str]:
-  """Code objects of optax's clipping transforms' ``update``, with their names."""
-  makers = {"optax.clip": optax.clip, "optax.clip_by_global_norm": optax.clip_by_global_norm,
-            "optax.clip_by_block_rms": optax.clip_by_block_rms,
-            "optax.adaptive_grad_clip": optax.adaptive_grad_clip}
-  return {make(1.0).update.__code__: name for name, make in makers.items()}
-
-
-def _clip_name(update: Callable[..., Any]) -> Optional[str]:
-  """The clip an ``update`` function is (or wraps, as ``optax.chain`` wraps plain transforms)."""
-  clips = _clip_updates()
-  candidates = [update] + [cell.cell_contents.update for cell in update.__closure__ or ()
-                           if isinstance(cell.cell_contents, optax.GradientTransformation)]
-  for fn in candidates:
-    name = clips.get(getattr(fn, "__code__", None))
-    if name is not None:
-      return name
-  return None
-
-
-def check_no_clip_before(name: str) -> None:
-  """Raises ``ValueError`` when an optax clip ran before this transform in an ``optax.chain``.
-
-  The gradient pass replaces the incoming (clipped) gradient, so such a clip
-  clips nothing. The enclosing chains' ``update`` frames say which of their
-  transforms already ran (``len(new_state)`` of them); read at trace time only.
-  """
-  chain_update = optax.chain(optax.identity()).update.__code__
-  frame = sys._getframe(1)
-  while frame is not None:
-    if frame.f_code is chain_update:
-      done = frame.f_locals.get("update_fns", ())[:len(frame.f_locals.get("new_state", ()))]
-      clip = next(filter(None, map(_clip_name, done)), None)
-      if clip is not None:
-        raise ValueError(
-            f"{clip} placed before {name} in optax.chain clips nothing: {name}'s gradient "
-            "pass replaces its output. Clip after it: optax.chain(safe_optax.sam_perturb(rho), "
-            f"{clip}(...), ...), or pass max_grad_norm= to safe_optax.safe (and the other "
-            "SAM aliases).")
-    frame = frame.f_back
 
 
 def ascent_point(
@@ -175,14 +104,29 @@ def ascent_point(
   )
 
 
-def sam_perturb(
+class SAMState(NamedTuple):
+  """State of :func:`sam` and :func:`sam_perturb`."""
+
+  inner: Any
+  """State of the inner transform (``optax.EmptyState()`` for :func:`sam_perturb`)."""
+  invalid_hyperparams: jax.Array
+  """Number of updates whose ``rho`` was negative or NaN (int32).
+
+  A Python ``rho`` is checked at construction; a traced one (from
+  ``optax.inject_hyperparams``) only here, so such an update uses ``rho = 0``
+  (the plain gradient) and is counted. Check it is 0 after training.
+  """
+
+
+def sam(
+    inner: optax.GradientTransformation,
     rho: float,
     *,
     adaptive: bool = False,
     eps: float = 1e-12,
     axis_name: Optional[str] = None,
 ) -> optax.GradientTransformationExtraArgs:
-  r"""Replaces the gradient ``g`` by the SAM gradient ``grad f(x + e)``.
+  r"""SAM around an inner transform: ``inner`` gets the gradient ``grad f(x + e)``.
 
   .. math::
 
@@ -190,30 +134,105 @@ def sam_perturb(
     \quad\text{or, adaptive (ASAM),}\quad
     e = \rho \frac{x^2 \odot g}{\|x \odot g\|_2 + \epsilon}
 
-  where the norm runs over all leaves. The gradient at ``x + e`` comes from
-  ``grad_fn(x + e, 0)``; the caller makes ``grad_fn`` use the same minibatch
-  (and dropout key) as ``g``, and keeps the first pass's BatchNorm statistics.
+  where ``g`` is the incoming gradient at ``x`` and the norm runs over all
+  leaves. The gradient at ``x + e`` comes from ``grad_fn(x + e, 0)``; the
+  caller makes ``grad_fn`` use the same minibatch (and dropout key) as ``g``,
+  and keeps the first pass's BatchNorm statistics. Like
+  ``optax.contrib.sam``, the rest of the optimizer is the ``inner``
+  argument, so a clip, ``optax.MultiSteps``, ``optax.apply_if_finite`` or
+  ``optax.masked`` inside it sees SAM's gradient.
 
   Args:
-    rho: perturbation radius ``>= 0``.
+    inner: the transform that receives SAM's gradient, e.g.
+      ``optax.chain(optax.clip_by_global_norm(1.0), safe_optax.safe(..., rho=None))``.
+      It gets ``params`` and every extra argument (``grad_fn`` included).
+    rho: perturbation radius ``>= 0``. A traced value (``inject_hyperparams``)
+      that is negative or NaN counts as 0 for that update and is counted in
+      :attr:`SAMState.invalid_hyperparams`.
     adaptive: scale the perturbation by ``|x|`` (ASAM).
     eps: guards a zero gradient.
     axis_name: if set, ``pmean`` the perturbed gradient over this axis
       (for ``shard_map`` / ``pmap`` users; not needed with ``jax.jit`` sharding).
 
   Returns:
-    A :class:`optax.GradientTransformationExtraArgs`; ``update`` needs
-    ``params`` and ``grad_fn`` and ignores other extra arguments. Put it
-    first in the chain: a transform before it (a clip, say) only changes the
-    direction of ``e``, since the gradient at ``x + e`` replaces its output;
-    clip after it.
+    A :class:`optax.GradientTransformationExtraArgs` with state
+    :class:`SAMState`; ``update`` needs ``params`` and ``grad_fn``.
 
   Raises:
-    ValueError: at ``init``, inside ``optax.MultiSteps``,
-      ``optax.apply_if_finite``, ``optax.masked`` or ``optax.multi_transform``
-      (silently wrong there); the message gives the recipe
-      ``optax.chain(sam_perturb(rho), wrapper(safe(..., rho=None)))``. At the
-      first ``update``, after an optax clip earlier in the same chain.
+    ValueError: at construction, for ``rho`` or ``eps`` out of range; at
+      ``init``, for ``optax.MaskedNode`` placeholders in ``params`` (SAM
+      inside ``optax.masked``: put the mask inside SAM instead).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from safe_optax import sam
+    >>> loss = lambda p: jnp.sum(p ** 4)
+    >>> grad_fn = lambda p, _: jax.grad(loss)(p)
+    >>> tx = sam(optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1)), rho=0.5)
+    >>> params = jnp.array([1.0, 0.0])
+    >>> updates, _ = tx.update(grad_fn(params, 0), tx.init(params), params, grad_fn=grad_fn)
+    >>> updates  # the gradient at [1.5, 0] is [13.5, 0]: clipped to norm 1, times -0.1
+    Array([-0.1, -0. ], dtype=float32)
+
+  References:
+    Foret et al., `Sharpness-Aware Minimization for Efficiently Improving
+    Generalization <https://arxiv.org/abs/2010.01412>`_, ICLR 2021;
+    Kwon et al., `ASAM <https://arxiv.org/abs/2102.11600>`_, ICML 2021.
+  """
+  _schedules.check_nonnegative(rho, "rho")
+  _schedules.check_nonnegative(eps, "eps")
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params):
+    check_full_params(params, "sam")
+    return SAMState(inner=inner.init(params), invalid_hyperparams=jnp.zeros([], jnp.int32))
+
+  def update_fn(updates, state, params=None, *, grad_fn=None, **extra_args):
+    grad_fn = require_grad_fn(grad_fn, "sam")
+    if params is None:
+      raise ValueError("sam needs `params` in update(updates, state, params).")
+    # A Python rho was checked at construction; a traced one can only be checked here.
+    rho_ok = jnp.isfinite(rho) & (jnp.asarray(rho) >= 0)
+    rho_now = jnp.where(rho_ok, rho, 0.0)
+    grads = grad_fn(ascent_point(params, updates, rho_now, adaptive=adaptive, eps=eps), 0)
+    if axis_name is not None:
+      grads = lax.pmean(grads, axis_name)
+    new_updates, inner_state = inner.update(grads, state.inner, params, grad_fn=grad_fn,
+                                            **extra_args)
+    invalid = jnp.where(rho_ok, state.invalid_hyperparams,
+                        optax.safe_increment(state.invalid_hyperparams))
+    return new_updates, SAMState(inner=inner_state, invalid_hyperparams=invalid)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def sam_perturb(
+    rho: float,
+    *,
+    adaptive: bool = False,
+    eps: float = 1e-12,
+    axis_name: Optional[str] = None,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Replaces the gradient ``g`` by the SAM gradient ``grad f(x + e)``, in a chain.
+
+  :func:`sam` with ``inner=optax.identity()``: the same perturbation, for
+  the first place of an ``optax.chain``. A transform placed before it (a
+  clip, say) only moves the ascent point, since the gradient at ``x + e``
+  replaces its output; and ``optax.MultiSteps`` / ``optax.apply_if_finite``
+  around it would average or check the wrong gradients. Neither can be seen
+  from inside the transform, so it is not detected: clip after it, and put
+  those wrappers inside :func:`sam` (or after ``sam_perturb`` in the chain).
+
+  Args:
+    rho, adaptive, eps, axis_name: as in :func:`sam`.
+
+  Returns:
+    A :class:`optax.GradientTransformationExtraArgs` with state
+    :class:`SAMState`; ``update`` needs ``params`` and ``grad_fn`` and
+    ignores other extra arguments.
+
+  Raises:
+    ValueError: as :func:`sam`.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax
@@ -228,28 +247,9 @@ def sam_perturb(
 
   References:
     Foret et al., `Sharpness-Aware Minimization for Efficiently Improving
-    Generalization <https://arxiv.org/abs/2010.01412>`_, ICLR 2021;
-    Kwon et al., `ASAM <https://arxiv.org/abs/2102.11600>`_, ICML 2021.
+    Generalization <https://arxiv.org/abs/2010.01412>`_, ICLR 2021.
   """
-  _schedules.check_nonnegative(rho, "rho")
-  _schedules.check_nonnegative(eps, "eps")
-
-  def init_fn(params):
-    check_placement(params, "sam_perturb")
-    return optax.EmptyState()
-
-  def update_fn(updates, state, params=None, *, grad_fn=None, **extra_args):
-    del extra_args
-    grad_fn = _require_grad_fn(grad_fn, "sam_perturb")
-    check_no_clip_before("sam_perturb")
-    if params is None:
-      raise ValueError("sam_perturb needs `params` in update(updates, state, params).")
-    grads = grad_fn(ascent_point(params, updates, rho, adaptive=adaptive, eps=eps), 0)
-    if axis_name is not None:
-      grads = lax.pmean(grads, axis_name)
-    return grads, state
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return sam(optax.identity(), rho, adaptive=adaptive, eps=eps, axis_name=axis_name)
 
 
 class AddProjectedGradientState(NamedTuple):
@@ -288,8 +288,9 @@ def add_projected_gradient(
     A traced sparsity outside ``[0, 1)`` adds nothing that step.
 
   Raises:
-    ValueError: at ``init``, inside the wrappers :func:`sam_perturb` refuses,
-      or when a prunable leaf cannot carry ``structure`` (naming its path).
+    ValueError: at ``init``, for ``optax.MaskedNode`` placeholders in
+      ``params`` (as :func:`sam`), or when a prunable leaf cannot carry
+      ``structure`` (naming its path).
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -311,14 +312,14 @@ def add_projected_gradient(
   base_key = jax.random.PRNGKey(seed)
 
   def init_fn(params):
-    check_placement(params, "add_projected_gradient")
+    check_full_params(params, "add_projected_gradient")
     if jax.tree.leaves(params):
       _projection.check_structure_fits(params, structure, prunable)
     return AddProjectedGradientState(count=jnp.zeros([], jnp.int32))
 
   def update_fn(updates, state, params=None, *, grad_fn=None, **extra_args):
     del extra_args
-    grad_fn = _require_grad_fn(grad_fn, "add_projected_gradient")
+    grad_fn = require_grad_fn(grad_fn, "add_projected_gradient")
     if params is None:
       raise ValueError("add_projected_gradient needs `params` in update(updates, state, params).")
     key = jax.random.fold_in(base_key, state.count)

@@ -375,10 +375,10 @@ def test_variant_aliases_reject_unknown_or_missing_keywords():
 
 
 @pytest.mark.parametrize("make, name", [
-    (lambda: safe_optax.sam_perturb(0.05), "sam_perturb"),
+    (lambda: safe_optax.sam_perturb(0.05), "sam"),
     (lambda: safe_optax.add_projected_gradient(0.5), "add_projected_gradient"),
-    (lambda: safe_optax.safe(0.1, 0.5, penalty=1e-2, total_steps=10), "sam_perturb"),
-    (lambda: safe_optax.safe_sg(0.1, 0.5, penalty=1e-2, total_steps=10), "sam_perturb"),
+    (lambda: safe_optax.safe(0.1, 0.5, penalty=1e-2, total_steps=10), "sam"),
+    (lambda: safe_optax.safe_sg(0.1, 0.5, penalty=1e-2, total_steps=10), "sam"),
     (lambda: safe_optax.safe_sg(0.1, 0.5, penalty=1e-2, total_steps=10, rho=None),
      "add_projected_gradient"),
 ], ids=["sam_perturb", "add_projected_gradient", "safe", "safe_sg", "sg_without_sam"])
@@ -401,7 +401,7 @@ def test_obd_scores_need_grad_fn_at_update():
 @pytest.mark.parametrize("make, name", [
     (lambda: safe_optax.admm_penalty(0.5, 1e-2), "admm_penalty"),
     (lambda: safe_optax.admm(0.1, 0.5, penalty=1e-2), "admm_penalty"),
-    (lambda: safe_optax.sam_perturb(0.05), "sam_perturb"),
+    (lambda: safe_optax.sam_perturb(0.05), "sam"),
     (lambda: safe_optax.add_projected_gradient(0.5), "add_projected_gradient"),
 ], ids=["admm_penalty", "admm", "sam_perturb", "add_projected_gradient"])
 def test_missing_params_at_update(make, name):
@@ -420,7 +420,8 @@ def test_sam_perturb_ignores_unrelated_extra_args():
   extra, s2 = tx.update(GRADS, state, PARAMS, grad_fn=grad_fn, foo=1, bar="x")
   for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(extra)):
     np.testing.assert_array_equal(a, b)
-  assert s1 == s2 == optax.EmptyState()
+  for s in (s1, s2):
+    assert s.inner == optax.EmptyState() and int(s.invalid_hyperparams) == 0
   # And the result is really the gradient at the ascent point x + rho * g / ||g||.
   norm = float(optax.tree.norm(GRADS))
   expected = jax.tree.map(lambda p, g: 2.0 * (p + 0.5 * g / norm), PARAMS, GRADS)
