@@ -41,7 +41,8 @@ def test_prune_exports_sparse_safetensors(tiny, tmp_path, method, nm, capsys):
   out = tmp_path / "out"
   argv = ["prune", "--model", str(folder), "--method", method, "--calib", str(text),
           "--nsamples", "4", "--seqlen", "16", "--out", str(out), "--eval", str(text),
-          "--eval-seqlen", "32", "--eval-tokens", "64", "--quiet"]
+          "--eval-protocol", "short", "--eval-seqlen", "32", "--eval-tokens", "64",
+          "--quiet"]
   if nm:
     argv += ["--nm", nm]
   assert cli.main(argv) == 0
@@ -76,7 +77,8 @@ def test_ppl_and_errors(tiny, tmp_path, capsys):
   folder, text = tiny
   result_file = tmp_path / "ppl.json"
   assert cli.main(["ppl", "--model", str(folder), "--text", str(text), "--seqlen", "32",
-                   "--max-tokens", "96", "--json", str(result_file)]) == 0
+                   "--protocol", "short", "--max-tokens", "96", "--json",
+                   str(result_file)]) == 0
   result = json.loads(result_file.read_text())
   # Untrained tiny model: near-uniform predictions over 256 tokens.
   assert result["windows"] == 3 and 100 < result["perplexity"] < 700
@@ -135,7 +137,8 @@ def test_prune_resumes_after_interruption(tiny, tmp_path, monkeypatch, capsys):
   assert (out / cli.STATE_DIR / "block_0.npz").exists()  # a refused rerun keeps the state
   # Evaluation arguments do not change the pruned weights: allowed to differ.
   assert cli.main(_prune_argv(folder, text, out, "--method", "safe-plus", "--eval", str(text),
-                              "--eval-seqlen", "32", "--eval-tokens", "64")) == 0
+                              "--eval-protocol", "short", "--eval-seqlen", "32",
+                              "--eval-tokens", "64")) == 0
   report = json.loads((out / "report.json").read_text())
   want_report = json.loads((want_dir / "report.json").read_text())
   assert report["resumed_blocks"] == 1 and len(report["blocks"]) == 2

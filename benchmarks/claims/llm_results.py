@@ -85,8 +85,8 @@ def command(method: str, nm, model: pathlib.Path, budget: str = "paper-step") ->
     if budget != "paper-step":
       parts += [f"--lr {safe['learning_rate']:g}", f"--penalty {safe['penalty']:g}"]
   parts += [f"--eval {path}" for path in EVALS.values()]
-  parts += [f"--eval-seqlen {BUDGET['eval_seqlen']}", f"--eval-tokens {BUDGET['eval_tokens']}",
-            "--out OUT"]
+  parts += ["--eval-protocol short", f"--eval-seqlen {BUDGET['eval_seqlen']}",
+            f"--eval-tokens {BUDGET['eval_tokens']}", "--out OUT"]
   return " ".join(parts)
 
 
@@ -102,7 +102,8 @@ def run_all(only=None, budget: str = "paper-step") -> None:
 
   def evaluate(p):
     return {name: cli.evaluate(config, p, tokenizer, str(path), BUDGET["eval_seqlen"],
-                               BUDGET["eval_tokens"]) for name, path in EVALS.items()}
+                               BUDGET["eval_tokens"], protocol="short")
+            for name, path in EVALS.items()}
 
   if not (runs / "dense.json").exists():
     _dense(runs, config, params, model_path, evaluate)
@@ -130,8 +131,8 @@ def _name(method, label, budget="paper-step"):
 
 def _dense(runs, config, params, model_path, evaluate):
   dense = {"name": "dense", "method": "dense", "structure": "-", "eval": evaluate(params),
-           "command": f"safe-optax-llm ppl --model {model_path} --text TEXT --seqlen 512 "
-                      f"--max-tokens 2048", "versions": cli.versions()}
+           "command": f"safe-optax-llm ppl --model {model_path} --text TEXT --protocol short "
+                      f"--seqlen 512 --max-tokens 2048", "versions": cli.versions()}
   (runs / "dense.json").write_text(json.dumps(dense, indent=2) + "\n")
   print("dense", {k: v["perplexity"] for k, v in dense["eval"].items()}, flush=True)
 

@@ -3,8 +3,9 @@
 ::
 
   safe-optax-llm prune --model PATH --method safe-plus --sparsity 0.5 [--nm 2:4] \\
-      --calib FILE --nsamples 128 --seqlen 2048 --out DIR [--eval FILE ...]
-  safe-optax-llm ppl --model PATH --text FILE --seqlen 2048 [--max-tokens N]
+      --calib FILE --nsamples 128 --seqlen 2048 --out DIR [--eval FILE ...] \\
+      [--eval-protocol standard|short]
+  safe-optax-llm ppl --model PATH --text FILE [--protocol short [--max-tokens N]] [--seqlen L]
 
 ``--model`` is a Hugging Face folder (``config.json``, ``*.safetensors``,
 ``tokenizer.json``) or a ``.gguf`` file. ``prune`` writes ``DIR`` as a
@@ -16,6 +17,12 @@ reconstruction errors, sparsity report, perplexities, package versions).
 The safetensors keep the source's precision (bf16 stays bf16, f16 stays
 f16, f32 stays f32; a quantised GGUF is written as float16) unless
 ``--export-dtype`` says otherwise.
+
+Perplexity follows the standard protocol by default (the whole text, rows
+joined with blank lines, non-overlapping windows of ``min(context, 2048)``
+tokens: :mod:`safe_optax.llm.data`); ``--protocol short`` (``prune``:
+``--eval-protocol short``) scores only the first 2,048 tokens for a quick
+check. Every result records its protocol, window and token counts.
 
 ``prune`` is resumable: each pruned block and the stream state go to
 ``DIR/prune_state`` as it works, so rerunning an interrupted command (Ctrl-C,
@@ -76,20 +83,48 @@ def _apply_fn(config: model_lib.LlamaConfig):
   return jax.jit(model_lib.Llama(config).apply)
 
 
+def model_context(path: str) -> Optional[int]:
+  """The checkpoint's context length (``max_position_embeddings``), ``None`` if it says none."""
+  value = checkpoints.source_metadata(path).get("config.json", {}).get("max_position_embeddings")
+  return None if value is None else int(value)
+
+
 def evaluate(config: model_lib.LlamaConfig, params: Any, tokenizer: Any, text_path: str,
-             seqlen: int, max_tokens: Optional[int]) -> dict[str, Any]:
-  """Perplexity of the model on the first ``max_tokens`` tokens of a text."""
+             seqlen: Optional[int] = None, max_tokens: Optional[int] = None, *,
+             protocol: str = "standard", context: Optional[int] = None,
+             flags: tuple[str, str] = ("--seqlen", "--max-tokens")) -> dict[str, Any]:
+  """Perplexity of the model on a text under an evaluation protocol (:data:`data.PROTOCOLS`).
+
+  ``"standard"``: the whole text, rows joined as SparseGPT and Wanda join
+  them, windows of ``min(context, 2048)`` tokens (or ``seqlen``).
+  ``"short"``: the first ``max_tokens`` (default 2,048) tokens of the text
+  as it is, in windows of ``seqlen`` (default 512). ``flags`` names the
+  options that set ``seqlen`` and ``max_tokens`` in error messages.
+
+  Returns the protocol, the window length, the joined text's token count
+  (standard), the tokens and windows scored, the perplexity and the seconds.
+  """
+  window = data.protocol_window(protocol, context, seqlen)
+  text = data.read_text(text_path)
+  if protocol == "standard":
+    if max_tokens is not None:
+      raise ValueError(f"{flags[1]} applies only to the short protocol: the standard protocol "
+                       "scores the whole text.")
+    tokens = data.tokenize(tokenizer, data.join_rows(text))
+  else:
+    max_tokens = data.SHORT_TOKENS if max_tokens is None else max_tokens
+    # Tokenising only a prefix keeps a long text cheap; 8 characters per token is ample.
+    tokens = data.tokenize(tokenizer, text, max_chars=8 * max_tokens + 1000)
+  windows = data.eval_windows(tokens, window, max_tokens, flag=flags[0])
   apply = _apply_fn(config)
   logits_fn = lambda t: apply({"params": params}, t)
-  # Tokenising only a prefix keeps a long text cheap; 8 characters per token is ample.
-  max_chars = None if max_tokens is None else 8 * max_tokens + 1000
-  tokens = data.tokenize(tokenizer, data.read_text(text_path), max_chars=max_chars)
-  windows = data.eval_windows(tokens, seqlen, max_tokens)
   start = time.perf_counter()
   ppl, nll = data.perplexity(logits_fn, windows)
-  return {"text": str(text_path), "seqlen": seqlen, "tokens": int(windows.size),
-          "windows": int(windows.shape[0]), "perplexity": ppl, "mean_nll": nll,
-          "seconds": time.perf_counter() - start}
+  return {"text": str(text_path), "protocol": protocol, "window": window, "seqlen": window,
+          "context": context,
+          "text_tokens": int(len(tokens)) if protocol == "standard" else None,
+          "tokens": int(windows.size), "windows": int(windows.shape[0]), "perplexity": ppl,
+          "mean_nll": nll, "seconds": time.perf_counter() - start}
 
 
 # The arguments that decide the pruned weights: a resumed run must have the same.
@@ -129,6 +164,7 @@ def _prune(args: argparse.Namespace) -> dict[str, Any]:
   sparsity = safe_optax.sparsity_report(
       pruned, prunable=lambda path, leaf: "layers_" in path_str(path) and leaf.ndim == 2)
   export_dtype = args.export_dtype or checkpoints.source_dtype(args.model)
+  context = model_context(args.model)
   out = checkpoints.save_safetensors(
       args.out, config, pruned, tokenizer, dtype=export_dtype, prune_config=cfg,
       source_metadata=checkpoints.source_metadata(args.model))
@@ -141,7 +177,9 @@ def _prune(args: argparse.Namespace) -> dict[str, Any]:
       # Wall time of this process only; a resumed run's earlier blocks are in "blocks".
       "seconds_total": total, "export_dtype": export_dtype, **prune_report,
       "sparsity": {"prunable": sparsity.sparsity, "overall": sparsity.overall_sparsity},
-      "eval": [evaluate(config, pruned, tokenizer, text, args.eval_seqlen, args.eval_tokens)
+      "eval": [evaluate(config, pruned, tokenizer, text, args.eval_seqlen, args.eval_tokens,
+                        protocol=args.eval_protocol, context=context,
+                        flags=("--eval-seqlen", "--eval-tokens"))
                for text in args.eval or []],
       "versions": versions(),
   }
@@ -156,7 +194,8 @@ def _ppl(args: argparse.Namespace) -> dict[str, Any]:
   if args.dtype:
     config = dataclasses.replace(config, dtype=args.dtype)
   tokenizer = checkpoints.load_tokenizer(args.model)
-  result = evaluate(config, params, tokenizer, args.text, args.seqlen, args.max_tokens)
+  result = evaluate(config, params, tokenizer, args.text, args.seqlen, args.max_tokens,
+                    protocol=args.protocol, context=model_context(args.model))
   result.update(model=str(args.model), dtype=config.dtype, versions=versions())
   if args.json:
     pathlib.Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
@@ -195,8 +234,14 @@ def build_parser() -> argparse.ArgumentParser:
                  help="precision of the written safetensors (default: the source's; a "
                       "quantised GGUF counts as float16)")
   p.add_argument("--eval", action="append", help="text to report perplexity on (repeatable)")
-  p.add_argument("--eval-seqlen", type=int, default=512)
-  p.add_argument("--eval-tokens", type=int, default=None)
+  p.add_argument("--eval-protocol", choices=data.PROTOCOLS, default="standard",
+                 help="'standard': the whole text in windows of min(context, 2048) tokens, "
+                      "as SparseGPT and Wanda; 'short': its first --eval-tokens (default 2048) "
+                      "in 512-token windows, for quick checks")
+  p.add_argument("--eval-seqlen", type=int, default=None,
+                 help="evaluation window (default: the protocol's)")
+  p.add_argument("--eval-tokens", type=int, default=None,
+                 help="tokens scored by the short protocol (default 2048)")
   p.add_argument("--quiet", action="store_true", help="no progress bar")
   p.add_argument("--restart", action="store_true",
                  help=f"discard the saved state of an interrupted run in OUT/{STATE_DIR} "
@@ -205,8 +250,13 @@ def build_parser() -> argparse.ArgumentParser:
   q = sub.add_parser("ppl", help="perplexity of a checkpoint on a text")
   q.add_argument("--model", required=True)
   q.add_argument("--text", required=True)
-  q.add_argument("--seqlen", type=int, default=2048)
-  q.add_argument("--max-tokens", type=int, default=None)
+  q.add_argument("--protocol", choices=data.PROTOCOLS, default="standard",
+                 help="'standard': the whole text in windows of min(context, 2048) tokens, "
+                      "as SparseGPT and Wanda; 'short': its first --max-tokens (default 2048) "
+                      "in 512-token windows, for quick checks")
+  q.add_argument("--seqlen", type=int, default=None, help="window (default: the protocol's)")
+  q.add_argument("--max-tokens", type=int, default=None,
+                 help="tokens scored by the short protocol (default 2048)")
   q.add_argument("--dtype", choices=tuple(model_lib.DTYPES), default=None)
   q.add_argument("--json", default=None, help="also write the result here")
   q.set_defaults(func=_ppl)
@@ -226,6 +276,18 @@ def _check_sparsity(parser: argparse.ArgumentParser, args: argparse.Namespace) -
   args.sparsity = implied
 
 
+def _check_protocol(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+  """A token limit belongs to the short protocol; refused before any model is loaded."""
+  if args.command == "ppl":
+    protocol, tokens, names = args.protocol, args.max_tokens, ("--protocol", "--max-tokens")
+  else:
+    protocol, tokens, names = args.eval_protocol, args.eval_tokens, ("--eval-protocol",
+                                                                     "--eval-tokens")
+  if protocol == "standard" and tokens is not None:
+    parser.error(f"{names[1]} applies only to {names[0]} short: the standard protocol scores "
+                 "the whole text.")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
   """Entry point of ``safe-optax-llm``; prints the JSON result."""
   argv = list(sys.argv[1:] if argv is None else argv)
@@ -233,6 +295,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   args = parser.parse_args(argv)
   if args.command == "prune":
     _check_sparsity(parser, args)
+  _check_protocol(parser, args)
   args.command_line = " ".join(["safe-optax-llm"] + argv)
   try:
     result = args.func(args)

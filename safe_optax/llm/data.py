@@ -1,10 +1,19 @@
-"""Text for calibration and evaluation: token windows and perplexity.
+r"""Text for calibration and evaluation: token windows and perplexity.
 
 * :func:`calibration_windows`: ``nsamples`` random windows of ``seqlen``
   tokens (the paper draws 128 x 2048 from C4), reproducible from ``seed``.
 * :func:`eval_windows` and :func:`perplexity`: non-overlapping windows from
   the start of a text, perplexity ``exp(mean NLL)`` over each window's
-  next-token predictions (the usual WikiText-2 protocol).
+  next-token predictions.
+
+Two evaluation protocols (:data:`PROTOCOLS`):
+
+* ``"standard"``, SparseGPT's and Wanda's: the whole text, its rows joined as
+  ``"\n\n".join(rows)`` (:func:`join_rows`), cut into non-overlapping windows
+  of ``min(context, 2048)`` tokens (:func:`protocol_window`), the last partial
+  window dropped.
+* ``"short"``, for quick checks: the text as it is, its first
+  ``max_tokens`` tokens (default 2,048) in 512-token windows.
 """
 
 from __future__ import annotations
@@ -17,6 +26,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+
+PROTOCOLS = ("standard", "short")
+STANDARD_MAX_WINDOW = 2048  # SparseGPT's and Wanda's window: the model's context, at most 2,048
+SHORT_WINDOW = 512
+SHORT_TOKENS = 2048
 
 
 def read_text(path: os.PathLike) -> str:
@@ -47,6 +62,36 @@ def tokenize(tokenizer: Any, text: str, max_chars: Optional[int] = None) -> np.n
   return np.asarray(tokenizer.encode(text).ids, np.int32)
 
 
+def join_rows(text: str) -> str:
+  r"""The text as SparseGPT and Wanda build it from a Hugging Face split: ``"\n\n".join(rows)``.
+
+  The rows of a WikiText split are the lines of its ``.raw`` file, each with
+  its line end, so a file's rows are its lines (line ends kept).
+
+  Examples:
+    >>> join_rows(" = A = \n B .\n")
+    ' = A = \n\n\n B .\n'
+  """
+  return "\n\n".join(text.splitlines(keepends=True))
+
+
+def protocol_window(protocol: str, context: Optional[int], seqlen: Optional[int] = None) -> int:
+  """The window length of a protocol: ``seqlen`` when given, else its default.
+
+  ``"standard"``: ``min(context, 2048)`` (2,048 when the context is unknown);
+  ``"short"``: 512.
+  """
+  if protocol not in PROTOCOLS:
+    raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}.")
+  if seqlen is not None:
+    if not isinstance(seqlen, (int, np.integer)) or seqlen < 2:
+      raise ValueError(f"the window length must be an int >= 2, got {seqlen!r}.")
+    return int(seqlen)
+  if protocol == "short":
+    return SHORT_WINDOW
+  return STANDARD_MAX_WINDOW if context is None else min(int(context), STANDARD_MAX_WINDOW)
+
+
 def calibration_windows(tokens: np.ndarray, nsamples: int, seqlen: int, seed: int) -> np.ndarray:
   """``(nsamples, seqlen)`` windows starting at seeded uniform random offsets.
 
@@ -67,13 +112,19 @@ def calibration_windows(tokens: np.ndarray, nsamples: int, seqlen: int, seed: in
   return np.stack([tokens[s:s + seqlen] for s in starts]).astype(np.int32)
 
 
-def eval_windows(tokens: np.ndarray, seqlen: int, max_tokens: Optional[int] = None) -> np.ndarray:
-  """Non-overlapping ``(n, seqlen)`` windows from the start (a ragged tail is dropped)."""
+def eval_windows(tokens: np.ndarray, seqlen: int, max_tokens: Optional[int] = None, *,
+                 flag: str = "seqlen") -> np.ndarray:
+  """Non-overlapping ``(n, seqlen)`` windows from the start (a ragged tail is dropped).
+
+  Raises ``ValueError`` naming ``flag`` (the option that sets ``seqlen``) when
+  the text (or its first ``max_tokens``) is shorter than one window.
+  """
   if max_tokens is not None:
     tokens = tokens[:max_tokens]
   count = len(tokens) // seqlen
   if count == 0:
-    raise ValueError(f"the evaluation text has {len(tokens)} tokens, fewer than seqlen={seqlen}.")
+    raise ValueError(f"the evaluation text has {len(tokens)} tokens, fewer than seqlen={seqlen} "
+                     f"(one window): give a longer text or a smaller {flag}.")
   return np.asarray(tokens[: count * seqlen], np.int32).reshape(count, seqlen)
 
 
