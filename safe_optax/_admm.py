@@ -537,7 +537,7 @@ def run_dual_update(tx: optax.GradientTransformation, opt_state: Any, params: An
     The new optimizer state, with the structure of ``opt_state``. Undonated,
     a jitted call copies the state's unchanged leaves too (momentum, SAM's);
     a program that returns only the :class:`ADMMState` nodes avoids that
-    (``safe_optax.vision.train.dual_step`` does).
+    (``safe_optax.vision.steps.dual_step`` does).
 
   Raises:
     ValueError: ``opt_state`` holds no :class:`ADMMState`, or an ADMM

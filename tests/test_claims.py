@@ -171,14 +171,15 @@ def test_safe_reaches_an_extreme_sparse_set_that_admm_does_not(seed, tmp_path):
   committed accuracies within 1.5 points.
   """
   from safe_optax.vision import configs, sweeps  # pylint: disable=import-outside-toplevel
+  from safe_optax.vision import selection as selection_lib  # pylint: disable=import-outside-toplevel
   committed = json.loads((ROOT / "results" / "sparse_set_995_small" / "sweep_60epochs.json"
                           ).read_text(encoding="utf-8"))
   base = configs.from_dict(committed["config"]).replace(sparsity=0.995, seed=seed)
-  overrides = sweeps.rescaled_dual(["safe", "admm"], True)
+  overrides = selection_lib.rescaled_dual(["safe", "admm"], True)
   record = {}
   for method in ("safe", "admm"):
     config = base.replace(method=method, **overrides.get(method, {}),
-                          **sweeps.chosen_overrides(committed["selection"], method, 0.995))
+                          **selection_lib.chosen_overrides(committed["selection"], method, 0.995))
     results = sweeps.run_or_load(config, tmp_path / method, data=None,
                                  data_dir=require_data("fashion-mnist"))
     record[method] = sweeps.record(config, results)

@@ -11,6 +11,7 @@ import pytest
 
 import safe_optax
 from safe_optax.vision import cli
+from safe_optax.vision import sweeps
 
 from data_required import require_data
 
@@ -85,7 +86,7 @@ def test_sweep_table_is_mean_and_standard_error():
       for seed in range(3):
         runs.append({"method": method, "sparsity": s, "seed": seed,
                      "accuracy": float(rng.uniform(0.8, 0.95))})
-  table = cli.summarize(runs, [0.9, 0.95])
+  table = sweeps.summarize(runs, [0.9, 0.95])
   lines = table["markdown"].splitlines()
   assert lines[0] == "| method | 90% | 95% |"
   assert len(table["rows"]) == 1 + 2 + 2
@@ -138,3 +139,67 @@ def test_eval_help_says_the_subsets_are_seeded_samples(capsys):
   text = " ".join(capsys.readouterr().out.split())
   assert "first N" not in text
   assert text.count("seeded sample of N") == 2
+
+
+# ----------------------------------------------------------------------------- errors before data
+
+
+@pytest.fixture
+def no_data_loading(monkeypatch):
+  """Loading data fails the test: the errors below must come before it."""
+  from safe_optax.vision import datasets  # pylint: disable=import-outside-toplevel
+
+  def refuse(*args, **kwargs):
+    raise AssertionError("the data set was loaded before the arguments were checked")
+
+  monkeypatch.setattr(datasets, "load_dataset", refuse)
+
+
+def _one_line_error(argv, capsys) -> str:
+  code, err = _run(argv, capsys)
+  assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+  return err
+
+
+@pytest.mark.parametrize("command", ["train", "sweep"])
+def test_a_workdir_that_cannot_be_created_is_named_before_data_loads(tmp_path, capsys, command,
+                                                                     no_data_loading):
+  (tmp_path / "file").write_text("not a folder")
+  grid = ["--methods", "safe", "--sparsities", "0.9"] if command == "sweep" else []
+  for workdir, cause in ((tmp_path / "file" / "run", "is a file, not a folder"),
+                         (tmp_path / "file", "is a file, not a folder")):
+    err = _one_line_error([command, "--preset", "mlp-mnist", *grid, "--data-dir",
+                           str(tmp_path), "--workdir", str(workdir)], capsys)
+    assert "--workdir" in err and cause in err and "choose another workdir" in err
+
+
+def test_a_truncated_config_json_in_a_workdir_names_the_file_and_restart(tmp_path, capsys,
+                                                                         no_data_loading):
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  (workdir / "config.json").write_text('{"model": "mlp", "epo')
+  err = _one_line_error(["train", "--preset", "mlp-mnist", "--data-dir", str(tmp_path),
+                         "--workdir", str(workdir)], capsys)
+  assert str(workdir / "config.json") in err and "--restart" in err
+
+
+def test_a_config_file_with_a_syntax_error_is_one_line_naming_it(tmp_path, capsys,
+                                                                  no_data_loading):
+  (tmp_path / "mine.py").write_text("def get_config(:\n  return None\n")
+  err = _one_line_error(["train", "--config", str(tmp_path / "mine.py"), "--data-dir",
+                         str(tmp_path), "--workdir", str(tmp_path / "out")], capsys)
+  assert "--config" in err and str(tmp_path / "mine.py") in err and "line 1" in err
+  (tmp_path / "raises.py").write_text("def get_config():\n  return 1 / 0\n")
+  err = _one_line_error(["train", "--config", str(tmp_path / "raises.py"), "--data-dir",
+                         str(tmp_path), "--workdir", str(tmp_path / "out")], capsys)
+  assert "raises.py" in err and "ZeroDivisionError" in err
+
+
+def test_truncated_results_json_is_one_line_in_eval_and_sweeps(tmp_path, capsys):
+  (tmp_path / "results.json").write_text('{"config": {"mod')
+  err = _one_line_error(["eval", "--workdir", str(tmp_path), "--data-dir", str(tmp_path)],
+                        capsys)
+  assert str(tmp_path / "results.json") in err and "--restart" in err
+  from safe_optax.vision import configs  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ValueError, match="results.json' cannot be read .*; delete"):
+    sweeps.run_or_load(configs.get_config("mlp-mnist"), tmp_path, data=None, data_dir=tmp_path)

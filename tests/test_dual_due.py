@@ -273,7 +273,7 @@ def test_llm_block_step_split_equals_cond_program():
                                  num_layers=1, num_heads=2, num_kv_heads=1)
   linears, norms = block.split_block(model_lib.init_params(config, 0)["layers_0"])
   cfg = PruneConfig("safe", dual_every=K, learning_rate=1e-2)
-  step = block._safe_step(config, cfg, STEPS)
+  step = block.safe_step(config, cfg, STEPS)
   rng = np.random.default_rng(0)
   data = [tuple(jnp.asarray(rng.normal(size=(2, 5, 16)), jnp.float32) for _ in range(2))
           for _ in range(STEPS)]

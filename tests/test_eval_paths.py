@@ -32,6 +32,8 @@ from safe_optax.experiment import cross_entropy
 from safe_optax.vision import evaluation
 from safe_optax.vision import finish
 from safe_optax.vision import train
+from safe_optax.vision import datasets
+from safe_optax.vision import programs as programs_lib
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_train  # noqa: E402  (the tiny data set and config of the trainer tests)
@@ -153,7 +155,7 @@ RESNET = dict(model="resnet8", width=1, bnt_samples=48)
 def resnet_case():
   config = test_train.tiny_config(**RESNET)
   data = test_train.tiny_dataset()
-  programs = train.build_programs(config, test_train.N_TRAIN, 4, (8, 8, 1))
+  programs = programs_lib.build_programs(config, test_train.N_TRAIN, 4, (8, 8, 1))
   state = programs.init(jax.random.PRNGKey(0))
   return config, data, programs, state
 
@@ -161,7 +163,7 @@ def resnet_case():
 def plain_evaluation(model, params, model_state, images, labels, batch_size):
   """Accuracy and mean loss by ``model.apply`` on consecutive batches, summed in numpy."""
   correct, loss = 0, 0.0
-  mean, std = train.NORMALIZATION["mnist"]
+  mean, std = datasets.NORMALIZATION["mnist"]
   for start in range(0, len(labels), batch_size):
     x = (images[start:start + batch_size].astype(np.float32) / 255.0 - mean) / std
     logits = np.asarray(model.apply({"params": params, **model_state}, x, train=False),
@@ -224,7 +226,7 @@ def test_recalibration_reads_results_once_and_equals_per_batch_statistics(resnet
 def test_predict_takes_the_variables_as_arguments(resnet_case):
   config, data, programs, state = resnet_case
   variables = {"params": state.params, **state.model_state}
-  mean, std = (jnp.asarray(v, jnp.float32) for v in train.NORMALIZATION[config.dataset])
+  mean, std = (jnp.asarray(v, jnp.float32) for v in datasets.NORMALIZATION[config.dataset])
   images = jnp.asarray(data.test_images[:16])
   jaxpr = jax.make_jaxpr(evaluation._predict, static_argnums=0)(
       programs.model, variables, mean, std, images)
@@ -250,7 +252,7 @@ def test_finish_reuses_the_last_records_test_passes(tmp_path, monkeypatch):
   # The last record: dense and projected; finish: only the model after BNT.
   assert len(passes) == 3
   final, last = out.results["final"], out.results["history"][-1]
-  programs = train.build_programs(config, test_train.N_TRAIN, 4, (8, 8, 1))
+  programs = programs_lib.build_programs(config, test_train.N_TRAIN, 4, (8, 8, 1))
   dense = original(programs.eval, out.state.params, out.state.model_state, data.test_images,
                    data.test_labels, 7)
   projected = original(programs.eval, out.sparse_params, out.state.model_state,

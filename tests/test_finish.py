@@ -24,6 +24,7 @@ import pytest
 from safe_optax.vision import checkpoint as checkpoint_lib
 from safe_optax.vision import finish
 from safe_optax.vision import train
+from safe_optax.vision import programs as programs_lib
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_train  # noqa: E402  (the tiny data set and config of the trainer tests)
@@ -31,7 +32,7 @@ import test_train  # noqa: E402  (the tiny data set and config of the trainer te
 
 def test_final_scores_take_the_batch_as_an_argument():
   config = test_train.tiny_config(method="safe-plus")
-  programs = train.build_programs(config, test_train.N_TRAIN, 4, (8, 8, 1))
+  programs = programs_lib.build_programs(config, test_train.N_TRAIN, 4, (8, 8, 1))
   data = test_train.tiny_dataset()
   params = programs.init(jax.random.PRNGKey(0)).params
   idx = np.arange(config.batch_size, dtype=np.int32)
@@ -96,7 +97,7 @@ def test_ctrl_c_after_a_donating_step_saves_the_new_state(tmp_path, monkeypatch,
   del python_sigint_handler
   data = test_train.tiny_dataset()
   config = test_train.tiny_config(epochs=2)
-  real = train.build_programs
+  real = programs_lib.build_programs
 
   def interrupting_programs(*args, **kwargs):
     programs = real(*args, **kwargs)
@@ -111,7 +112,7 @@ def test_ctrl_c_after_a_donating_step_saves_the_new_state(tmp_path, monkeypatch,
 
     return programs._replace(train=step)
 
-  monkeypatch.setattr(train, "build_programs", interrupting_programs)
+  monkeypatch.setattr(programs_lib, "build_programs", interrupting_programs)
   with pytest.raises(checkpoint_lib.Interrupted) as info:
     train.train_and_evaluate(config, tmp_path / "run", data_dir=None, dataset=data)
   assert info.value.step == 9
@@ -126,7 +127,7 @@ def test_finish_writes_results_of_the_deployed_model(tmp_path):
   data = test_train.tiny_dataset()
   config = test_train.tiny_config(method="admm", sparsity=0.5, epochs=1, warmup_epochs=0)
   out = train.train_and_evaluate(config, tmp_path, data_dir=None, dataset=data)
-  programs, state = train.restore_finished(config, tmp_path, data)
+  programs, state = programs_lib.restore_finished(config, tmp_path, data)
   params, model_state = finish.deploy(programs, config, state.params, state.model_state,
                                       data.train_images, data.train_labels,
                                       len(data.train_labels))

@@ -2,7 +2,7 @@
 
 Each layout runs in its own process (the device count is fixed when JAX
 starts): one CPU device, and two forced host devices over which every batch of
-calibration windows is split (``prune.calibration_mesh``).
+calibration windows is split (``block.calibration_mesh``).
 """
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ SCRIPT = textwrap.dedent("""
     import sys
     import numpy as np
     import jax
-    from safe_optax.llm import model, prune
+    from safe_optax.llm import block, model, prune, prune_config
 
     out, devices = sys.argv[1], int(sys.argv[2])
     assert jax.local_device_count() == devices, jax.devices()
-    mesh = prune.calibration_mesh()
+    mesh = block.calibration_mesh()
     if devices == 1:
       assert mesh is None
     else:
       assert mesh.size == devices
-      placed = prune._place(mesh, np.zeros((4, 3, 2), np.float32))
+      placed = block.place(mesh, np.zeros((4, 3, 2), np.float32))
       # The windows are split over the devices, not copied to each.
       assert placed.sharding.spec == jax.sharding.PartitionSpec("data"), placed.sharding
       assert {s.data.shape[0] for s in placed.addressable_shards} == {4 // devices}
@@ -40,7 +40,7 @@ SCRIPT = textwrap.dedent("""
     calib = np.random.default_rng(0).integers(0, 32, (8, 8))
     results = {}
     for method in ("safe-plus", "safe", "sparsegpt", "wanda"):
-      pc = prune.PruneConfig(method, epochs=3, batch_size=4, dual_every=2, learning_rate=3e-3,
+      pc = prune_config.PruneConfig(method, epochs=3, batch_size=4, dual_every=2, learning_rate=3e-3,
                              chunk=4)
       pruned, report = prune.prune_model(cfg, params, calib, pc, progress=False)
       for i in range(cfg.num_layers):

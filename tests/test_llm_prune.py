@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 
 import safe_optax
 from safe_optax.llm import model as model_lib
+from safe_optax.llm import block
 from safe_optax.llm import prune
+from safe_optax.llm import prune_config
 
 CFG = model_lib.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_layers=1,
                             num_heads=4, num_kv_heads=2)
@@ -153,14 +155,14 @@ def _block_data(seed=0, n=8, seq=8):
   # Weights of std 0.2 (not the init's 0.02), so the block is far from the identity.
   params = jax.tree.map(lambda a: a * 10 if a.ndim == 2 else a, model_lib.init_params(CFG, seed))
   x = jax.random.normal(jax.random.PRNGKey(seed + 7), (n, seq, CFG.hidden_size))
-  _, forward_with_stats = prune._block_fns(CFG, with_hessian=False)
+  _, forward_with_stats = block.block_fns(CFG, with_hessian=False)
   out, stats = forward_with_stats(params["layers_0"], x)
   return params["layers_0"], x, out, stats
 
 
 def test_wanda_per_row_counts_and_scores():
   block_params, x, y, stats = _block_data()
-  pruned, _ = prune.prune_block(CFG, block_params, x, y, stats, prune.PruneConfig("wanda"))
+  pruned, _ = prune.prune_block(CFG, block_params, x, y, stats, prune_config.PruneConfig("wanda"))
   for group, linear in model_lib.LINEAR_INPUTS:
     kernel = np.asarray(block_params[group][linear]["kernel"])
     got = np.asarray(pruned[group][linear]["kernel"])
@@ -181,9 +183,9 @@ def _rel_error(block_params, x, y):
 def test_safe_block_beats_one_shot_baseline(method, baseline):
   """SAFE lowers the block reconstruction error below magnitude's (SAFE+: below Wanda's)."""
   block_params, x, y, stats = _block_data(seed=1)
-  base, _ = prune.prune_block(CFG, block_params, x, y, stats, prune.PruneConfig(baseline))
+  base, _ = prune.prune_block(CFG, block_params, x, y, stats, prune_config.PruneConfig(baseline))
   # A tiny block learns fast: a larger step than the paper's 2e-4 keeps the test short.
-  cfg = prune.PruneConfig(method, epochs=40, batch_size=4, learning_rate=3e-3, warmup_epochs=2,
+  cfg = prune_config.PruneConfig(method, epochs=40, batch_size=4, learning_rate=3e-3, warmup_epochs=2,
                           penalty=0.3, dual_every=4, rho=1e-3)
   safe, info = prune.prune_block(CFG, block_params, x, y, stats, cfg)
   for group, linear in model_lib.LINEAR_INPUTS:
@@ -195,16 +197,16 @@ def test_safe_block_beats_one_shot_baseline(method, baseline):
 
 def test_safe_schedule_and_adam():
   """Warm-up then linear decay to 0, and Adam(0.9, 0.95) on the (rho = 0, lambda = 0) gradient."""
-  cfg = prune.PruneConfig("safe", epochs=5, warmup_epochs=2, learning_rate=1e-3, rho=0.0,
+  cfg = prune_config.PruneConfig("safe", epochs=5, warmup_epochs=2, learning_rate=1e-3, rho=0.0,
                           penalty=0.0)
-  schedule = prune._safe_schedule(cfg, steps_per_epoch=3)  # 15 steps, 6 of warm-up
+  schedule = block.safe_schedule(cfg, steps_per_epoch=3)  # 15 steps, 6 of warm-up
   t = np.arange(16)
   want = np.where(t < 6, 1e-3 * t / 6, 1e-3 * (1 - (t - 6) / 9))
   np.testing.assert_allclose([float(schedule(i)) for i in t], want, rtol=1e-5, atol=1e-9)
 
   target = np.arange(6.0).reshape(2, 3)
   grad_fn = jax.jit(lambda p, _: jax.grad(lambda q: jnp.sum((q["w"] - target) ** 2))(p))
-  tx = prune.safe_transform(cfg, steps_per_epoch=3)
+  tx = block.safe_transform(cfg, steps_per_epoch=3)
   params = {"w": jnp.ones((2, 3))}
   state = tx.init(params)
   w, m, v = np.ones((2, 3)), 0.0, 0.0
@@ -224,7 +226,7 @@ def test_safe_schedule_and_adam():
 def test_grouping(method, grouping):
   """Per row: every output row keeps half; per matrix: one threshold for the whole matrix."""
   block_params, x, y, stats = _block_data()
-  cfg = prune.PruneConfig(method, grouping=grouping, epochs=1, batch_size=4)
+  cfg = prune_config.PruneConfig(method, grouping=grouping, epochs=1, batch_size=4)
   pruned, _ = prune.prune_block(CFG, block_params, x, y, stats, cfg)
   unequal_rows = 0
   for group, linear in model_lib.LINEAR_INPUTS:
@@ -251,7 +253,7 @@ def test_prune_model_runs_on_the_pruned_stream():
   cfg = dataclasses.replace(CFG, num_layers=2)
   params = jax.tree.map(lambda a: a * 10 if a.ndim == 2 else a, model_lib.init_params(cfg, 2))
   calib = np.random.default_rng(1).integers(0, cfg.vocab_size, (5, 8))
-  pruned, report = prune.prune_model(cfg, params, calib, prune.PruneConfig("wanda", chunk=2),
+  pruned, report = prune.prune_model(cfg, params, calib, prune_config.PruneConfig("wanda", chunk=2),
                                      progress=False)
   block = jax.jit(model_lib.Block(cfg).apply)
   x = np.asarray(params["embed_tokens"]["embedding"])[calib]
@@ -273,18 +275,18 @@ def test_prune_model_runs_on_the_pruned_stream():
 def test_bad_calibration():
   params = model_lib.init_params(CFG)
   with pytest.raises(ValueError, match="vocab_size is 40"):
-    prune.prune_model(CFG, params, np.full((2, 4), 40), prune.PruneConfig("magnitude"),
+    prune.prune_model(CFG, params, np.full((2, 4), 40), prune_config.PruneConfig("magnitude"),
                       progress=False)
   with pytest.raises(ValueError, match="integer array"):
-    prune.prune_model(CFG, params, np.zeros(8, np.int32), prune.PruneConfig("magnitude"),
+    prune.prune_model(CFG, params, np.zeros(8, np.int32), prune_config.PruneConfig("magnitude"),
                       progress=False)
 
 
-@pytest.mark.parametrize("method", prune.METHODS)
+@pytest.mark.parametrize("method", prune_config.METHODS)
 def test_nm_groups_along_input_dim(method):
   calib = np.random.default_rng(0).integers(0, CFG.vocab_size, (4, 8))
   nm = (2, 4) if method != "wanda" else (4, 8)
-  cfg = prune.PruneConfig(method, nm=nm, epochs=1, batch_size=4)
+  cfg = prune_config.PruneConfig(method, nm=nm, epochs=1, batch_size=4)
   pruned, report = prune.prune_model(CFG, model_lib.init_params(CFG), calib, cfg,
                                      progress=False)
   for group, linear in model_lib.LINEAR_INPUTS:
@@ -309,7 +311,7 @@ def test_nm_groups_along_input_dim(method):
 ])
 def test_bad_prune_config(kw, match):
   with pytest.raises(ValueError, match=match):
-    prune.PruneConfig(**kw)
+    prune_config.PruneConfig(**kw)
 
 
 def test_sparsegpt_nm_needs_divisible_width():
@@ -336,7 +338,7 @@ def test_resume_after_interruption_matches_uninterrupted_run(tmp_path, method):
   cfg = dataclasses.replace(CFG, num_layers=4)
   params = model_lib.init_params(cfg, 3)
   calib = np.random.default_rng(2).integers(0, cfg.vocab_size, (6, 8))
-  prune_cfg = prune.PruneConfig(method, epochs=3, batch_size=2, learning_rate=3e-3,
+  prune_cfg = prune_config.PruneConfig(method, epochs=3, batch_size=2, learning_rate=3e-3,
                                 dual_every=2, chunk=4)
   want, want_report = prune.prune_model(cfg, params, calib, prune_cfg, progress=False)
   state = tmp_path / "state"
@@ -365,7 +367,7 @@ def test_resume_keeps_bfloat16_params(tmp_path):
   cfg = dataclasses.replace(CFG, num_layers=2)
   params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), model_lib.init_params(cfg, 1))
   calib = np.random.default_rng(0).integers(0, cfg.vocab_size, (4, 8))
-  prune_cfg = prune.PruneConfig("magnitude")
+  prune_cfg = prune_config.PruneConfig("magnitude")
   want, _ = prune.prune_model(cfg, params, calib, prune_cfg, progress=False)
   with pytest.raises(_Interrupt):
     prune.prune_model(cfg, params, calib, prune_cfg, progress=False, state_dir=tmp_path,
@@ -381,32 +383,32 @@ def test_resume_refuses_different_arguments(tmp_path):
   params = model_lib.init_params(cfg)
   calib = np.random.default_rng(0).integers(0, cfg.vocab_size, (4, 8))
   with pytest.raises(_Interrupt):
-    prune.prune_model(cfg, params, calib, prune.PruneConfig("wanda"), progress=False,
+    prune.prune_model(cfg, params, calib, prune_config.PruneConfig("wanda"), progress=False,
                       state_dir=tmp_path, identity={"--model": "a"}, on_block=_stop_after(0))
   with pytest.raises(ValueError, match=r"prune_config.sparsity: saved 0.5, now 0.6") as err:
-    prune.prune_model(cfg, params, calib, prune.PruneConfig("wanda", sparsity=0.6),
+    prune.prune_model(cfg, params, calib, prune_config.PruneConfig("wanda", sparsity=0.6),
                       progress=False, state_dir=tmp_path, identity={"--model": "a"})
   assert "prune_config.method" not in str(err.value) and "--restart" in str(err.value)
   with pytest.raises(ValueError, match="calibration_sha256"):
-    prune.prune_model(cfg, params, calib[::-1], prune.PruneConfig("wanda"), progress=False,
+    prune.prune_model(cfg, params, calib[::-1], prune_config.PruneConfig("wanda"), progress=False,
                       state_dir=tmp_path, identity={"--model": "a"})
   with pytest.raises(ValueError, match="--model: saved 'a', now 'b'"):
-    prune.prune_model(cfg, params, calib, prune.PruneConfig("wanda"), progress=False,
+    prune.prune_model(cfg, params, calib, prune_config.PruneConfig("wanda"), progress=False,
                       state_dir=tmp_path, identity={"--model": "b"})
 
 
 def test_lr_scale_rms_multiplies_each_matrix_step():
   """``lr_scale="rms"``: each matrix's update is the unscaled update times its dense RMS."""
   linears = {"a": {"kernel": jnp.full((4, 4), 3.0)}, "b": {"kernel": jnp.arange(8.0).reshape(2, 4)}}
-  scales = prune.lr_scales(prune.PruneConfig("safe", lr_scale="rms"), linears)
+  scales = block.lr_scales(prune_config.PruneConfig("safe", lr_scale="rms"), linears)
   np.testing.assert_allclose(scales["a"]["kernel"], 3.0)
   np.testing.assert_allclose(scales["b"]["kernel"], np.sqrt(np.mean(np.arange(8.0) ** 2)))
-  assert prune.lr_scales(prune.PruneConfig("safe"), linears) is None
-  cfg = prune.PruneConfig("safe", epochs=3, warmup_epochs=0, learning_rate=1e-2, rho=0.0)
+  assert block.lr_scales(prune_config.PruneConfig("safe"), linears) is None
+  cfg = prune_config.PruneConfig("safe", epochs=3, warmup_epochs=0, learning_rate=1e-2, rho=0.0)
   grads = jax.tree.map(lambda w: jnp.sin(w + 1.0), linears)
   grad_fn = lambda p, _: grads
-  plain = prune.safe_transform(cfg, 2)
-  scaled = prune.safe_transform(cfg, 2, scales=scales)
+  plain = block.safe_transform(cfg, 2)
+  scaled = block.safe_transform(cfg, 2, scales=scales)
   state_p, state_s = plain.init(linears), scaled.init(linears)
   for _ in range(2):
     up_p, state_p = plain.update(grads, state_p, linears, grad_fn=grad_fn)

@@ -14,6 +14,7 @@ import pytest
 from safe_optax.llm import checkpoints
 from safe_optax.llm import cli
 from safe_optax.llm import data
+from safe_optax.llm import block
 from safe_optax.llm import prune
 
 from data_required import require_data
@@ -64,7 +65,7 @@ def block0_held_out_errors(config, params, tokens, seed, methods, steps=40, wind
   cut = int(0.8 * len(tokens))
   calib = data.calibration_windows(tokens[:cut], windows, seqlen, seed)
   held = data.calibration_windows(tokens[cut:], windows, seqlen, seed + 1000)
-  forward, forward_with_stats = prune._block_fns(config, with_hessian=True)
+  forward, forward_with_stats = block.block_fns(config, with_hessian=True)
   embed = lambda t: np.asarray(params["embed_tokens"]["embedding"])[t]
   dense = params["layers_0"]
   x, x_held = embed(calib), embed(held)

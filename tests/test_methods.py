@@ -21,6 +21,7 @@ from safe_optax.vision import configs
 from safe_optax.vision import methods
 from safe_optax.vision import sweeps
 from safe_optax.vision import train
+from safe_optax.vision import programs as programs_lib
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_train  # noqa: E402  (the tiny data set and config of the trainer tests)
@@ -80,7 +81,7 @@ def test_seeded_methods_get_programs_of_their_own_per_seed():
   b = test_train.tiny_config(method="safe")
   assert methods.get("safe-multi").seeded(a) and not methods.get("safe").seeded(b)
   assert methods.get("safe-plus").seeded(b.replace(method="safe-plus", saliency="obd"))
-  build = lambda c: train.build_programs(c, test_train.N_TRAIN, 4, (8, 8, 1))
+  build = lambda c: programs_lib.build_programs(c, test_train.N_TRAIN, 4, (8, 8, 1))
   assert build(b) is build(b.replace(seed=3))
   assert build(a) is not build(a.replace(seed=3))
 

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from safe_optax.vision import cli, configs, input_pipeline, sweeps
-from safe_optax.vision import train as train_lib
+from safe_optax.vision import selection as selection_lib
+from safe_optax.vision import datasets
+from safe_optax.vision import workdirs
 
 from data_required import require_data
 
@@ -44,7 +46,7 @@ def test_load_dataset_holds_out_noisy_training_examples_instead_of_the_test_set(
   data = _fake_dataset()
   monkeypatch.setattr(input_pipeline, "load_mnist", lambda *a, **k: data)
   config = configs.get_config("mlp-mnist", validation=15, label_noise=0.5)
-  split = train_lib.load_dataset(config, "/")  # the path only has to exist
+  split = datasets.load_dataset(config, "/")  # the path only has to exist
   rest, held_out = input_pipeline.validation_split(50, 15, config.data_seed)
   noisy, corrupted = input_pipeline.symmetric_label_noise(data.train_labels, 0.5, 10,
                                                           config.data_seed)
@@ -55,7 +57,7 @@ def test_load_dataset_holds_out_noisy_training_examples_instead_of_the_test_set(
   np.testing.assert_array_equal(split.train_labels, noisy[rest])
   assert corrupted[held_out].any()
   # Without a validation split the test set is the real one.
-  plain = train_lib.load_dataset(configs.get_config("mlp-mnist"), "/")
+  plain = datasets.load_dataset(configs.get_config("mlp-mnist"), "/")
   np.testing.assert_array_equal(plain.test_images, data.test_images)
 
 
@@ -89,7 +91,7 @@ def install_fake_runs(monkeypatch, score=lambda config: 0.8) -> list:
     return _results(config, score(config))
 
   monkeypatch.setattr(sweeps, "run_or_load", fake_run)
-  monkeypatch.setattr(train_lib, "load_dataset", lambda config, data_dir: None)
+  monkeypatch.setattr(datasets, "load_dataset", lambda config, data_dir: None)
   return seen
 
 
@@ -105,9 +107,9 @@ def test_select_hyperparameters_keeps_the_best_mean_validation_accuracy(monkeypa
     return _results(config, score + 0.001 * config.seed)
 
   monkeypatch.setattr(sweeps, "run_or_load", fake_run)
-  monkeypatch.setattr(train_lib, "load_dataset", lambda config, data_dir: None)
+  monkeypatch.setattr(datasets, "load_dataset", lambda config, data_dir: None)
   base = configs.get_config("mlp-mnist")
-  selection = sweeps.select_hyperparameters(
+  selection = selection_lib.select_hyperparameters(
       base, ["dense", "safe", "admm", "gmp"], [0.9, 0.99],
       {"safe": [1e-2, 1e-1, 1.0], "admm": [1e-3, 1e-2, 1e-1]}, validation=123, seeds=[0, 1],
       root=tmp_path, data_dir="/", method_overrides={"safe": {"rescale_dual": True}})
@@ -124,8 +126,8 @@ def test_select_hyperparameters_keeps_the_best_mean_validation_accuracy(monkeypa
   rows = [r for r in selection["grid"] if r["method"] == "safe" and r["sparsity"] == 0.9]
   assert [r["penalty"] for r in rows] == [1e-2, 1e-1, 1.0]
   assert rows[1]["validation_accuracy_mean"] == pytest.approx(0.9005)
-  assert sweeps.chosen_overrides(selection, "admm", 0.99) == {"admm_penalty": 0.01}
-  assert sweeps.chosen_overrides(selection, "gmp", 0.99) == {}
+  assert selection_lib.chosen_overrides(selection, "admm", 0.99) == {"admm_penalty": 0.01}
+  assert selection_lib.chosen_overrides(selection, "gmp", 0.99) == {}
 
 
 def test_select_hyperparameters_tunes_cram_rho_only_when_given_a_grid(monkeypatch, tmp_path):
@@ -136,14 +138,14 @@ def test_select_hyperparameters_tunes_cram_rho_only_when_given_a_grid(monkeypatc
     seen.append((config, pathlib.Path(workdir).name))
     if config.method == "cram":
       if config.rho >= 0.3:
-        raise train_lib.TrainingDiverged(str(workdir), 10, 2.3, 1)
+        raise workdirs.TrainingDiverged(str(workdir), 10, 2.3, 1)
       return _results(config, 0.9 - abs(np.log10(config.rho) - np.log10(0.03)))
     return _results(config, 0.8)
 
   monkeypatch.setattr(sweeps, "run_or_load", fake_run)
-  monkeypatch.setattr(train_lib, "load_dataset", lambda config, data_dir: None)
+  monkeypatch.setattr(datasets, "load_dataset", lambda config, data_dir: None)
   base = configs.get_config("mlp-mnist")
-  selection = sweeps.select_hyperparameters(
+  selection = selection_lib.select_hyperparameters(
       base, ["safe", "cram"], [0.99], {"safe": [0.1], "cram": [0.3, 0.01, 0.03, 0.1]},
       validation=10, seeds=[0], root=tmp_path, data_dir="/")
   assert selection["chosen"] == {"safe@0.99": 0.1, "cram@0.99": 0.03}
@@ -158,13 +160,13 @@ def test_select_hyperparameters_tunes_cram_rho_only_when_given_a_grid(monkeypatc
   assert sorted(name for c, name in seen if c.method == "cram") == [
       "cram-s0.99-rho0.01-seed0", "cram-s0.99-rho0.03-seed0", "cram-s0.99-rho0.1-seed0",
       "cram-s0.99-rho0.3-seed0"]
-  assert sweeps.chosen_overrides(selection, "cram", 0.99) == {"rho": 0.03}
+  assert selection_lib.chosen_overrides(selection, "cram", 0.99) == {"rho": 0.03}
   # Without a CrAM grid nothing is tuned for it: the final runs keep the preset's rho.
   seen.clear()
-  plain = sweeps.select_hyperparameters(base, ["safe", "cram"], [0.99], {"safe": [0.1]},
+  plain = selection_lib.select_hyperparameters(base, ["safe", "cram"], [0.99], {"safe": [0.1]},
                                         validation=10, seeds=[0], root=tmp_path, data_dir="/")
   assert not seen  # SAFE's one lambda needs no run, and CrAM has no grid
-  assert sweeps.chosen_overrides(plain, "cram", 0.99) == {}
+  assert selection_lib.chosen_overrides(plain, "cram", 0.99) == {}
   with pytest.raises(ValueError, match=r"has no hyperparameter to choose.*'cram'"):
     sweeps.tuned_field("gmp")
 
@@ -178,13 +180,13 @@ def test_select_with_rho_picks_the_best_pair_and_leaves_admm_alone(monkeypatch, 
     if config.method == "admm":
       return _results(config, 0.7)
     if config.rho == 0.1 and config.penalty == 3.0:
-      raise train_lib.TrainingDiverged(str(workdir), 10, 2.3, 1)
+      raise workdirs.TrainingDiverged(str(workdir), 10, 2.3, 1)
     score = 0.8 - abs(config.rho - 0.05) - 0.01 * abs(np.log10(config.penalty))
     return _results(config, score)
 
   monkeypatch.setattr(sweeps, "run_or_load", fake_run)
-  monkeypatch.setattr(train_lib, "load_dataset", lambda config, data_dir: None)
-  selection = sweeps.select_with_rho(
+  monkeypatch.setattr(datasets, "load_dataset", lambda config, data_dir: None)
+  selection = selection_lib.select_with_rho(
       configs.get_config("mlp-mnist"), ["safe", "admm"], [0.9],
       {"safe": [0.1, 1.0, 3.0], "admm": [0.01, 0.1]}, [0.1, 0.02, 0.05],
       method_overrides={"safe": {"rescale_dual": True}}, validation=10, seeds=[0],
@@ -193,8 +195,8 @@ def test_select_with_rho_picks_the_best_pair_and_leaves_admm_alone(monkeypatch, 
   assert selection["chosen_rho"] == {"safe@0.9": 0.05}
   assert selection["rho_grid"] == [0.02, 0.05, 0.1] and selection["at_grid_edge"] == [
       "admm@0.9"]
-  assert sweeps.chosen_overrides(selection, "safe", 0.9) == {"penalty": 1.0, "rho": 0.05}
-  assert sweeps.chosen_overrides(selection, "admm", 0.9) == {"admm_penalty": 0.01}
+  assert selection_lib.chosen_overrides(selection, "safe", 0.9) == {"penalty": 1.0, "rho": 0.05}
+  assert selection_lib.chosen_overrides(selection, "admm", 0.9) == {"admm_penalty": 0.01}
   # SAFE ran at every (rho, lambda), rescaled; ADMM kept the default rho and its folders.
   safe = {(c.rho, c.penalty) for c, _ in seen if c.method == "safe"}
   assert safe == {(r, l) for r in (0.02, 0.05, 0.1) for l in (0.1, 1.0, 3.0)}
@@ -206,12 +208,12 @@ def test_select_with_rho_picks_the_best_pair_and_leaves_admm_alone(monkeypatch, 
           and r["value"] == 3.0]
   assert lost[0]["diverged"]
   # The best rho at an end of the grid is flagged.
-  edge = sweeps.select_with_rho(
+  edge = selection_lib.select_with_rho(
       configs.get_config("mlp-mnist"), ["safe"], [0.9], {"safe": [0.1, 1.0, 3.0]},
       [0.05, 0.02], validation=10, seeds=[0], root=tmp_path, data_dir="/")
   assert edge["chosen_rho"] == {"safe@0.9": 0.05} and "safe@0.9 rho" in edge["at_grid_edge"]
   with pytest.raises(ValueError, match="`rhos` must be a non-empty list"):
-    sweeps.select_with_rho(configs.get_config("mlp-mnist"), ["safe"], [0.9],
+    selection_lib.select_with_rho(configs.get_config("mlp-mnist"), ["safe"], [0.9],
                            {"safe": [0.1]}, [], validation=10, seeds=[0], root=tmp_path,
                            data_dir="/")
 
@@ -221,12 +223,12 @@ def test_select_with_rho_scores_a_single_lambda_and_survives_a_radius_that_diver
   # One lambda: rho is still chosen (runs are trained); at rho 0.3 every lambda diverges.
   def fake_run(config, workdir, *, data, data_dir, progress):
     if config.rho >= 0.3:
-      raise train_lib.TrainingDiverged(str(workdir), 10, 2.3, 1)
+      raise workdirs.TrainingDiverged(str(workdir), 10, 2.3, 1)
     return _results(config, 0.8 - abs(config.rho - 0.05))
 
   monkeypatch.setattr(sweeps, "run_or_load", fake_run)
-  monkeypatch.setattr(train_lib, "load_dataset", lambda config, data_dir: None)
-  selection = sweeps.select_with_rho(
+  monkeypatch.setattr(datasets, "load_dataset", lambda config, data_dir: None)
+  selection = selection_lib.select_with_rho(
       configs.get_config("mlp-mnist"), ["safe"], [0.9], {"safe": [1.0]}, [0.02, 0.05, 0.3],
       validation=10, seeds=[0], root=tmp_path, data_dir="/")
   assert selection["chosen"] == {"safe@0.9": 1.0}
@@ -234,14 +236,14 @@ def test_select_with_rho_scores_a_single_lambda_and_survives_a_radius_that_diver
   assert list(selection["rho_all_diverged"]) == ["0.3"]
   assert {r["rho"] for r in selection["grid"]} == {0.02, 0.05}
   with pytest.raises(ValueError, match=r"every rho of \[0.3, 0.5\] diverged"):
-    sweeps.select_with_rho(configs.get_config("mlp-mnist"), ["safe"], [0.9], {"safe": [1.0]},
+    selection_lib.select_with_rho(configs.get_config("mlp-mnist"), ["safe"], [0.9], {"safe": [1.0]},
                            [0.3, 0.5], validation=10, seeds=[0], root=tmp_path, data_dir="/")
 
 
 def test_select_hyperparameters_breaks_ties_towards_the_smaller_lambda(monkeypatch, tmp_path):
   monkeypatch.setattr(sweeps, "run_or_load", lambda config, *a, **k: _results(config, 0.5))
-  monkeypatch.setattr(train_lib, "load_dataset", lambda config, data_dir: None)
-  selection = sweeps.select_hyperparameters(configs.get_config("mlp-mnist"), ["safe"], [0.9],
+  monkeypatch.setattr(datasets, "load_dataset", lambda config, data_dir: None)
+  selection = selection_lib.select_hyperparameters(configs.get_config("mlp-mnist"), ["safe"], [0.9],
                                             {"safe": [1.0, 0.01, 0.1]}, validation=10,
                                             seeds=[0], root=tmp_path, data_dir="/")
   assert selection["chosen"] == {"safe@0.9": 0.01}
@@ -251,7 +253,7 @@ def test_select_hyperparameters_breaks_ties_towards_the_smaller_lambda(monkeypat
 
 def test_select_hyperparameters_needs_a_grid_per_penalty_method(tmp_path):
   with pytest.raises(ValueError, match=r"no lambda grid for \['admm'\]"):
-    sweeps.select_hyperparameters(configs.get_config("mlp-mnist"), ["safe", "admm"], [0.9],
+    selection_lib.select_hyperparameters(configs.get_config("mlp-mnist"), ["safe", "admm"], [0.9],
                                   {"safe": [0.1]}, validation=10, seeds=[0], root=tmp_path,
                                   data_dir="/")
 
@@ -314,12 +316,12 @@ def test_cli_sweep_refuses_stale_results_and_train_reports_the_validation_split(
 def test_a_diverging_lambda_loses_the_selection_instead_of_crashing_it(monkeypatch, tmp_path):
   def fake_run(config, workdir, *, data, data_dir, progress):
     if config.penalty >= 1.0:
-      raise train_lib.TrainingDiverged(str(workdir), 40, 2.3, 1)
+      raise workdirs.TrainingDiverged(str(workdir), 40, 2.3, 1)
     return _results(config, 0.5 + config.penalty)
 
   monkeypatch.setattr(sweeps, "run_or_load", fake_run)
-  monkeypatch.setattr(train_lib, "load_dataset", lambda config, data_dir: None)
-  selection = sweeps.select_hyperparameters(configs.get_config("mlp-mnist"), ["safe"], [0.99],
+  monkeypatch.setattr(datasets, "load_dataset", lambda config, data_dir: None)
+  selection = selection_lib.select_hyperparameters(configs.get_config("mlp-mnist"), ["safe"], [0.99],
                                             {"safe": [0.01, 0.1, 1.0]}, validation=10,
                                             seeds=[0], root=tmp_path, data_dir="/")
   assert selection["chosen"] == {"safe@0.99": 0.1}
@@ -327,6 +329,6 @@ def test_a_diverging_lambda_loses_the_selection_instead_of_crashing_it(monkeypat
   assert lost["diverged"] and lost["validation_accuracy_mean"] is None
   assert lost["runs"][0]["diverged"] == {"step": 40, "last_finite_loss": 2.3}
   with pytest.raises(ValueError, match=r"every lambda of \[1.0, 2.0\] diverged for safe"):
-    sweeps.select_hyperparameters(configs.get_config("mlp-mnist"), ["safe"], [0.99],
+    selection_lib.select_hyperparameters(configs.get_config("mlp-mnist"), ["safe"], [0.99],
                                   {"safe": [1.0, 2.0]}, validation=10, seeds=[0],
                                   root=tmp_path, data_dir="/")

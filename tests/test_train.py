@@ -2,7 +2,7 @@
 
 Cost: the training runs share one tiny configuration (an MLP on 100 generated
 8x8 images, batch 16: six full batches and a short one per epoch), so the
-jitted programs compile once (``train.build_programs`` caches them) and are reused
+jitted programs compile once (``programs_lib.build_programs`` caches them) and are reused
 by the uninterrupted, stopped and interrupted runs. The 8-device run is a
 subprocess started when the module is imported, so it overlaps the others.
 """
@@ -34,6 +34,13 @@ from safe_optax.vision import configs
 from safe_optax.vision import finish
 from safe_optax.vision import input_pipeline
 from safe_optax.vision import train
+from safe_optax import experiment
+from safe_optax.vision import datasets
+from safe_optax.vision import methods
+from safe_optax.vision import programs as programs_lib
+from safe_optax.vision import steps as steps_lib
+from safe_optax.vision import train_state
+from safe_optax.vision import workdirs
 import process_launcher  # tests/process_launcher.py: forced-device XLA flags
 
 N_TRAIN, N_TEST, BATCH, EPOCHS = 100, 40, 16, 3
@@ -139,7 +146,7 @@ def test_learning_rate_reaches_its_end_value_at_the_last_step():
   config = configs.get_config("resnet20x2-cifar10", epochs=20)
   spe = 7
   total, warm = 20 * spe, 5 * spe
-  lr = train.learning_rate_schedule(config, spe)
+  lr = methods.learning_rate_schedule(config, spe)
   steps = np.arange(total + 1)
   got = np.asarray([float(lr(t)) for t in steps])
   # Independent reference: linear warm-up, then half a cosine from warm to total.
@@ -154,11 +161,11 @@ def test_learning_rate_reaches_its_end_value_at_the_last_step():
 @given(n=st.integers(1, 300), batch=st.integers(1, 64), seed=st.integers(0, 5),
        epoch=st.integers(0, 3))
 def test_every_example_once_per_epoch(n, batch, seed, epoch):
-  batches = train.epoch_batches(n, batch, seed, epoch)
+  batches = datasets.epoch_batches(n, batch, seed, epoch)
   assert len(batches) == math.ceil(n / batch)
   assert all(len(b) == batch for b in batches[:-1]) and 1 <= len(batches[-1]) <= batch
   np.testing.assert_array_equal(np.sort(np.concatenate(batches)), np.arange(n))
-  again = train.epoch_batches(n, batch, seed, epoch)
+  again = datasets.epoch_batches(n, batch, seed, epoch)
   assert all(np.array_equal(a, b) for a, b in zip(batches, again))
 
 
@@ -183,9 +190,9 @@ def test_sam_pass_leaves_batch_stats_of_the_clean_pass():
   indices = jnp.arange(BATCH)
 
   def step(tx, uses_grad_fn):
-    state = train.TrainState(jnp.int32(0), jax.random.PRNGKey(5), params, dict(model_state),
-                             tx.init(params), train._zero_metrics())
-    fn = jax.jit(functools.partial(train.train_step, apply_fn=model.apply, tx=tx,
+    state = train_state.TrainState(jnp.int32(0), jax.random.PRNGKey(5), params, dict(model_state),
+                             tx.init(params), train_state.zero_metrics())
+    fn = jax.jit(functools.partial(steps_lib.train_step, apply_fn=model.apply, tx=tx,
                                    uses_grad_fn=uses_grad_fn, augment=True, mean=mean,
                                    std=std))
     return fn(state, images[indices], labels[indices])
@@ -194,7 +201,7 @@ def test_sam_pass_leaves_batch_stats_of_the_clean_pass():
   sgd = step(optax.sgd(0.1), False)
   # Reference: the clean pass's statistics on the same augmented batch.
   key = jax.random.fold_in(jax.random.PRNGKey(5), 0)
-  x = train.prepare_images(images[indices], key, mean, std)
+  x = datasets.prepare_images(images[indices], key, mean, std)
   stats = jax.jit(lambda p: model.apply({"params": p, **model_state}, x, train=True,
                                         mutable=["batch_stats"])[1])
   clean = stats(params)
@@ -203,7 +210,7 @@ def test_sam_pass_leaves_batch_stats_of_the_clean_pass():
     np.testing.assert_array_equal(a, b)
     np.testing.assert_allclose(a, c, rtol=1e-6, atol=1e-6)
   # The perturbed point's statistics differ, so keeping them would have shown.
-  grads = jax.jit(jax.grad(lambda p: train.cross_entropy(model.apply(
+  grads = jax.jit(jax.grad(lambda p: experiment.cross_entropy(model.apply(
       {"params": p, **model_state}, x, train=True, mutable=["batch_stats"])[0],
       labels[indices])))(params)
   norm = optax.tree.norm(grads)
@@ -228,7 +235,7 @@ def full_run(full_dir):
                                   dataset=tiny_dataset())
 
 
-def _assert_same_state(a: train.TrainState, b: train.TrainState):
+def _assert_same_state(a: train_state.TrainState, b: train_state.TrainState):
   la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
   assert len(la) == len(lb)
   for x, y in zip(la, lb):
@@ -273,12 +280,12 @@ def test_finishing_a_finished_run_again_keeps_its_training_record(full_run, full
 def test_train_step_compiles_once_per_batch_shape(full_run):
   del full_run
   config = tiny_config()
-  programs = train.build_programs(config, N_TRAIN, 4, (8, 8, 1))
+  programs = programs_lib.build_programs(config, N_TRAIN, 4, (8, 8, 1))
   # 3 epochs x 7 steps: one step program per batch shape (full, the short last one), all
   # without the projection (SAFE's dual update runs as a program of its own, compiled once),
   # none per step.
   spe = -(-N_TRAIN // BATCH)
-  plans = [train._plan(programs, config, step)  # pylint: disable=protected-access
+  plans = [programs_lib.plan(programs, config, step)
            for step in range(EPOCHS * spe)]
   used = {(step % spe == spe - 1, plan[1]) for step, plan in enumerate(plans)}
   assert used == {(True, False), (False, False)}
@@ -290,7 +297,7 @@ def test_split_dual_programs_train_bit_for_bit_like_one_program(full_run, tmp_pa
   """The host's dual hint (the dual update as a program of its own, the steps without the
   projection) changes nothing: a run with one program that decides inside reaches the same
   state, bit for bit."""
-  monkeypatch.setattr(train, "_dual_due", lambda config, step: None)
+  monkeypatch.setattr(programs_lib, "dual_due", lambda config, step: None)
   single = train.train_and_evaluate(tiny_config(), tmp_path, data_dir=None,
                                     dataset=tiny_dataset())
   _assert_same_state(single.state, full_run.state)
@@ -346,7 +353,7 @@ def test_8_devices_match_1_device(full_run):
 def test_bnt_batches_cover_bnt_samples_distinct_training_images():
   config = tiny_config(bnt_samples=40, augment=False)
   data = tiny_dataset()
-  programs = train.build_programs(config, N_TRAIN, 4, (8, 8, 1))
+  programs = programs_lib.build_programs(config, N_TRAIN, 4, (8, 8, 1))
   images = jnp.asarray(data.train_images)
   batches = list(finish.bnt_batches(programs, config, images, N_TRAIN))
   assert [b.shape[0] for b in batches] == [16, 16, 8]
@@ -396,13 +403,13 @@ def test_a_workdir_is_one_run(full_run, full_dir, tmp_path, capsys):
 def test_divergence_stops_at_once_with_the_step_and_the_last_finite_loss(tmp_path):
   data = tiny_dataset()
   config = tiny_config(learning_rate=1e30, warmup_epochs=0, epochs=20)
-  with pytest.raises(train.TrainingDiverged, match="not finite at step 7 ") as info:
+  with pytest.raises(workdirs.TrainingDiverged, match="not finite at step 7 ") as info:
     train.train_and_evaluate(config, tmp_path, data_dir=None, dataset=data)
   assert info.value.step == 7  # the end of the first epoch, not of the 20th
   with open(tmp_path / "metrics.jsonl", encoding="utf-8") as f:
     assert len(f.readlines()) == 1
   # A rerun of the same settings reports it again without training.
-  with pytest.raises(train.TrainingDiverged, match="step 7"):
+  with pytest.raises(workdirs.TrainingDiverged, match="step 7"):
     train.train_and_evaluate(config, tmp_path, data_dir=None, dataset=data,
                              on_step=lambda step: pytest.fail("trained again"))
   assert not (tmp_path / "results.json").exists()

@@ -68,7 +68,7 @@ def worker(argv: list[str]) -> int:
   from safe_optax.vision import cli  # pylint: disable=import-outside-toplevel
   from safe_optax.vision import train  # pylint: disable=import-outside-toplevel
 
-  cli_args = cli.build_parser().parse_args(cli_argv)
+  _, cli_args = cli._parse(cli_argv)  # pylint: disable=protected-access
   written: set[str] = set()
   _record_writes(pathlib.Path(cli_args.workdir), written)
   if own.stop_after_epoch is None:
@@ -119,12 +119,13 @@ def _final(root: pathlib.Path, name: str) -> dict[str, np.ndarray]:
   """The final params and their projection's mask of a finished run, read in this process."""
   import jax  # pylint: disable=import-outside-toplevel
   from safe_optax.vision import configs  # pylint: disable=import-outside-toplevel
-  from safe_optax.vision import train  # pylint: disable=import-outside-toplevel
+  from safe_optax.vision import datasets  # pylint: disable=import-outside-toplevel
+  from safe_optax.vision import programs as programs_lib  # pylint: disable=import-outside-toplevel
   workdir = root / name
   with open(workdir / "config.json", encoding="utf-8") as f:
     config = configs.from_dict(json.load(f))
-  programs, state = train.restore_finished(config, workdir,
-                                           train.load_dataset(config, root / "data"))
+  programs, state = programs_lib.restore_finished(config, workdir,
+                                                  datasets.load_dataset(config, root / "data"))
   out = {}
   projected = programs.project(state.params)
   for (path, leaf), kept in zip(jax.tree_util.tree_leaves_with_path(state.params),

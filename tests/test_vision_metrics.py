@@ -25,6 +25,8 @@ from safe_optax.vision import configs
 from safe_optax.vision import input_pipeline
 from safe_optax.vision import metrics
 from safe_optax.vision import train
+from safe_optax.vision import datasets
+from safe_optax.vision import programs as programs_lib
 
 pytest.importorskip("tensorboardX")
 from tensorboardX.proto import event_pb2  # pylint: disable=wrong-import-position
@@ -122,7 +124,7 @@ def test_mask_churn_matches_masks_read_on_the_host(run):
   """The same run stepped by hand: z read back after every step, churn counted with numpy."""
   del run  # compiled the programs
   data = tiny_dataset()
-  programs = train.build_programs(CONFIG, N_TRAIN, data.num_classes, (8, 8, 1))
+  programs = programs_lib.build_programs(CONFIG, N_TRAIN, data.num_classes, (8, 8, 1))
   state = programs.init(jax.random.PRNGKey(CONFIG.seed))
 
   def mask():
@@ -131,9 +133,9 @@ def test_mask_churn_matches_masks_read_on_the_host(run):
                            for leaf in jax.tree.leaves(z)])  # MaskedNodes have no leaves
 
   expected, previous = [], None
-  for indices in train.epoch_batches(N_TRAIN, BATCH, CONFIG.seed, 0):
+  for indices in datasets.epoch_batches(N_TRAIN, BATCH, CONFIG.seed, 0):
     count = int(state.step)
-    state = train.run_step(programs, CONFIG, state, *train.gather_batch(
+    state = programs_lib.run_step(programs, CONFIG, state, *datasets.gather_batch(
         programs.mesh, (data.train_images, data.train_labels), indices), count)
     if count % K == 0:
       current = mask()
@@ -236,11 +238,11 @@ def test_event_files_hold_the_values_of_metrics_jsonl(run):
 
 def test_no_recompilation_across_epochs(run):
   del run
-  programs = train.build_programs(CONFIG, N_TRAIN, 4, (8, 8, 1))
+  programs = programs_lib.build_programs(CONFIG, N_TRAIN, 4, (8, 8, 1))
   # 2 epochs: one step program per batch shape (full, the short last one), the dual update
   # a program of its own.
   used = {(step % SPE == SPE - 1,
-           train._plan(programs, CONFIG, step)[1])  # pylint: disable=protected-access
+           programs_lib.plan(programs, CONFIG, step)[1])
           for step in range(EPOCHS * SPE)}
   assert len(used) == 2 and programs.train._cache_size() == len(used)
   assert programs.dual._cache_size() == 1

@@ -38,7 +38,8 @@ import numpy as np
 from safe_optax.experiment import mean_se, versions
 from safe_optax.vision import configs
 from safe_optax.vision import sweeps
-from safe_optax.vision import train as train_lib
+from safe_optax.vision import datasets
+from safe_optax.vision import workdirs
 
 VARIANTS = {"paper": False, "rescaled": True}
 """Label -> ``rescale_dual``."""
@@ -50,7 +51,7 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
                             epochs=args.epochs, warmup_epochs=args.warmup_epochs,
                             train_subset=args.train_subset, test_subset=args.test_subset,
                             eval_every=args.epochs)
-  data = train_lib.load_dataset(base, args.data_dir)
+  data = datasets.load_dataset(base, args.data_dir)
   runs = []
   for lam in args.penalties:
     for label, rescale in VARIANTS.items():
@@ -60,7 +61,7 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
         try:
           results = sweeps.run_or_load(config, workdir, data=data, data_dir=args.data_dir,
                                        progress=args.progress)
-        except train_lib.TrainingDiverged as err:
+        except workdirs.TrainingDiverged as err:
           runs.append({"variant": label, "penalty": lam, "seed": seed, "accuracy": None,
                        "diverged": {"step": err.step, "last_finite_loss": err.last_finite_loss}})
           continue

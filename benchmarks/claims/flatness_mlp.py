@@ -57,7 +57,8 @@ import safe_optax
 from safe_optax import flatness
 from safe_optax.experiment import batch_order, cross_entropy, mean_se, steps_per_epoch, versions
 from safe_optax.vision import input_pipeline, models
-from safe_optax.vision import train as vision_train
+from safe_optax.vision import datasets
+from safe_optax.vision import steps as steps_lib
 
 METHODS = ("dense", "safe", "admm")
 PENALTY_METHODS = ("safe", "admm")
@@ -195,7 +196,7 @@ def load(config: Config) -> dict[str, Any]:
   data = input_pipeline.load_mnist(config.resolved_data_dir(),
                                    test_only_split=SPLITS[config.dataset],
                                    seed=config.split_seed)
-  mean, std = vision_train.NORMALIZATION[config.dataset]
+  mean, std = datasets.NORMALIZATION[config.dataset]
   norm = lambda im: input_pipeline.normalize(im, mean, std)
   return {"x_train": norm(data.train_images), "y_train": jnp.asarray(data.train_labels),
           "x_test": norm(data.test_images), "y_test": jnp.asarray(data.test_labels)}
@@ -216,7 +217,7 @@ def convergence(params, opt_state, epoch_losses, config: Config) -> dict[str, An
                                       / max(losses[-tail:].mean(), 1e-12))
       if len(losses) >= 2 * tail else None,
       "prunable_norm": norm_x,
-      "distance_to_projection": float(vision_train.distance_to_projection(params,
+      "distance_to_projection": float(steps_lib.distance_to_projection(params,
                                                                           config.sparsity)),
   }
   if config_has_admm(opt_state):

@@ -10,7 +10,7 @@ settings is refused).
 
 With ``--validation N`` each method's lambda is first chosen per noise ratio
 and sparsity on N held-out training examples whose labels carry the same
-noise (:func:`safe_optax.vision.sweeps.select_hyperparameters`; the clean test set is
+noise (:func:`safe_optax.vision.selection_lib.select_hyperparameters`; the clean test set is
 never looked at), over ``--safe-grid`` / ``--admm-grid``.
 
   python benchmarks/claims/label_noise.py --preset mlp-mnist --data-dir ../shared/data/mnist \\
@@ -30,8 +30,9 @@ from typing import Any, Optional
 
 from safe_optax.experiment import mean_se, versions
 from safe_optax.vision import configs
+from safe_optax.vision import selection as selection_lib
 from safe_optax.vision import sweeps
-from safe_optax.vision import train
+from safe_optax.vision import datasets
 
 
 def table(runs: list[dict[str, Any]], methods: list[str]) -> str:
@@ -122,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--rho-grid", type=float, nargs="+", default=None,
                       help="with --validation: SAM radii tried for SAFE-type methods, each "
                            "with every lambda of --safe-grid; the best (rho, lambda) pair on the "
-                           "noisy validation split is used (sweeps.select_with_rho); outputs get "
+                           "noisy validation split is used (selection_lib.select_with_rho); outputs get "
                            "a _rhogrid suffix")
   parser.add_argument("--workdir", default="/tmp/safe_optax_label_noise")
   parser.add_argument("--out", default="results/label_noise")
@@ -146,27 +147,27 @@ def main(argv: Optional[list[str]] = None) -> int:
   base = configs.get_config(args.preset, **overrides)
   runs, selections = [], {}
   grids, fixed = penalty_grids(args, parser)
-  per_method = sweeps.rescaled_dual(args.methods, args.rescale_dual)
+  per_method = selection_lib.rescaled_dual(args.methods, args.rescale_dual)
   if args.rho is not None:  # the SAFE family only: ADMM keeps its config and folders
-    per_method = sweeps.with_rho(per_method, args.methods, args.rho)
+    per_method = selection_lib.with_rho(per_method, args.methods, args.rho)
   for noise in args.noise:
     noisy = base.replace(label_noise=noise)
     selection = None
     if args.validation is not None:
-      select = (sweeps.select_hyperparameters if args.rho_grid is None else
-                functools.partial(sweeps.select_with_rho, rhos=args.rho_grid))
+      select = (selection_lib.select_hyperparameters if args.rho_grid is None else
+                functools.partial(selection_lib.select_with_rho, rhos=args.rho_grid))
       selection = select(
           noisy, args.methods, args.sparsities, grids, validation=args.validation,
           seeds=range(args.select_seeds), root=pathlib.Path(args.workdir) / "select",
           data_dir=args.data_dir, method_overrides=per_method)
       selections[f"{noise:g}"] = selection
-    data = train.load_dataset(noisy, args.data_dir)
+    data = datasets.load_dataset(noisy, args.data_dir)
     for sparsity in args.sparsities:
       for method in args.methods:
         for seed in args.seeds:
           config = noisy.replace(method=method, sparsity=sparsity, seed=seed,
                                  **per_method.get(method, {}),
-                                 **sweeps.chosen_overrides(selection, method, sparsity),
+                                 **selection_lib.chosen_overrides(selection, method, sparsity),
                                  **fixed.get(method, {}))
           results = sweeps.run_or_load(config, sweeps.run_dir(args.workdir, config), data=data,
                                        data_dir=args.data_dir, progress=True)

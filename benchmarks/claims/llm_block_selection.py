@@ -43,6 +43,7 @@ from safe_optax.llm import checkpoints
 from safe_optax.llm import cli
 from safe_optax.llm import data
 from safe_optax.llm import model as model_lib
+from safe_optax.llm import block
 from safe_optax.llm import prune
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -89,7 +90,7 @@ class Block:
   def __init__(self, config, params, index, calib, held):
     self.config, self.index = config, index
     self.params = params[f"layers_{index}"]
-    forward, self.forward_with_stats = prune._block_fns(config, with_hessian=True)  # pylint: disable=protected-access
+    forward, self.forward_with_stats = block.block_fns(config, with_hessian=True)
     self.forward = forward
     model = model_lib.Llama(config)
     embed = jax.jit(lambda p, t: model.apply({"params": p}, t, method=model_lib.Llama.embed))
@@ -106,7 +107,7 @@ class Block:
 
   def _targets_and_stats(self):
     outs, stats = [], None
-    for part in prune._chunks(self.x_calib.shape[0], 8):  # pylint: disable=protected-access
+    for part in block.chunks(self.x_calib.shape[0], 8):
       out, st = self.forward_with_stats(self.params, self.x_calib[part])
       outs.append(np.asarray(out))
       stats = st if stats is None else jax.tree.map(jnp.add, stats, st)

@@ -23,6 +23,7 @@ from safe_optax.experiment import mean_se, versions
 from safe_optax.vision import configs
 from safe_optax.vision import evaluation
 from safe_optax.vision import train
+from safe_optax.vision import datasets
 
 
 def _cell(values: list[float]) -> str:
@@ -66,7 +67,7 @@ def main(argv: Optional[list[str]] = None) -> int:
   if args.test_only_split:
     overrides["test_only_split"] = tuple(args.test_only_split)
   base = configs.get_config(args.preset, **overrides)
-  data = train.load_dataset(base, args.data_dir)
+  data = datasets.load_dataset(base, args.data_dir)
   evals: dict[str, list[dict[str, Any]]] = {}
   for method in args.methods:
     for seed in args.seeds:

@@ -12,7 +12,7 @@ One command per claim: for a vision preset (e.g. ``mlp-fashion-mnist``),
    with ``--cram-grid``, CrAM / CrAM+'s SAM radius ``rho`` is chosen the same
    way (without it they keep the preset's rho); with ``--rho-grid`` the SAFE
    family's rho is chosen jointly with its lambda
-   (:func:`safe_optax.vision.sweeps.select_with_rho`);
+   (:func:`safe_optax.vision.selection_lib.select_with_rho`);
 2. **final runs**: every method x sparsity x seed on the full training split
    with the chosen lambdas, evaluated on the test set;
 3. ``sweep.json`` (every run, the selection, convergence diagnostics and
@@ -49,11 +49,11 @@ from typing import Any, Optional
 import numpy as np
 
 from safe_optax.experiment import mean_se, versions
-from safe_optax.vision import cli as vision_cli
 from safe_optax.vision import configs
 from safe_optax.vision import methods
+from safe_optax.vision import selection as selection_lib
 from safe_optax.vision import sweeps
-from safe_optax.vision import train as train_lib
+from safe_optax.vision import datasets
 
 
 def select(base: configs.Config, args: argparse.Namespace) -> dict[str, Any]:
@@ -62,12 +62,12 @@ def select(base: configs.Config, args: argparse.Namespace) -> dict[str, Any]:
   if args.cram_grid:
     grids.update({m: args.cram_grid for m in sweeps.TUNED_METHODS
                   if m not in sweeps.PENALTY_METHODS})
-  select_fn = (sweeps.select_hyperparameters if args.rho_grid is None else
-               functools.partial(sweeps.select_with_rho, rhos=args.rho_grid))
+  select_fn = (selection_lib.select_hyperparameters if args.rho_grid is None else
+               functools.partial(selection_lib.select_with_rho, rhos=args.rho_grid))
   return select_fn(base, args.methods, args.sparsities, grids, validation=args.validation,
                    seeds=range(args.select_seeds), root=pathlib.Path(args.workdir) / "select",
                    data_dir=args.data_dir, progress=args.progress,
-                   method_overrides=sweeps.rescaled_dual(args.methods, args.rescale_dual))
+                   method_overrides=selection_lib.rescaled_dual(args.methods, args.rescale_dual))
 
 
 def summarize_convergence(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -201,10 +201,10 @@ def main(argv: Optional[list[str]] = None) -> int:
   except ValueError as err:
     parser.error(str(err))
   selection = select(base, args)
-  data = train_lib.load_dataset(base, args.data_dir)
+  data = datasets.load_dataset(base, args.data_dir)
   root = pathlib.Path(args.workdir) / "final"
   runs = []
-  rescaled = sweeps.rescaled_dual(args.methods, args.rescale_dual)
+  rescaled = selection_lib.rescaled_dual(args.methods, args.rescale_dual)
   for method in args.methods:
     for s in ([0.0] if method == "dense" else args.sparsities):
       for seed in args.seeds:
@@ -212,11 +212,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         config = base.replace(method=method, sparsity=s, seed=seed,
                               structure="global" if method == "dense" else None,
                               **rescaled.get(method, {}),
-                              **sweeps.chosen_overrides(selection, method, s))
+                              **selection_lib.chosen_overrides(selection, method, s))
         results = sweeps.run_or_load(config, sweeps.run_dir(root, config), data=data,
                                      data_dir=args.data_dir, progress=args.progress)
         runs.append(sweeps.record(config, results))
-  table = vision_cli.summarize(runs, args.sparsities)
+  table = sweeps.summarize(runs, args.sparsities)
   rows = summarize_convergence(runs)
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)

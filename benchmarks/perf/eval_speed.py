@@ -75,6 +75,8 @@ from safe_optax.vision import finish as finish_lib
 from safe_optax.vision import input_pipeline
 from safe_optax.vision import robustness
 from safe_optax.vision import train as train_lib
+from safe_optax.vision import datasets
+from safe_optax.vision import programs as programs_lib
 
 GOAL_EVAL = 2.0
 """Training's FLOP rate over evaluation's must be at most this."""
@@ -121,13 +123,13 @@ class Case:
     self.data = input_pipeline.Dataset(pixels(self.num_train), labels(self.num_train),
                                        pixels(self.num_test), labels(self.num_test),
                                        tuple(str(c) for c in range(10)))
-    self.programs = train_lib.build_programs(self.config, self.num_train, 10, (32, 32, 3))
+    self.programs = programs_lib.build_programs(self.config, self.num_train, 10, (32, 32, 3))
     self.state = self.programs.init(jax.random.PRNGKey(0))
     # The measured model: the projected parameters, copies (the training step donates
     # its state's buffers).
     self.params = self.programs.project(self.state.params)
     self.model_state = jax.tree.map(jnp.copy, self.state.model_state)
-    mean, std = train_lib.NORMALIZATION["cifar10"]
+    mean, std = datasets.NORMALIZATION["cifar10"]
     x = np.asarray(input_pipeline.normalize(jnp.asarray(
         pixels(args.hvp_batch * args.hvp_batches)), mean, std))
     y = labels(args.hvp_batch * args.hvp_batches)
@@ -166,7 +168,7 @@ def build_paths(case: Case) -> dict[str, dict[str, Any]]:
                    "flops": flops(p.eval, params, model_state, ex, ey, valid), "images": size}
 
   variables = {"params": params, **model_state}
-  mean, std = (jnp.asarray(v, jnp.float32) for v in train_lib.NORMALIZATION["cifar10"])
+  mean, std = (jnp.asarray(v, jnp.float32) for v in datasets.NORMALIZATION["cifar10"])
   px = jnp.asarray(data.test_images[:args.eval_batch])
   paths["predict"] = {
       "run": lambda: evaluation._predict(p.model, variables, mean, std, px),
@@ -289,8 +291,8 @@ def end_of_run(case: Case) -> dict[str, Any]:
     return out
 
   config = dataclasses.replace(case.config, eval_every=1)
-  saved = (train_lib.evaluate, finish_lib.evaluate, finish_lib.finish)
-  train_lib.evaluate = finish_lib.evaluate = counting
+  saved = (finish_lib.evaluate, finish_lib.evaluate, finish_lib.finish)
+  finish_lib.evaluate = finish_lib.evaluate = counting
   finish_lib.finish = timed_finish
   before = _compiles[0]
   try:
@@ -299,7 +301,7 @@ def end_of_run(case: Case) -> dict[str, Any]:
       train_lib.train_and_evaluate(config, workdir, data_dir=None, dataset=case.data)
       total = time.perf_counter() - start
   finally:
-    train_lib.evaluate, finish_lib.evaluate, finish_lib.finish = saved
+    finish_lib.evaluate, finish_lib.evaluate, finish_lib.finish = saved
   return {"test_passes": counts["passes"], "num_test": case.num_test,
           "finish_seconds": finish_seconds[0], "train_and_evaluate_seconds": total,
           "compiles": _compiles[0] - before}

@@ -1,6 +1,6 @@
 """What the vision trainer's per-step log costs a training step (safe_optax.vision.metrics).
 
-The trainer's own step (``safe_optax.vision.train.train_step``: LeNet-5 on
+The trainer's own step (``safe_optax.vision.steps_lib.train_step``: LeNet-5 on
 28 x 28 images, batch 128, SAFE with a dual update every 32 steps, the
 ``lenet5-fashion-mnist`` preset at sparsity 0.9) is jitted three times, the
 state donated:
@@ -34,7 +34,9 @@ import numpy as np
 from _common import run_record, write_report
 from safe_optax.vision import configs
 from safe_optax.vision import metrics
-from safe_optax.vision import train
+from safe_optax.vision import programs as programs_lib
+from safe_optax.vision import steps as steps_lib
+from safe_optax.vision import train_state
 from safe_optax.vision.datasets import NORMALIZATION
 
 VARIANTS = ("none", "every50", "every1")
@@ -50,7 +52,7 @@ def main() -> None:
   args = parser.parse_args()
   start = time.perf_counter()
   config = configs.get_config("lenet5-fashion-mnist", sparsity=0.9)
-  programs = train.build_programs(config, NUM_TRAIN, 10, IMAGE)
+  programs = programs_lib.build_programs(config, NUM_TRAIN, 10, IMAGE)
   base = programs.step_logger
   loggers = {"none": None, "every50": base, "every1": metrics.StepLogger(
       1, base.steps_per_epoch, base.learning_rate, base.penalty, base.dual_every)}
@@ -61,10 +63,10 @@ def main() -> None:
   runs = {}
   for name, logger in loggers.items():
     step = jax.jit(functools.partial(
-        train.train_step, apply_fn=programs.model.apply, tx=programs.tx, uses_grad_fn=True,
+        steps_lib.train_step, apply_fn=programs.model.apply, tx=programs.tx, uses_grad_fn=True,
         augment=config.augment, mean=mean, std=std, step_logger=logger), donate_argnums=0)
     state = programs.init(jax.random.PRNGKey(0))
-    state = state._replace(metrics=train._zero_metrics((logger or base).empty()))
+    state = state._replace(metrics=train_state.zero_metrics((logger or base).empty()))
     t0 = time.perf_counter()
     state = jax.block_until_ready(step(state, *batch))
     runs[name] = {"step": step, "state": state, "compile_s": time.perf_counter() - t0,

@@ -268,18 +268,18 @@ def llm_block_case(seed: int = 0) -> tuple[Any, tuple[jax.Array, jax.Array], Any
   goes to ``tx.update``).
   """
   from safe_optax.llm import model as model_lib
-  from safe_optax.llm import prune
+  from safe_optax.llm import block as block_lib
 
   config = model_lib.LlamaConfig(**LLM_BLOCK)
   block_params = model_lib.init_params(config, seed)["layers_0"]
-  linears, norms = prune.split_block(block_params)
+  linears, norms = block_lib.split_block(block_params)
   rng = np.random.default_rng(seed)
   x = jnp.asarray(rng.normal(size=(*LLM_BATCH, config.hidden_size)), jnp.float32)
   y = jnp.asarray(rng.normal(size=(*LLM_BATCH, config.hidden_size)), jnp.float32)
   block = model_lib.Block(config)
 
   def loss_fn(lin, x, y):
-    out = block.apply({"params": prune.merge_block(lin, norms)}, x)
+    out = block.apply({"params": block_lib.merge_block(lin, norms)}, x)
     return jnp.mean(jnp.square(out - y))
 
   def make(tx, dual_due=None):
@@ -297,11 +297,12 @@ def llm_block_case(seed: int = 0) -> tuple[Any, tuple[jax.Array, jax.Array], Any
 
 def llm_block_transforms(dual_every: int = DUAL_EVERY) -> dict[str, optax.GradientTransformation]:
   """The block's SAFE transform with ``dual_every`` and with 2**30, and SAM + Adam alone."""
-  from safe_optax.llm import prune
+  from safe_optax.llm import block as block_lib
+  from safe_optax.llm import prune_config
 
-  cfg = {k: prune.PruneConfig("safe", dual_every=k) for k in (dual_every, 2**30)}
-  return {f"safe_k{dual_every}": prune.safe_transform(cfg[dual_every], 1000),
-          "safe_k_huge": prune.safe_transform(cfg[2**30], 1000),
+  cfg = {k: prune_config.PruneConfig("safe", dual_every=k) for k in (dual_every, 2**30)}
+  return {f"safe_k{dual_every}": block_lib.safe_transform(cfg[dual_every], 1000),
+          "safe_k_huge": block_lib.safe_transform(cfg[2**30], 1000),
           "sam_adam": optax.chain(safe_optax.sam_perturb(cfg[dual_every].rho),
                                   optax.adam(2e-4, 0.9, 0.95))}
 

@@ -37,7 +37,7 @@ def merge_block(linears: dict[str, Any], norms: dict[str, Any]) -> dict[str, Any
   return {**norms, **linears}
 
 
-def _map_linears(fn: Callable[[tuple[str, str]], Any]) -> dict[str, Any]:
+def map_linears(fn: Callable[[tuple[str, str]], Any]) -> dict[str, Any]:
   """A linears-shaped tree ``{group: {linear: {'kernel': fn((group, linear))}}}``."""
   tree: dict[str, Any] = {}
   for group, linear in model_lib.LINEAR_INPUTS:
@@ -49,7 +49,7 @@ class BlockStats(dict):
   """Per captured input: ``sq`` (sum of squares per feature), ``xtx``, and ``n`` rows."""
 
 
-def _block_fns(config: model_lib.LlamaConfig, with_hessian: bool):
+def block_fns(config: model_lib.LlamaConfig, with_hessian: bool):
   block = model_lib.Block(config)
 
   @jax.jit
@@ -81,7 +81,7 @@ def calibration_mesh() -> Optional[jax.sharding.Mesh]:
   return distributed.data_mesh(devices) if len(devices) > 1 else None
 
 
-def _place(mesh: Optional[jax.sharding.Mesh], batch: Any) -> Any:
+def place(mesh: Optional[jax.sharding.Mesh], batch: Any) -> Any:
   """A batch of windows split over the mesh (leading axis); as it is without a mesh."""
   if mesh is None:
     return batch
@@ -89,11 +89,11 @@ def _place(mesh: Optional[jax.sharding.Mesh], batch: Any) -> Any:
                       batch)
 
 
-def _replicate(mesh: Optional[jax.sharding.Mesh], tree: Any) -> Any:
+def replicate(mesh: Optional[jax.sharding.Mesh], tree: Any) -> Any:
   return tree if mesh is None else jax.device_put(tree, distributed.replicated(mesh))
 
 
-def _chunks(size: int, chunk: int):
+def chunks(size: int, chunk: int):
   for start in range(0, size, chunk):
     yield slice(start, min(start + chunk, size))
 
@@ -101,7 +101,7 @@ def _chunks(size: int, chunk: int):
 # ----------------------------------------------------------------------------- SAFE
 
 
-def _safe_schedule(cfg: PruneConfig, steps_per_epoch: int) -> optax.Schedule:
+def safe_schedule(cfg: PruneConfig, steps_per_epoch: int) -> optax.Schedule:
   """Linear warm-up over ``warmup_epochs`` then linear decay to 0 (paper App. C)."""
   total = cfg.epochs * steps_per_epoch
   warmup = min(cfg.warmup_epochs * steps_per_epoch, total - 1)
@@ -111,7 +111,7 @@ def _safe_schedule(cfg: PruneConfig, steps_per_epoch: int) -> optax.Schedule:
       [warmup])
 
 
-def _scale_by_leaf(scales: Any) -> optax.GradientTransformation:
+def scale_by_leaf(scales: Any) -> optax.GradientTransformation:
   """Multiplies each leaf's update by its entry of ``scales`` (a tree of scalars)."""
 
   def update_fn(updates, state, params=None):
@@ -147,15 +147,15 @@ def safe_transform(
           projection.sparsity, cfg.penalty, dual_every=cfg.dual_every,
           penalty_schedule="constant", structure=projection.structure,
           prunable=projection.prunable, scores=scores),
-      optax.adam(_safe_schedule(cfg, steps_per_epoch), b1=0.9, b2=0.95),
+      optax.adam(safe_schedule(cfg, steps_per_epoch), b1=0.9, b2=0.95),
   ]
   if scales is not None:
-    parts.append(_scale_by_leaf(scales))
+    parts.append(scale_by_leaf(scales))
   return optax.chain(*parts)
 
 
 @functools.lru_cache(maxsize=8)
-def _safe_step(config: model_lib.LlamaConfig, cfg: PruneConfig, steps_per_epoch: int):
+def safe_step(config: model_lib.LlamaConfig, cfg: PruneConfig, steps_per_epoch: int):
   """The jitted SAFE / SAFE+ block step, compiled once for every block of a model."""
   block = model_lib.Block(config)
 
@@ -209,12 +209,12 @@ def safe_block(
   n = inputs.shape[0]
   batch = min(cfg.batch_size, n)
   steps_per_epoch = n // batch
-  step = _safe_step(config, cfg, steps_per_epoch)
+  step = safe_step(config, cfg, steps_per_epoch)
   projection = cfg.projection()
   params = linears
   scales = lr_scales(cfg, linears)
   opt_state = safe_transform(cfg, steps_per_epoch, input_norms, scales).init(params)
-  params, norms, input_norms, scales, opt_state = _replicate(
+  params, norms, input_norms, scales, opt_state = replicate(
       mesh, (params, norms, input_norms, scales, opt_state))
   rng = np.random.default_rng(cfg.seed)
   losses = []
@@ -224,7 +224,7 @@ def safe_block(
       idx = order[b * batch:(b + 1) * batch]
       params, opt_state, loss = step(
           params, norms, input_norms, scales, opt_state,
-          *_place(mesh, (inputs[idx], targets[idx])),
+          *place(mesh, (inputs[idx], targets[idx])),
           dual_due=safe_optax.is_dual_step(epoch * steps_per_epoch + b, cfg.dual_every))
     losses.append(float(loss))
   final_scores = None

@@ -53,6 +53,7 @@ from safe_optax.llm import checkpoints
 from safe_optax.llm import data
 from safe_optax.llm import model as model_lib
 from safe_optax.llm import prune as prune_lib
+from safe_optax.llm import prune_config
 
 
 def versions() -> dict[str, Any]:
@@ -211,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--sparsity", type=float, default=None,
                  help="fraction pruned (default 0.5); with --nm it is 1 - N/M")
   p.add_argument("--nm", type=parse_nm, default=None, help="N:M along the input dim, e.g. 2:4")
-  p.add_argument("--grouping", choices=prune_lib.GROUPINGS, default=None,
+  p.add_argument("--grouping", choices=prune_config.GROUPINGS, default=None,
                  help="unstructured scores compete per matrix or per output row "
                       "(default: per row for wanda / safe-plus, per matrix otherwise)")
   p.add_argument("--calib", required=True, help="calibration text file or folder")
@@ -221,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--epochs", type=int, default=30)
   p.add_argument("--batch-size", type=int, default=8)
   p.add_argument("--lr", type=float, default=2e-4)
-  p.add_argument("--lr-scale", choices=prune_lib.LR_SCALES, default="none",
+  p.add_argument("--lr-scale", choices=prune_config.LR_SCALES, default="none",
                  help="'rms': each matrix's step is lr x the RMS of its dense weights")
   p.add_argument("--warmup-epochs", type=int, default=2)
   p.add_argument("--rho", type=float, default=2e-4)

@@ -52,26 +52,15 @@ import optax
 
 import safe_optax
 from safe_optax.llm import model as model_lib
-# The block helpers and the configuration live in their own modules; the names
-# are re-exported here, where the engine's users have always found them.
-from safe_optax.llm.block import BlockStats  # pylint: disable=unused-import
-from safe_optax.llm.block import _block_fns
-from safe_optax.llm.block import _chunks
-from safe_optax.llm.block import _map_linears
-from safe_optax.llm.block import _place
-from safe_optax.llm.block import _replicate
-from safe_optax.llm.block import _safe_schedule  # pylint: disable=unused-import
-from safe_optax.llm.block import _safe_step  # pylint: disable=unused-import
-from safe_optax.llm.block import _scale_by_leaf  # pylint: disable=unused-import
+from safe_optax.llm.block import block_fns
 from safe_optax.llm.block import calibration_mesh
-from safe_optax.llm.block import lr_scales  # pylint: disable=unused-import
+from safe_optax.llm.block import chunks
+from safe_optax.llm.block import map_linears
 from safe_optax.llm.block import merge_block
+from safe_optax.llm.block import place
+from safe_optax.llm.block import replicate
 from safe_optax.llm.block import safe_block
-from safe_optax.llm.block import safe_transform  # pylint: disable=unused-import
 from safe_optax.llm.block import split_block
-from safe_optax.llm.prune_config import GROUPINGS  # pylint: disable=unused-import
-from safe_optax.llm.prune_config import LR_SCALES  # pylint: disable=unused-import
-from safe_optax.llm.prune_config import METHODS  # pylint: disable=unused-import
 from safe_optax.llm.prune_config import PruneConfig
 from safe_optax.llm.prune_state import PruneState
 from safe_optax.llm.sparsegpt import sparsegpt_prune
@@ -111,7 +100,7 @@ def prune_block(
   """
   linears, norms = split_block(block_params)
   num_rows = inputs.shape[0] * inputs.shape[1]
-  input_norms = _map_linears(lambda key: jnp.sqrt(stats[model_lib.LINEAR_INPUTS[key]]["sq"]))
+  input_norms = map_linears(lambda key: jnp.sqrt(stats[model_lib.LINEAR_INPUTS[key]]["sq"]))
   info: dict[str, Any] = {}
   if cfg.method == "magnitude":
     pruned, _ = safe_optax.project_topk(linears, **cfg.projection()._asdict())
@@ -119,7 +108,7 @@ def prune_block(
     scores = safe_optax.wanda_scores(linears, input_norms)
     pruned, _ = safe_optax.project_topk(linears, scores=scores, **cfg.projection()._asdict())
   elif cfg.method == "sparsegpt":
-    pruned = _map_linears(lambda key: sparsegpt_prune(
+    pruned = map_linears(lambda key: sparsegpt_prune(
         linears[key[0]][key[1]]["kernel"].T, stats[model_lib.LINEAR_INPUTS[key]]["xtx"],
         num_rows, sparsity=cfg.sparsity, nm=cfg.nm, blocksize=cfg.blocksize,
         percdamp=cfg.percdamp).T)
@@ -190,7 +179,7 @@ def prune_model(
         f"calibration token ids span [{calibration.min()}, {calibration.max()}] but the model's "
         f"vocab_size is {config.vocab_size}: mismatched tokenizer and config.")
   model = model_lib.Llama(config)
-  forward, forward_with_stats = _block_fns(config, with_hessian=cfg.method == "sparsegpt")
+  forward, forward_with_stats = block_fns(config, with_hessian=cfg.method == "sparsegpt")
   embed = jax.jit(lambda p, t: model.apply({"params": p}, t, method=model_lib.Llama.embed))
   # Two host buffers for the whole run: the current block's inputs and its dense
   # targets. Each window's output depends only on that window, so the pruned
@@ -207,25 +196,25 @@ def prune_model(
   x = None if not blocks else state.load_stream(len(blocks))
   if x is None:
     x = np.empty(calibration.shape + (config.hidden_size,), np.float32)
-    for part in _chunks(n, cfg.chunk):
+    for part in chunks(n, cfg.chunk):
       x[part] = embed(params, jnp.asarray(calibration[part], jnp.int32))
   targets = np.empty_like(x)
   bar = tqdm(range(len(blocks), config.num_layers), desc=f"prune {cfg.method}", unit="block",
              disable=not progress, initial=len(blocks), total=config.num_layers)
   for i in bar:
     start = time.perf_counter()
-    block_params = _replicate(mesh, params[f"layers_{i}"])
+    block_params = replicate(mesh, params[f"layers_{i}"])
     stats = None
-    for part in _chunks(n, cfg.chunk):
-      out, st = forward_with_stats(block_params, _place(mesh, x[part]))
+    for part in chunks(n, cfg.chunk):
+      out, st = forward_with_stats(block_params, place(mesh, x[part]))
       targets[part] = out
       stats = st if stats is None else optax.tree.add(stats, st)
     pruned_block, info = prune_block(config, block_params, x, targets, stats, cfg, mesh)
     jax.block_until_ready(pruned_block)
     seconds = time.perf_counter() - start
     sq_error = sq_target = 0.0
-    for part in _chunks(n, cfg.chunk):
-      out = np.asarray(forward(_replicate(mesh, pruned_block), _place(mesh, x[part])),
+    for part in chunks(n, cfg.chunk):
+      out = np.asarray(forward(replicate(mesh, pruned_block), place(mesh, x[part])),
                        np.float32)
       sq_error += float(np.sum(np.square(out - targets[part]), dtype=np.float64))
       sq_target += float(np.sum(np.square(targets[part]), dtype=np.float64))

@@ -25,8 +25,12 @@ in :mod:`safe_optax.vision.config_files`, or the ``config.json`` a run wrote),
 then, in this order, each overriding the one before:
 
 1. ``--config.KEY=VALUE`` (or ``--config.KEY VALUE``) for any field of
-   :class:`~safe_optax.vision.configs.Config`, read by the field's type;
+   :class:`~safe_optax.vision.configs.Config`, read by the field's type
+   (``ml_collections.config_flags``, as in the Flax examples);
 2. the named flags (``--epochs``, ``--sparsity``, ``--method``, ...).
+
+Every error is one line that names the flag or file and the way out, and the
+arguments, the config and the workdir are checked before any data is loaded.
 
 ``--method dense`` (or a dense config) trains with sparsity 0. Example::
 
@@ -40,18 +44,20 @@ registered in :func:`build_parser`; a new one adds a subparser and a function.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
-import math
-import pathlib
 import re
 import sys
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
-from safe_optax.experiment import mean_se, versions
+from absl import flags
+from ml_collections import config_flags
+
 from safe_optax.vision import config_files
 from safe_optax.vision import configs
 from safe_optax.vision import methods
+from safe_optax.vision import workdirs
 
 _CONFIG_OVERRIDE = "--config."
 
@@ -65,6 +71,7 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
                     help="config file: a .py whose get_config() returns an ml_collections "
                          "ConfigDict (see safe_optax/vision/config_files/), or a run's "
                          "config.json; --config.KEY=VALUE overrides any field")
+  # --config.KEY=VALUE tokens are left to ml_collections.config_flags (_dotted_overrides).
   parser.add_argument("--data-dir", required=True,
                       help="CIFAR pickles / image folder / .tar.gz, or MNIST idx files")
   parser.add_argument("--workdir", required=True, help="output folder (resumes if it has a "
@@ -199,59 +206,72 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
-def _split_config_overrides(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
-  """``argv`` without its ``--config.KEY=VALUE`` / ``--config.KEY VALUE`` pairs, and the pairs.
+def _fail(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+  """One line on stderr, ``PROG: error: MESSAGE``, exit status 2 (no usage, no traceback)."""
+  parser.exit(2, f"{parser.prog}: error: {message}\n")
 
-  argparse cannot declare an option per config field, so the pairs are taken
-  out before it parses the rest.
 
-  Raises:
-    ValueError: a ``--config.KEY`` without a value, or an empty key.
+def _dotted_overrides(parser: argparse.ArgumentParser, base: configs.Config,
+                      tokens: Sequence[str]) -> dict[str, Any]:
+  """The ``--config.KEY=VALUE`` tokens as typed field values, read by ``config_flags``.
+
+  The tokens override a ConfigDict of ``base`` (``config_flags.DEFINE_config_dict``
+  on a flag set of their own), so each value is read by its field's type.
   """
-  rest: list[str] = []
-  overrides: dict[str, str] = {}
-  tokens = iter(argv)
+  if not tokens:
+    return {}
+  known = configs.field_types()
   for token in tokens:
-    if token == "--":
-      rest += [token, *tokens]
-      break
-    if not token.startswith(_CONFIG_OVERRIDE):
-      rest.append(token)
+    key = re.match(r"--config\.([^=]*)", token)
+    if key is None:
       continue
-    key, has_value, value = token[len(_CONFIG_OVERRIDE):].partition("=")
-    if not has_value:
-      value = next(tokens, None)
-      if value is None:
-        raise ValueError(f"argument {token}: expected a value ({token}=VALUE)")
-    if not key:
-      raise ValueError(f"argument {token}: expected a field name ({_CONFIG_OVERRIDE}KEY=VALUE)")
-    overrides[key] = value
-  return rest, overrides
+    name = key.group(1)
+    if name not in known:
+      close = difflib.get_close_matches(name, known, n=3)
+      hint = f"did you mean {' / '.join(close)}?" if close else f"known: {sorted(known)}."
+      _fail(parser, f"argument {_CONFIG_OVERRIDE}{name}: unknown config field `{name}`; {hint}")
+  argv = [parser.prog, *tokens]
+  values = flags.FlagValues()
+  try:
+    config_flags.DEFINE_config_dict("config", config_files.to_config_dict(base),
+                                    flag_values=values, sys_argv=argv)
+    rest = values(argv)
+  except (flags.Error, ValueError, TypeError, AttributeError, KeyError) as err:
+    message = str(err).strip().splitlines()[0].removeprefix("flag ")
+    missing = re.fullmatch(r"Missing value for flag (\S+)", message)
+    if missing:
+      message = f"{missing.group(1)}: expected a value ({missing.group(1)}=VALUE)"
+    key = re.search(r"--config\.(\w+)", message)
+    if key and key.group(1) in known:
+      message += f" (config field `{key.group(1)}` is {configs.type_name(known[key.group(1)])})"
+    _fail(parser, f"argument {message}")
+  if len(rest) > 1:
+    _fail(parser, f"unrecognized arguments: {' '.join(rest[1:])}")
+  try:
+    return {k: configs.coerce(k, v) for k, v in values["config"].override_values.items()}
+  except ValueError as err:
+    _fail(parser, f"argument {_CONFIG_OVERRIDE}: {err}")
 
 
 def _config(parser: argparse.ArgumentParser, args: argparse.Namespace,
             **fields: Any) -> configs.Config:
   """The run's config: the preset or ``--config`` file, then ``--config.KEY``, then the flags."""
-  dotted = {}
-  # Absent when a caller parses with build_parser() directly rather than through main().
-  for key, text in getattr(args, "config_overrides", {}).items():
-    try:
-      dotted.update(config_files.parse_overrides({key: text}))
-    except ValueError as err:
-      parser.error(f"argument {_CONFIG_OVERRIDE}{key}: {err}")
   try:
     if args.config is not None:
       base, name = config_files.load(args.config), f"config file '{args.config}'"
     else:
       base, name = configs.PRESETS[args.preset], f"preset {args.preset!r}"
-    flags = {**_overrides(args), **fields}
-    overrides = {**dotted, **{k: v for k, v in flags.items() if v is not None}}
-    if overrides.get("method", base.method) == "dense":
-      overrides["sparsity"] = 0.0  # dense training has no target sparsity
-    return configs.override(base, overrides, name=name)
   except (ValueError, FileNotFoundError) as err:
-    parser.error(str(err))
-    raise  # parser.error exits; this keeps type checkers quiet
+    _fail(parser, f"argument --config: {err} Fix the file or pass another --config.")
+  dotted = _dotted_overrides(parser, base, args.config_overrides)
+  flags_given = {**_overrides(args), **fields}
+  overrides = {**dotted, **{k: v for k, v in flags_given.items() if v is not None}}
+  if overrides.get("method", base.method) == "dense":
+    overrides["sparsity"] = 0.0  # dense training has no target sparsity
+  try:
+    return configs.override(base, overrides, name=name)
+  except ValueError as err:
+    _fail(parser, str(err))
 
 
 def resolved_config(argv: Sequence[str]) -> configs.Config:
@@ -278,16 +298,14 @@ def _train_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 
 
 def _load(parser: argparse.ArgumentParser, config: configs.Config, data_dir: str):
-  from safe_optax.vision import train as train_lib  # pylint: disable=import-outside-toplevel
+  from safe_optax.vision import datasets  # pylint: disable=import-outside-toplevel
   try:
-    return train_lib.load_dataset(config, data_dir)
+    return datasets.load_dataset(config, data_dir)
   except (FileNotFoundError, ValueError) as err:
-    parser.exit(2, f"{parser.prog}: error: cannot load {config.dataset} from --data-dir "
-                   f"'{data_dir}': {err}\n")
-    raise
+    _fail(parser, f"cannot load {config.dataset} from --data-dir '{data_dir}': {err}")
 
 
-def _interrupted(parser: argparse.ArgumentParser, err: KeyboardInterrupt) -> None:
+def _interrupted(parser: argparse.ArgumentParser, err: KeyboardInterrupt) -> NoReturn:
   """Ctrl-C: one line instead of a traceback, exit status 130 (128 + SIGINT)."""
   from safe_optax.vision import checkpoint  # pylint: disable=import-outside-toplevel
   done = str(err) if isinstance(err, checkpoint.Interrupted) else "interrupted"
@@ -297,7 +315,15 @@ def _interrupted(parser: argparse.ArgumentParser, err: KeyboardInterrupt) -> Non
 def train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
   """``train``: one run in ``--workdir``; prints the final accuracies and sparsity."""
   from safe_optax.vision import train as train_lib  # pylint: disable=import-outside-toplevel
+  from safe_optax.vision import metrics  # pylint: disable=import-outside-toplevel
   config = _train_config(parser, args)
+  try:
+    workdirs.check_workdir(args.workdir, config, restart=args.restart)
+  except ValueError as err:
+    _fail(parser, f"--workdir: {err}")
+  if args.tensorboard and not metrics.tensorboard_available():
+    _fail(parser, "--tensorboard needs tensorboardX: pip install tensorboardX, or leave out "
+                  "--tensorboard.")
   data = _load(parser, config, args.data_dir)
   try:
     outcome = train_lib.train_and_evaluate(config, args.workdir, data_dir=args.data_dir,
@@ -305,12 +331,10 @@ def train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                                            restart=args.restart, tensorboard=args.tensorboard)
   except KeyboardInterrupt as err:
     _interrupted(parser, err)
-    raise
   except ValueError as err:
     if "holds a run" not in str(err) and "holds checkpoints" not in str(err):
       raise
-    parser.exit(2, f"{parser.prog}: error: {err}\n")
-    raise
+    _fail(parser, str(err))
   final = outcome.results["final"]
   _say(json.dumps({"workdir": str(args.workdir), **final,
                     "images_per_second": outcome.results["images_per_second"],
@@ -318,62 +342,9 @@ def train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
   return 0
 
 
-def _cell(values: Sequence[float]) -> str:
-  mean, se = mean_se([100 * v for v in values])
-  return f"{mean:.2f} ± {se:.2f}" if se is not None else f"{mean:.2f}"
-
-
-def summarize(runs: Sequence[dict[str, Any]], sparsities: Sequence[float]) -> dict[str, Any]:
-  """Groups per-run results into the paper's Table-5 form.
-
-  Args:
-    runs: records with ``method``, ``sparsity``, ``seed``, ``accuracy`` (the
-      reported accuracy: sparse after BNT, or dense for ``dense``) and
-      optionally ``accuracy_before_bnt``, ``dense_accuracy``,
-      ``achieved_sparsity``, ``images_per_second``, ``wall_seconds``.
-    sparsities: the table's columns.
-
-  Returns:
-    ``{"markdown": str, "rows": [...]}``: one row per method, one cell per
-    sparsity, ``mean ± s.e.`` in percent over seeds; the dense row repeats
-    its accuracy in every column.
-
-  Examples:
-    >>> runs = [{"method": "safe", "sparsity": 0.9, "seed": s, "accuracy": a}
-    ...         for s, a in enumerate([0.91, 0.93])]
-    >>> print(summarize(runs, [0.9])["markdown"])
-    | method | 90% |
-    |---|---|
-    | safe | 92.00 ± 1.00 |
-  """
-  methods = list(dict.fromkeys(r["method"] for r in runs))
-  header = "| method | " + " | ".join(f"{100 * s:g}%" for s in sparsities) + " |"
-  lines = [header, "|---|" + "---|" * len(sparsities)]
-  rows = []
-  for method in methods:
-    cells = []
-    # Dense has no target sparsity: one group, shown in every column.
-    for s in ([0.0] if method == "dense" else sparsities):
-      group = [r for r in runs if r["method"] == method and (
-          method == "dense" or math.isclose(r["sparsity"], s))]
-      cells.append(_cell([r["accuracy"] for r in group]) if group else "–")
-      if not group:
-        continue
-      row = {"method": method, "sparsity": s, "seeds": sorted(r["seed"] for r in group)}
-      for key in ("accuracy", "accuracy_before_bnt", "dense_accuracy", "achieved_sparsity",
-                  "images_per_second", "steady_images_per_second", "wall_seconds"):
-        values = [r[key] for r in group if r.get(key) is not None]
-        if values:
-          row[key + "_mean"], row[key + "_se"] = mean_se(values)
-      rows.append(row)
-    if method == "dense":
-      cells = cells * len(sparsities)
-    lines.append(f"| {method} | " + " | ".join(cells) + " |")
-  return {"markdown": "\n".join(lines), "rows": rows}
-
-
 def sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-  """``sweep``: every (method, sparsity, seed) in its own sub-workdir, then one table.
+  """``sweep``: every (method, sparsity, seed) in its own sub-workdir, then one table
+  (:func:`safe_optax.vision.sweeps.sweep`).
 
   Finished runs (with a ``results.json``) are read, not retrained, so an
   interrupted sweep continues where it stopped; a finished run of other
@@ -385,53 +356,20 @@ def sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if not 0.0 < s < 1.0:
       parser.error(f"--sparsities must lie in (0, 1), got {s}")
   base = _config(parser, args)
+  try:
+    workdirs.check_creatable(args.workdir)
+  except ValueError as err:
+    _fail(parser, f"--workdir: {err}")
   data = _load(parser, base, args.data_dir)
-  workdir = pathlib.Path(args.workdir)
-  jobs = []
-  for method in args.methods:
-    for s in ([0.0] if method == "dense" else args.sparsities):
-      for seed in args.seeds:
-        jobs.append((method, s, seed))
-  runs = []
-  for i, (method, s, seed) in enumerate(jobs):
-    config = base.replace(method=method, sparsity=s, seed=seed)
-    run_dir = workdir / f"{method}-s{s:g}-seed{seed}"
-    _say(f"[{i + 1}/{len(jobs)}] {method} sparsity {s:g} seed {seed}", file=sys.stderr,
-         flush=True)
-    try:
-      results = sweeps.run_or_load(config, run_dir, data=data, data_dir=args.data_dir,
-                                   progress=not args.no_progress)
-    except KeyboardInterrupt as err:
-      _interrupted(parser, err)
-      raise
-    except ValueError as err:
-      parser.exit(2, f"{parser.prog}: error: {err}\n")
-      raise
-    final = results["final"]
-    runs.append({
-        "method": method, "sparsity": s, "seed": seed,
-        "accuracy": final.get("sparse_accuracy", final["dense_accuracy"]),
-        "accuracy_before_bnt": final.get("sparse_accuracy_before_bnt"),
-        "dense_accuracy": final["dense_accuracy"], "achieved_sparsity": final["sparsity"],
-        "images_per_second": results["images_per_second"],
-        "steady_images_per_second": results.get("steady_images_per_second"),
-        "wall_seconds": results["wall_seconds"], "workdir": str(run_dir),
-    })
-  table = summarize(runs, args.sparsities)
-  command = "safe-optax-vision " + " ".join(sys.argv[1:]) if sys.argv else None
-  summary = {"command": command, "config": configs.to_dict(base), "runs": runs,
-             "table": table["rows"], "versions": versions()}
   source = f"preset `{args.preset}`" if args.preset else f"config `{args.config}`"
-  markdown = (f"Test accuracy (%) after the final projection and BNT, mean ± s.e. over seeds "
-              f"{args.seeds}; {source}.\n\n{table['markdown']}\n")
-  from safe_optax import distributed  # pylint: disable=import-outside-toplevel
-  if distributed.is_primary():
-    workdir.mkdir(parents=True, exist_ok=True)
-    with open(workdir / "sweep.json", "w", encoding="utf-8") as f:
-      json.dump(summary, f, indent=1)
-      f.write("\n")
-    with open(workdir / "table.md", "w", encoding="utf-8") as f:
-      f.write(markdown)
+  try:
+    markdown = sweeps.sweep(base, args.methods, args.sparsities, args.seeds, args.workdir,
+                            data=data, data_dir=args.data_dir, source=source,
+                            progress=not args.no_progress)
+  except KeyboardInterrupt as err:
+    _interrupted(parser, err)
+  except ValueError as err:
+    _fail(parser, str(err))
   _say(markdown)
   return 0
 
@@ -443,7 +381,6 @@ def evaluate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     suite = evaluation.parse_suite(args.suite)
   except ValueError as err:
     parser.error(str(err))
-    raise
   for flag, value in (("--test-subset", args.test_subset),
                       ("--corruption-subset", args.corruption_subset)):
     if value is not None and value < 1:
@@ -453,25 +390,26 @@ def evaluate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                                       test_subset=args.test_subset,
                                       corruption_subset=args.corruption_subset, seed=args.seed,
                                       progress=not args.no_progress)
-  except (FileNotFoundError, RuntimeError) as err:
-    parser.exit(2, f"{parser.prog}: error: {err}\n")
-    raise
+  except (FileNotFoundError, RuntimeError, ValueError) as err:
+    _fail(parser, str(err))
   _say(evaluation.markdown_table([out]))
   return 0
 
 
 def _parse(argv: Optional[Sequence[str]]) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
-  """The parser and the parsed arguments, ``--config.KEY`` overrides in ``config_overrides``."""
+  """The parser and the parsed arguments; the ``--config.KEY`` tokens in ``config_overrides``.
+
+  argparse declares no option per config field: what it does not know is left
+  for ``config_flags`` (:func:`_dotted_overrides`), and must be ``--config.KEY``.
+  """
   parser = build_parser()
-  try:
-    rest, overrides = _split_config_overrides(sys.argv[1:] if argv is None else argv)
-  except ValueError as err:
-    parser.error(str(err))
-    raise
-  args = parser.parse_args(rest)
-  if overrides and not hasattr(args, "config"):
+  args, extras = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+  options = [t for t in extras if t.startswith("-") and not t.startswith(_CONFIG_OVERRIDE)]
+  if options:
+    args.parser.error(f"unrecognized arguments: {' '.join(options)}")
+  if extras and not hasattr(args, "config"):
     args.parser.error(f"{_CONFIG_OVERRIDE}KEY overrides apply to train and sweep only")
-  args.config_overrides = overrides
+  args.config_overrides = extras
   return parser, args
 
 

@@ -46,8 +46,8 @@ from safe_optax.vision import corruptions
 from safe_optax.vision import datasets
 from safe_optax.vision import finish
 from safe_optax.vision import input_pipeline
+from safe_optax.vision import programs as programs_lib
 from safe_optax.vision import robustness
-from safe_optax.vision import train as train_lib
 
 SUITES = ("clean", "corruptions", "pgd-linf", "pgd-l2", "hessian")
 
@@ -135,11 +135,16 @@ def evaluate_workdir(
   results_file = workdir / "results.json"
   if not results_file.exists():
     raise FileNotFoundError(f"'{results_file}' not found: train the run first.")
-  with open(results_file, encoding="utf-8") as f:
-    results = json.load(f)
-  config = configs.from_dict(results["config"])
+  try:
+    with open(results_file, encoding="utf-8") as f:
+      results = json.load(f)
+    config = configs.from_dict(results["config"])
+  except (ValueError, KeyError, TypeError) as err:
+    detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+    raise ValueError(f"'{results_file}' cannot be read ({detail}); rerun the training "
+                     "(train --restart) to write it again.") from None
   data = dataset if dataset is not None else datasets.load_dataset(config, data_dir)
-  programs, state = train_lib.restore_finished(config, workdir, data)
+  programs, state = programs_lib.restore_finished(config, workdir, data)
   params, model_state = finish.deploy(programs, config, state.params, state.model_state,
                                       data.train_images, data.train_labels,
                                       len(data.train_labels))

@@ -15,7 +15,7 @@ deployed model as safetensors (:func:`export_sparse_model`).
 checkpoint without rewriting anything.
 
 The functions take the run's jitted ``programs``
-(:func:`safe_optax.vision.train.build_programs`): ``mesh``, ``model``, ``eval``,
+(:func:`safe_optax.vision.programs.build_programs`): ``mesh``, ``model``, ``eval``,
 ``project``, ``prepare`` and ``scores``, and the training set in host memory;
 every batch is a global batch of which each process gathers only its rows
 (:func:`~safe_optax.vision.datasets.gather_batch`), so several processes
@@ -59,7 +59,7 @@ def evaluate(eval_fn: Callable[..., Any], params: Any, model_state: Any, images:
 
   Args:
     eval_fn: ``eval_fn(params, model_state, images, labels, valid) -> (correct, loss_sum)``
-      (:func:`safe_optax.vision.train.eval_step`, jitted).
+      (:func:`safe_optax.vision.steps.eval_step`, jitted).
     params, model_state: the model's variables.
     images, labels: the split (uint8 images, int labels) in host memory.
     batch_size: examples per call; the last batch is padded and masked.

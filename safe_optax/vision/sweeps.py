@@ -1,4 +1,4 @@
-"""Many runs of the vision trainer: one folder per run, lambda chosen on a validation split.
+"""Many runs of the vision trainer: one folder per run, the sweep and its table.
 
 The pieces that the ``sweep`` command and the evidence benchmarks
 (``benchmarks/claims/sparsity_sweep.py``, ``benchmarks/claims/label_noise.py``) share:
@@ -8,28 +8,29 @@ The pieces that the ``sweep`` command and the evidence benchmarks
   reads its finished ``results.json`` after checking that the recorded
   configuration is the one asked for (a folder of another run is refused, so
   stale results are never reused);
-* :func:`select_hyperparameters` trains each penalty method with every
-  ``lambda`` of a grid (and, when given a grid, CrAM with every ``rho``) on a
-  validation split carved from the training data (``Config.validation``; the
-  test set is never looked at) and keeps the value with the best mean
-  validation accuracy of the final sparse model;
 * :func:`convergence` says whether a finished run converged: the training
   loss's change over the last 10 % of epochs, ``||x - z||`` and the accuracy
-  that the final projection costs.
+  that the final projection costs;
+* :func:`sweep` runs the ``sweep`` command's grid and writes its table
+  (:func:`summarize`).
+
+Choosing lambda on a validation split is :mod:`~safe_optax.vision.selection`.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import sys
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
 from safe_optax import distributed
+from safe_optax import experiment
 from safe_optax.vision import configs
 from safe_optax.vision import methods
 
@@ -134,9 +135,15 @@ def run_or_load(config: configs.Config, workdir: os.PathLike, *, data: Any,
   from safe_optax.vision import train as train_lib  # pylint: disable=import-outside-toplevel
   results_file = pathlib.Path(workdir) / "results.json"
   if results_file.exists():
-    with open(results_file, encoding="utf-8") as f:
-      results = json.load(f)
-    differ = differing_settings(configs.from_dict(results["config"]), config)
+    try:
+      with open(results_file, encoding="utf-8") as f:
+        results = json.load(f)
+      recorded = configs.from_dict(results["config"])
+    except (ValueError, KeyError, TypeError) as err:
+      detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+      raise ValueError(f"'{results_file}' cannot be read ({detail}); delete '{workdir}' to "
+                       "train that run again.") from None
+    differ = differing_settings(recorded, config)
     if differ:
       raise ValueError(f"'{workdir}' holds a finished run with other settings ({differ}); "
                        "use another --workdir or delete that folder.")
@@ -192,217 +199,103 @@ def record(config: configs.Config, results: dict[str, Any]) -> dict[str, Any]:
           **convergence(results)}
 
 
-def select_hyperparameters(base: configs.Config, methods: Sequence[str],
-                           sparsities: Sequence[float], grids: dict[str, Sequence[float]], *,
-                           validation: int, seeds: Sequence[int], root: os.PathLike,
-                           data_dir: os.PathLike, progress: bool = False,
-                           method_overrides: Optional[dict[str, dict[str, Any]]] = None,
-                           score_single: bool = False) -> dict[str, Any]:
-  """Chooses each penalty method's lambda (and CrAM's rho) per sparsity on a validation split.
+def _cell(values: Sequence[float]) -> str:
+  mean, se = experiment.mean_se([100 * v for v in values])
+  return f"{mean:.2f} ± {se:.2f}" if se is not None else f"{mean:.2f}"
 
-  Every ``(method, sparsity, value, seed)`` is trained on the training data
-  minus ``validation`` held-out examples (``base.replace(validation=...)``;
-  label noise, if ``base`` has it, is on the held-out labels too) and scored by
-  the validation accuracy of its final sparse model; the value with the best
-  mean over ``seeds`` wins (the smaller value on a tie). A value whose
-  training diverges (:class:`~safe_optax.vision.train.TrainingDiverged`) is
-  recorded as such and cannot win. The value is the method's
-  :func:`tuned_field`: lambda for the penalty methods (a grid is required
-  for each), ``rho`` for CrAM / CrAM+ (tuned only when ``grids`` has one;
-  otherwise they keep ``base.rho``).
+
+def summarize(runs: Sequence[dict[str, Any]], sparsities: Sequence[float]) -> dict[str, Any]:
+  """Groups per-run results into the paper's Table-5 form.
+
+  Args:
+    runs: records with ``method``, ``sparsity``, ``seed``, ``accuracy`` (the
+      reported accuracy: sparse after BNT, or dense for ``dense``) and
+      optionally ``accuracy_before_bnt``, ``dense_accuracy``,
+      ``achieved_sparsity``, ``images_per_second``, ``wall_seconds``.
+    sparsities: the table's columns.
+
+  Returns:
+    ``{"markdown": str, "rows": [...]}``: one row per method, one cell per
+    sparsity, ``mean ± s.e.`` in percent over seeds; the dense row repeats
+    its accuracy in every column.
+
+  Examples:
+    >>> runs = [{"method": "safe", "sparsity": 0.9, "seed": s, "accuracy": a}
+    ...         for s, a in enumerate([0.91, 0.93])]
+    >>> print(summarize(runs, [0.9])["markdown"])
+    | method | 90% |
+    |---|---|
+    | safe | 92.00 ± 1.00 |
+  """
+  names = list(dict.fromkeys(r["method"] for r in runs))
+  header = "| method | " + " | ".join(f"{100 * s:g}%" for s in sparsities) + " |"
+  lines = [header, "|---|" + "---|" * len(sparsities)]
+  rows = []
+  for method in names:
+    cells = []
+    # Dense has no target sparsity: one group, shown in every column.
+    for s in ([0.0] if method == "dense" else sparsities):
+      group = [r for r in runs if r["method"] == method and (
+          method == "dense" or math.isclose(r["sparsity"], s))]
+      cells.append(_cell([r["accuracy"] for r in group]) if group else "–")
+      if not group:
+        continue
+      row = {"method": method, "sparsity": s, "seeds": sorted(r["seed"] for r in group)}
+      for key in ("accuracy", "accuracy_before_bnt", "dense_accuracy", "achieved_sparsity",
+                  "images_per_second", "steady_images_per_second", "wall_seconds"):
+        values = [r[key] for r in group if r.get(key) is not None]
+        if values:
+          row[key + "_mean"], row[key + "_se"] = experiment.mean_se(values)
+      rows.append(row)
+    if method == "dense":
+      cells = cells * len(sparsities)
+    lines.append(f"| {method} | " + " | ".join(cells) + " |")
+  return {"markdown": "\n".join(lines), "rows": rows}
+
+
+def sweep(base: configs.Config, methods_: Sequence[str], sparsities: Sequence[float],
+          seeds: Sequence[int], workdir: os.PathLike, *, data: Any, data_dir: os.PathLike,
+          source: str, progress: bool = True) -> str:
+  """The ``sweep`` command: every (method, sparsity, seed) of ``base`` in its own folder.
+
+  Runs ``workdir/<method>-s<sparsity>-seed<seed>`` through :func:`run_or_load`
+  (``dense`` once per seed), then writes ``sweep.json`` (the runs and the
+  :func:`summarize` rows) and ``table.md`` in ``workdir`` (process 0).
 
   Args:
     base: the configuration every run starts from.
-    methods: the methods to tune (others are ignored).
-    sparsities: target sparsities.
-    grids: ``{method: values}``: lambdas for each penalty method in
-      ``methods``, optionally rhos for ``"cram"`` / ``"cram-plus"``.
-    validation: held-out training examples.
-    seeds: training seeds per grid point.
-    root: folder of the selection runs (one sub-folder per run).
-    data_dir: where the data set is.
+    methods_, sparsities, seeds: the grid.
+    workdir: the sweep's folder.
+    data, data_dir: the loaded data set and where it came from.
+    source: how ``base`` was given, for the table's caption.
     progress: tqdm bars.
-    method_overrides: ``{method: {config field: value}}`` applied to that
-      method's runs, e.g. ``{"safe": {"rescale_dual": True}}``.
-    score_single: train and score one-value grids too.
-
-  A one-value grid is not a selection: that value is used without any
-  validation run and the method is listed in ``fixed`` (unless
-  ``score_single``, which :func:`select_with_rho` sets: it needs the score).
 
   Returns:
-    ``{"grid": [...], "chosen": {"<method>@<sparsity>": value},
-    "fields": {"<method>": field}, "fixed": [...], "at_grid_edge":
-    ["<method>@<sparsity>", ...], ...}``: ``at_grid_edge`` lists the choices
-    that sit at an end of their grid, where the optimum may lie outside it. Each ``grid`` row has the
-    tried ``value`` (and, for a penalty method, the same as ``penalty``).
+    The markdown table with its caption.
   """
-  from safe_optax.vision import train as train_lib  # pylint: disable=import-outside-toplevel
-  val_base = base.replace(validation=validation)
-  missing = [m for m in methods if m in PENALTY_METHODS and not grids.get(m)]
-  if missing:
-    raise ValueError(f"no lambda grid for {missing}; give one per penalty method.")
-  tuned = [m for m in methods if m in PENALTY_METHODS or (m in TUNED_METHODS and grids.get(m))]
-  data = train_lib.load_dataset(val_base, data_dir) if tuned else None
-  rows, chosen = [], {}
-  for method in tuned:
-    field = tuned_field(method)
-    if len(set(grids[method])) == 1 and not score_single:
-      # One value: nothing to choose, so no validation run is spent on it.
-      chosen.update({key(method, s): float(grids[method][0]) for s in sparsities})
-      continue
-    for s in sparsities:
-      scored = []
-      for lam in sorted(grids[method]):
-        runs = []
-        for seed in seeds:
-          config = val_base.replace(method=method, sparsity=s, seed=seed,
-                                    **(method_overrides or {}).get(method, {}),
-                                    **{field: lam})
-          try:
-            results = run_or_load(config, run_dir(root, config), data=data, data_dir=data_dir,
-                                  progress=progress)
-          except train_lib.TrainingDiverged as err:
-            # A lambda that makes training diverge is a grid point that lost, not a crash.
-            runs.append({"method": method, "sparsity": s, "seed": seed, "field": field,
-                         "value": lam, "diverged": {"step": err.step,
-                                                    "last_finite_loss": err.last_finite_loss}})
-            continue
-          runs.append(record(config, results))
-        diverged = any("diverged" in r for r in runs)
-        mean = None if diverged else float(np.mean([r["accuracy"] for r in runs]))
-        row = {"method": method, "sparsity": s, "field": field, "value": lam}
-        if method in PENALTY_METHODS:
-          row["penalty"] = lam
-        rows.append({**row, "validation_accuracy_mean": mean, "diverged": diverged,
-                     "runs": runs})
-        if not diverged:
-          scored.append((mean, -lam))
-      if not scored:
-        name = "lambda" if method in PENALTY_METHODS else field
-        raise ValueError(f"every {name} of {sorted(grids[method])} diverged for {method} at "
-                         f"sparsity {s:g}; extend the grid downwards.")
-      chosen[key(method, s)] = -max(scored)[1]
-  # A lambda at an end of its grid may not be the optimum: the grid should be extended.
-  fixed = sorted(m for m in tuned if len(set(grids[m])) == 1 and not score_single)
-  edges = sorted(k for k, lam in chosen.items() if k.split("@")[0] not in fixed
-                 and lam in (min(grids[k.split("@")[0]]), max(grids[k.split("@")[0]])))
-  return {"validation_examples": validation, "seeds": list(seeds),
-          "criterion": "mean validation accuracy of the final sparse model",
-          "grid": rows, "chosen": chosen, "fields": {m: tuned_field(m) for m in tuned},
-          "fixed": fixed, "at_grid_edge": edges}
-
-
-def _rho_crossed(methods_: Sequence[str]) -> list[str]:
-  """The methods :func:`select_with_rho` trains at every rho: SAM-type penalty methods."""
-  return [m for m in methods_ if m in PENALTY_METHODS and methods.get(m).uses_grad_fn]
-
-
-def with_rho(overrides: Optional[dict[str, dict[str, Any]]], methods_: Sequence[str],
-             rho: float) -> dict[str, dict[str, Any]]:
-  """``overrides`` plus ``{"rho": rho}`` for the SAM-type penalty methods (the SAFE family).
-
-  ADMM takes no SAM step and CrAM's rho is its own tuned value, so neither
-  changes (their runs keep their folders).
-
-  Examples:
-    >>> with_rho({"safe": {"rescale_dual": True}}, ["safe", "admm", "cram"], 0.05)
-    {'safe': {'rescale_dual': True, 'rho': 0.05}}
-  """
-  out = {m: dict(v) for m, v in (overrides or {}).items()}
-  for m in _rho_crossed(methods_):
-    out[m] = {**out.get(m, {}), "rho": rho}
-  return out
-
-
-def select_with_rho(base: configs.Config, methods_: Sequence[str], sparsities: Sequence[float],
-                    grids: dict[str, Sequence[float]], rhos: Sequence[float], *,
-                    method_overrides: Optional[dict[str, dict[str, Any]]] = None,
-                    **kwargs: Any) -> dict[str, Any]:
-  """:func:`select_hyperparameters` once per SAM radius, then the best (rho, value) pair.
-
-  The SAM-type penalty methods (SAFE and its family) are trained at every
-  ``rho`` of ``rhos`` with every lambda of their grid; per method and
-  sparsity the pair with the best mean validation accuracy wins (the smaller
-  rho on a tie). ADMM takes no SAM step, so its choice is the one of any rho
-  (its runs are the same folders); CrAM's rho is its own tuned value and is
-  not crossed with ``rhos``. ``kwargs`` go to :func:`select_hyperparameters`.
-
-  Returns:
-    A selection like :func:`select_hyperparameters`'s (``chosen`` holds the
-    winning pair's value) plus ``chosen_rho`` (``{"<method>@<sparsity>": rho}``
-    for the SAM-type methods), ``rho_grid`` and ``by_rho`` (each rho's own
-    selection). ``at_grid_edge`` also lists ``"<method>@<sparsity> rho"`` when
-    the chosen rho is an end of ``rhos``.
-  """
-  if not rhos or any(r < 0 for r in rhos):
-    raise ValueError(f"`rhos` must be a non-empty list of SAM radii >= 0, got {list(rhos)}.")
-  by_rho, failed = {}, {}
-  for rho in sorted(rhos):
-    try:
-      by_rho[rho] = select_hyperparameters(base, methods_, sparsities, grids,
-                                           method_overrides=with_rho(method_overrides,
-                                                                     methods_, rho),
-                                           score_single=True, **kwargs)
-    except ValueError as err:
-      if "diverged" not in str(err):
-        raise
-      failed[rho] = str(err)  # every lambda diverged at this radius: it loses
-  if not by_rho:
-    raise ValueError(f"every rho of {sorted(rhos)} diverged at every lambda: {failed}")
-  first = by_rho[min(by_rho)]
-  chosen, chosen_rho, edges = dict(first["chosen"]), {}, list(first["at_grid_edge"])
-  for k in first["chosen"]:
-    method = k.split("@")[0]
-    if method not in _rho_crossed(methods_):
-      continue
-    scored = []
-    for rho, selection in by_rho.items():
-      means = [r["validation_accuracy_mean"] for r in selection["grid"]
-               if r["method"] == method and key(method, r["sparsity"]) == k
-               and r["validation_accuracy_mean"] is not None]
-      if means:
-        scored.append((max(means), -rho))
-    rho = -max(scored)[1]
-    chosen_rho[k], chosen[k] = rho, by_rho[rho]["chosen"][k]
-    edges = [e for e in edges if e != k] + [e for e in by_rho[rho]["at_grid_edge"] if e == k]
-    if len(rhos) > 1 and rho in (min(rhos), max(rhos)):
-      edges.append(f"{k} rho")
-  return {**first, "chosen": chosen, "chosen_rho": chosen_rho, "rho_grid": sorted(rhos),
-          "at_grid_edge": sorted(edges), "by_rho": {f"{r:g}": v for r, v in by_rho.items()},
-          "rho_all_diverged": {f"{r:g}": e for r, e in failed.items()},
-          "grid": [row for r in sorted(by_rho) for row in
-                   ({**g, "rho": r} for g in by_rho[r]["grid"])]}
-
-
-def rescaled_dual(methods_: Sequence[str], rescale: bool) -> dict[str, dict[str, Any]]:
-  """``{method: {"rescale_dual": True}}`` for the SAFE-family methods when ``rescale``.
-
-  The per-method overrides of a sweep run with ``--rescale-dual``: other
-  methods keep their configs (and folders), so their runs are shared with a
-  sweep without it.
-
-  Examples:
-    >>> rescaled_dual(["safe", "admm", "gmp"], True)
-    {'safe': {'rescale_dual': True}}
-    >>> rescaled_dual(["safe"], False)
-    {}
-  """
-  return {m: {"rescale_dual": True} for m in methods_ if rescale and m in SAFE_FAMILY}
-
-
-def key(method: str, sparsity: float) -> str:
-  """The key of :func:`select_hyperparameters`'s ``chosen``: ``"safe@0.9"``."""
-  return f"{method}@{sparsity:g}"
-
-
-def chosen_overrides(selection: Optional[dict[str, Any]], method: str,
-                     sparsity: float) -> dict[str, float]:
-  """``{field: chosen value}`` for a method the selection tuned, ``{}`` otherwise."""
-  if selection is None or method not in TUNED_METHODS:
-    return {}
-  k = key(method, sparsity)
-  rho = {"rho": selection["chosen_rho"][k]} if k in selection.get("chosen_rho", {}) else {}
-  if method in PENALTY_METHODS:  # always selected: a missing choice is an error
-    return {penalty_field(method): selection["chosen"][k], **rho}
-  return {tuned_field(method): selection["chosen"][k]} if k in selection["chosen"] else {}
+  workdir = pathlib.Path(workdir)
+  jobs = [(method, s, seed) for method in methods_
+          for s in ([0.0] if method == "dense" else sparsities) for seed in seeds]
+  runs = []
+  for i, (method, s, seed) in enumerate(jobs):
+    config = base.replace(method=method, sparsity=s, seed=seed)
+    folder = workdir / f"{method}-s{s:g}-seed{seed}"
+    if distributed.is_primary():
+      print(f"[{i + 1}/{len(jobs)}] {method} sparsity {s:g} seed {seed}", file=sys.stderr,
+            flush=True)
+    results = run_or_load(config, folder, data=data, data_dir=data_dir, progress=progress)
+    runs.append({**record(config, results), "workdir": str(folder)})
+  table = summarize(runs, sparsities)
+  command = "safe-optax-vision " + " ".join(sys.argv[1:]) if sys.argv else None
+  summary = {"command": command, "config": configs.to_dict(base), "runs": runs,
+             "table": table["rows"], "versions": experiment.versions()}
+  markdown = (f"Test accuracy (%) after the final projection and BNT, mean ± s.e. over seeds "
+              f"{list(seeds)}; {source}.\n\n{table['markdown']}\n")
+  if distributed.is_primary():
+    workdir.mkdir(parents=True, exist_ok=True)
+    with open(workdir / "sweep.json", "w", encoding="utf-8") as f:
+      json.dump(summary, f, indent=1)
+      f.write("\n")
+    with open(workdir / "table.md", "w", encoding="utf-8") as f:
+      f.write(markdown)
+  return markdown

@@ -14,6 +14,7 @@ errors; only process 0 writes (the others wait for it at a barrier).
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import shutil
 from typing import Any, Optional
@@ -73,32 +74,88 @@ def diverged(workdir: pathlib.Path, history: list[dict[str, Any]], step: int) ->
   raise TrainingDiverged(**info)
 
 
+def check_creatable(workdir: os.PathLike) -> None:
+  """Raises unless ``workdir`` is a folder or can be made one (nothing is written).
+
+  Raises:
+    ValueError: ``workdir`` or a folder above it is a file, or the first
+      existing folder above it is not writable; the message names it.
+  """
+  workdir = pathlib.Path(workdir)
+  if workdir.exists() and not workdir.is_dir():
+    raise ValueError(f"'{workdir}' is a file, not a folder; choose another workdir.")
+  existing = workdir
+  while not existing.exists() and existing != existing.parent:
+    existing = existing.parent
+  if existing != workdir and not existing.is_dir():
+    raise ValueError(f"cannot create '{workdir}': '{existing}' is a file, not a folder; "
+                     "choose another workdir.")
+  if existing != workdir and not os.access(existing, os.W_OK | os.X_OK):
+    raise ValueError(f"cannot create '{workdir}': no permission to write in '{existing}'; "
+                     "choose another workdir.")
+
+
+def recorded_config(workdir: os.PathLike) -> Optional[configs.Config]:
+  """The config of the run in ``workdir``: its ``config.json``, else its ``results.json``'s.
+
+  Returns:
+    ``None`` when ``workdir`` holds neither file.
+
+  Raises:
+    ValueError: the file cannot be read as a config (truncated, not JSON, an
+      unknown field); the message names the file and the way out.
+  """
+  workdir = pathlib.Path(workdir)
+  for name, get in (("config.json", lambda d: d), ("results.json", lambda d: d["config"])):
+    path = workdir / name
+    if path.exists():
+      try:
+        with open(path, encoding="utf-8") as f:
+          return configs.from_dict(get(json.load(f)))
+      except (ValueError, KeyError, TypeError) as err:
+        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ValueError(f"'{path}' cannot be read as the run's config ({detail}); restart "
+                         "the run (restart=True, CLI --restart) to discard what the workdir "
+                         "holds, or use another workdir.") from None
+  return None
+
+
+def check_workdir(workdir: os.PathLike, config: configs.Config, *,
+                  restart: bool = False) -> None:
+  """Raises unless ``config`` may run in ``workdir`` (read only, before any data is loaded).
+
+  Raises:
+    ValueError: ``workdir`` cannot be created (:func:`check_creatable`), or,
+      unless ``restart``, its recorded config cannot be read
+      (:func:`recorded_config`), differs from ``config`` (the message names
+      the differing settings), or is missing beside checkpoints.
+  """
+  workdir = pathlib.Path(workdir)
+  check_creatable(workdir)
+  if restart:
+    return
+  recorded = recorded_config(workdir)
+  if recorded is None and (workdir / "checkpoints").exists():
+    raise ValueError(f"workdir '{workdir}' holds checkpoints of a run without a config.json; "
+                     "restart it (restart=True, CLI --restart) or use another workdir.")
+  if recorded is not None and recorded != config:
+    old, new = configs.to_dict(recorded), configs.to_dict(config)
+    differ = ", ".join(f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in sorted(new)
+                       if old.get(k) != new[k])
+    raise ValueError(f"workdir '{workdir}' holds a run with other settings ({differ}); "
+                     "use another workdir, or restart=True (CLI --restart) to discard it.")
+
+
 def claim_workdir(workdir: pathlib.Path, config: configs.Config, *, restart: bool = False) -> None:
   """Makes ``workdir`` this run's: writes ``config.json``, refuses a run of other settings.
 
   Every process checks; process 0 writes, and every process returns once it has.
 
   Raises:
-    ValueError: ``workdir`` holds a run (``config.json``, or the config of its
-      ``results.json``) whose settings differ from ``config``; the message
-      names them and the way to start over.
+    ValueError: :func:`check_workdir` refuses ``workdir``.
   """
-  recorded = None
-  for name, get in (("config.json", lambda d: d), ("results.json", lambda d: d["config"])):
-    if (workdir / name).exists():
-      with open(workdir / name, encoding="utf-8") as f:
-        recorded = configs.from_dict(get(json.load(f)))
-      break
-  if recorded is None and (workdir / "checkpoints").exists():
-    raise ValueError(f"workdir '{workdir}' holds checkpoints of a run without a config.json; "
-                     "restart it (restart=True, CLI --restart) or use another workdir.")
-  if recorded is not None and recorded != config:
-    if not restart:
-      old, new = configs.to_dict(recorded), configs.to_dict(config)
-      differ = ", ".join(f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in sorted(new)
-                         if old.get(k) != new[k])
-      raise ValueError(f"workdir '{workdir}' holds a run with other settings ({differ}); "
-                       "use another workdir, or restart=True (CLI --restart) to discard it.")
+  workdir = pathlib.Path(workdir)
+  check_workdir(workdir, config, restart=restart)
   distributed.barrier("claim_workdir:checked")  # every process has read before any writes
   if distributed.is_primary():
     workdir.mkdir(parents=True, exist_ok=True)

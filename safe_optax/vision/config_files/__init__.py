@@ -4,8 +4,9 @@ Each preset of :data:`safe_optax.vision.configs.PRESETS` has a file here
 (``mlp-mnist`` -> ``mlp_mnist.py``) whose ``get_config()`` returns the preset as
 an ``ml_collections.ConfigDict`` (:func:`preset`); copy one, edit its fields and
 pass it to ``safe-optax-vision train --config FILE``, with ``--config.KEY=VALUE``
-overrides after it. ``--config`` also takes the ``config.json`` a run writes
-in its workdir, so a run's resolved settings can be run again as they are.
+overrides after it (read by ``ml_collections.config_flags``, each by its field's
+type). ``--config`` also takes the ``config.json`` a run writes in its workdir,
+so a run's resolved settings can be run again as they are.
 
 The ConfigDicts are locked and typed: setting a field that does not exist,
 or a value of another type, fails where it is written; :func:`load` checks the
@@ -21,15 +22,10 @@ Examples:
   TypeError: Could not override field 'epochs' (reference). ten is of original type ...
   >>> config_files.from_config_dict(config) == configs.get_config("mlp-mnist", sparsity=0.95)
   True
-  >>> config_files.parse_overrides({"epochs": "20", "penalty": "None",
-  ...                               "mlp_features": "(32, 16)"})
-  {'epochs': 20, 'penalty': None, 'mlp_features': (32, 16)}
 """
 
 from __future__ import annotations
 
-import ast
-import difflib
 import importlib.util
 import json
 import os
@@ -126,68 +122,19 @@ def load(file: os.PathLike) -> configs.Config:
                        f"suffix {file.suffix!r}.")
     spec = importlib.util.spec_from_file_location(f"safe_optax_config_{file.stem}", file)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+      spec.loader.exec_module(module)
+    except SyntaxError as err:
+      raise ValueError(f"line {err.lineno}: {err.msg}.") from None
     if not callable(getattr(module, "get_config", None)):
       raise ValueError("it defines no get_config().")
-    values = module.get_config()
+    try:
+      values = module.get_config()
+    except Exception as err:  # pylint: disable=broad-except
+      # The file is the user's code: whatever it raises is reported as the file's error.
+      raise ValueError(f"get_config() raised {type(err).__name__}: {err}") from None
     if isinstance(values, configs.Config):
       return configs.validate(values)
     return from_config_dict(values)
   except ValueError as err:
     raise ValueError(f"config file '{file}': {err}") from None
-
-
-def parse_overrides(overrides: Mapping[str, str]) -> dict[str, Any]:
-  """``--config.KEY=VALUE`` strings as typed field values.
-
-  A value is read by its field's type: ``int``, ``float``, ``str``, ``bool``
-  (``true`` / ``false``), ``None`` for an optional field, and a Python
-  literal for a tuple (``(32, 16)``; a single number for a one-element tuple).
-
-  Args:
-    overrides: ``{key: value string}``.
-
-  Returns:
-    ``{key: typed value}``.
-
-  Raises:
-    ValueError: an unknown key (the message names it and the closest fields)
-      or a value its field's type cannot read (naming the key and the type).
-  """
-  hints = configs.field_types()
-  values = {}
-  for key, text in overrides.items():
-    if key not in hints:
-      close = difflib.get_close_matches(key, hints, n=3)
-      hint = f"; did you mean {' / '.join(close)}?" if close else f"; known: {sorted(hints)}"
-      raise ValueError(f"unknown config field `{key}`{hint}")
-    try:
-      value = _read(text, hints[key])
-    except (ValueError, SyntaxError, TypeError):
-      raise ValueError(f"config field `{key}` must be {configs.type_name(hints[key])}, got "
-                       f"{text!r}.") from None
-    values[key] = configs.coerce(key, value)
-  return values
-
-
-def _read(text: str, hint: Any) -> Any:
-  """The Python value of ``text`` for a field of type ``hint`` (checked by ``configs.coerce``)."""
-  origin, args = typing.get_origin(hint), typing.get_args(hint)
-  if origin is Union:
-    if text.strip().lower() in ("none", "null"):
-      return None
-    (inner,) = [a for a in args if a is not type(None)]
-    return _read(text, inner)
-  if hint is str:
-    return text
-  if hint is bool:
-    words = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
-    return words[text.strip().lower()] if text.strip().lower() in words else text
-  if hint is int:
-    return int(text)
-  if hint is float:
-    return float(text)
-  value = ast.literal_eval(text)
-  if origin is tuple and args[-1] is Ellipsis and not isinstance(value, (list, tuple)):
-    value = (value,)  # --config.mlp_features=300 -> (300,)
-  return value

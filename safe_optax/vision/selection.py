@@ -1,0 +1,238 @@
+"""Hyperparameters of the vision methods chosen on a validation split, never the test set.
+
+:func:`select_hyperparameters` trains each penalty method with every
+``lambda`` of a grid (and, when given a grid, CrAM with every ``rho``) on a
+validation split carved from the training data (``Config.validation``) and
+keeps the value with the best mean validation accuracy of the final sparse
+model; :func:`select_with_rho` crosses lambda with SAM's radius. The runs are
+:func:`safe_optax.vision.sweeps.run_or_load`'s, in the sweep's folders.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import numpy as np
+
+from safe_optax.vision import configs
+from safe_optax.vision import datasets
+from safe_optax.vision import methods as methods_lib
+from safe_optax.vision import sweeps
+from safe_optax.vision import workdirs
+
+
+def select_hyperparameters(base: configs.Config, methods: Sequence[str],
+                           sparsities: Sequence[float], grids: dict[str, Sequence[float]], *,
+                           validation: int, seeds: Sequence[int], root: os.PathLike,
+                           data_dir: os.PathLike, progress: bool = False,
+                           method_overrides: Optional[dict[str, dict[str, Any]]] = None,
+                           score_single: bool = False) -> dict[str, Any]:
+  """Chooses each penalty method's lambda (and CrAM's rho) per sparsity on a validation split.
+
+  Every ``(method, sparsity, value, seed)`` is trained on the training data
+  minus ``validation`` held-out examples (``base.replace(validation=...)``;
+  label noise, if ``base`` has it, is on the held-out labels too) and scored by
+  the validation accuracy of its final sparse model; the value with the best
+  mean over ``seeds`` wins (the smaller value on a tie). A value whose
+  training diverges (:class:`~safe_optax.vision.workdirs.TrainingDiverged`) is
+  recorded as such and cannot win. The value is the method's
+  :func:`sweeps.tuned_field`: lambda for the penalty methods (a grid is required
+  for each), ``rho`` for CrAM / CrAM+ (tuned only when ``grids`` has one;
+  otherwise they keep ``base.rho``).
+
+  Args:
+    base: the configuration every run starts from.
+    methods: the methods to tune (others are ignored).
+    sparsities: target sparsities.
+    grids: ``{method: values}``: lambdas for each penalty method in
+      ``methods``, optionally rhos for ``"cram"`` / ``"cram-plus"``.
+    validation: held-out training examples.
+    seeds: training seeds per grid point.
+    root: folder of the selection runs (one sub-folder per run).
+    data_dir: where the data set is.
+    progress: tqdm bars.
+    method_overrides: ``{method: {config field: value}}`` applied to that
+      method's runs, e.g. ``{"safe": {"rescale_dual": True}}``.
+    score_single: train and score one-value grids too.
+
+  A one-value grid is not a selection: that value is used without any
+  validation run and the method is listed in ``fixed`` (unless
+  ``score_single``, which :func:`select_with_rho` sets: it needs the score).
+
+  Returns:
+    ``{"grid": [...], "chosen": {"<method>@<sparsity>": value},
+    "fields": {"<method>": field}, "fixed": [...], "at_grid_edge":
+    ["<method>@<sparsity>", ...], ...}``: ``at_grid_edge`` lists the choices
+    that sit at an end of their grid, where the optimum may lie outside it. Each ``grid`` row has the
+    tried ``value`` (and, for a penalty method, the same as ``penalty``).
+  """
+  val_base = base.replace(validation=validation)
+  missing = [m for m in methods if m in sweeps.PENALTY_METHODS and not grids.get(m)]
+  if missing:
+    raise ValueError(f"no lambda grid for {missing}; give one per penalty method.")
+  tuned = [m for m in methods if m in sweeps.PENALTY_METHODS or (m in sweeps.TUNED_METHODS and grids.get(m))]
+  data = datasets.load_dataset(val_base, data_dir) if tuned else None
+  rows, chosen = [], {}
+  for method in tuned:
+    field = sweeps.tuned_field(method)
+    if len(set(grids[method])) == 1 and not score_single:
+      # One value: nothing to choose, so no validation run is spent on it.
+      chosen.update({key(method, s): float(grids[method][0]) for s in sparsities})
+      continue
+    for s in sparsities:
+      scored = []
+      for lam in sorted(grids[method]):
+        runs = []
+        for seed in seeds:
+          config = val_base.replace(method=method, sparsity=s, seed=seed,
+                                    **(method_overrides or {}).get(method, {}),
+                                    **{field: lam})
+          try:
+            results = sweeps.run_or_load(config, sweeps.run_dir(root, config), data=data, data_dir=data_dir,
+                                  progress=progress)
+          except workdirs.TrainingDiverged as err:
+            # A lambda that makes training diverge is a grid point that lost, not a crash.
+            runs.append({"method": method, "sparsity": s, "seed": seed, "field": field,
+                         "value": lam, "diverged": {"step": err.step,
+                                                    "last_finite_loss": err.last_finite_loss}})
+            continue
+          runs.append(sweeps.record(config, results))
+        diverged = any("diverged" in r for r in runs)
+        mean = None if diverged else float(np.mean([r["accuracy"] for r in runs]))
+        row = {"method": method, "sparsity": s, "field": field, "value": lam}
+        if method in sweeps.PENALTY_METHODS:
+          row["penalty"] = lam
+        rows.append({**row, "validation_accuracy_mean": mean, "diverged": diverged,
+                     "runs": runs})
+        if not diverged:
+          scored.append((mean, -lam))
+      if not scored:
+        name = "lambda" if method in sweeps.PENALTY_METHODS else field
+        raise ValueError(f"every {name} of {sorted(grids[method])} diverged for {method} at "
+                         f"sparsity {s:g}; extend the grid downwards.")
+      chosen[key(method, s)] = -max(scored)[1]
+  # A lambda at an end of its grid may not be the optimum: the grid should be extended.
+  fixed = sorted(m for m in tuned if len(set(grids[m])) == 1 and not score_single)
+  edges = sorted(k for k, lam in chosen.items() if k.split("@")[0] not in fixed
+                 and lam in (min(grids[k.split("@")[0]]), max(grids[k.split("@")[0]])))
+  return {"validation_examples": validation, "seeds": list(seeds),
+          "criterion": "mean validation accuracy of the final sparse model",
+          "grid": rows, "chosen": chosen, "fields": {m: sweeps.tuned_field(m) for m in tuned},
+          "fixed": fixed, "at_grid_edge": edges}
+
+
+def _rho_crossed(methods_: Sequence[str]) -> list[str]:
+  """The methods :func:`select_with_rho` trains at every rho: SAM-type penalty methods."""
+  return [m for m in methods_ if m in sweeps.PENALTY_METHODS and methods_lib.get(m).uses_grad_fn]
+
+
+def with_rho(overrides: Optional[dict[str, dict[str, Any]]], methods_: Sequence[str],
+             rho: float) -> dict[str, dict[str, Any]]:
+  """``overrides`` plus ``{"rho": rho}`` for the SAM-type penalty methods (the SAFE family).
+
+  ADMM takes no SAM step and CrAM's rho is its own tuned value, so neither
+  changes (their runs keep their folders).
+
+  Examples:
+    >>> with_rho({"safe": {"rescale_dual": True}}, ["safe", "admm", "cram"], 0.05)
+    {'safe': {'rescale_dual': True, 'rho': 0.05}}
+  """
+  out = {m: dict(v) for m, v in (overrides or {}).items()}
+  for m in _rho_crossed(methods_):
+    out[m] = {**out.get(m, {}), "rho": rho}
+  return out
+
+
+def select_with_rho(base: configs.Config, methods_: Sequence[str], sparsities: Sequence[float],
+                    grids: dict[str, Sequence[float]], rhos: Sequence[float], *,
+                    method_overrides: Optional[dict[str, dict[str, Any]]] = None,
+                    **kwargs: Any) -> dict[str, Any]:
+  """:func:`select_hyperparameters` once per SAM radius, then the best (rho, value) pair.
+
+  The SAM-type penalty methods (SAFE and its family) are trained at every
+  ``rho`` of ``rhos`` with every lambda of their grid; per method and
+  sparsity the pair with the best mean validation accuracy wins (the smaller
+  rho on a tie). ADMM takes no SAM step, so its choice is the one of any rho
+  (its runs are the same folders); CrAM's rho is its own tuned value and is
+  not crossed with ``rhos``. ``kwargs`` go to :func:`select_hyperparameters`.
+
+  Returns:
+    A selection like :func:`select_hyperparameters`'s (``chosen`` holds the
+    winning pair's value) plus ``chosen_rho`` (``{"<method>@<sparsity>": rho}``
+    for the SAM-type methods), ``rho_grid`` and ``by_rho`` (each rho's own
+    selection). ``at_grid_edge`` also lists ``"<method>@<sparsity> rho"`` when
+    the chosen rho is an end of ``rhos``.
+  """
+  if not rhos or any(r < 0 for r in rhos):
+    raise ValueError(f"`rhos` must be a non-empty list of SAM radii >= 0, got {list(rhos)}.")
+  by_rho, failed = {}, {}
+  for rho in sorted(rhos):
+    try:
+      by_rho[rho] = select_hyperparameters(base, methods_, sparsities, grids,
+                                           method_overrides=with_rho(method_overrides,
+                                                                     methods_, rho),
+                                           score_single=True, **kwargs)
+    except ValueError as err:
+      if "diverged" not in str(err):
+        raise
+      failed[rho] = str(err)  # every lambda diverged at this radius: it loses
+  if not by_rho:
+    raise ValueError(f"every rho of {sorted(rhos)} diverged at every lambda: {failed}")
+  first = by_rho[min(by_rho)]
+  chosen, chosen_rho, edges = dict(first["chosen"]), {}, list(first["at_grid_edge"])
+  for k in first["chosen"]:
+    method = k.split("@")[0]
+    if method not in _rho_crossed(methods_):
+      continue
+    scored = []
+    for rho, selection in by_rho.items():
+      means = [r["validation_accuracy_mean"] for r in selection["grid"]
+               if r["method"] == method and key(method, r["sparsity"]) == k
+               and r["validation_accuracy_mean"] is not None]
+      if means:
+        scored.append((max(means), -rho))
+    rho = -max(scored)[1]
+    chosen_rho[k], chosen[k] = rho, by_rho[rho]["chosen"][k]
+    edges = [e for e in edges if e != k] + [e for e in by_rho[rho]["at_grid_edge"] if e == k]
+    if len(rhos) > 1 and rho in (min(rhos), max(rhos)):
+      edges.append(f"{k} rho")
+  return {**first, "chosen": chosen, "chosen_rho": chosen_rho, "rho_grid": sorted(rhos),
+          "at_grid_edge": sorted(edges), "by_rho": {f"{r:g}": v for r, v in by_rho.items()},
+          "rho_all_diverged": {f"{r:g}": e for r, e in failed.items()},
+          "grid": [row for r in sorted(by_rho) for row in
+                   ({**g, "rho": r} for g in by_rho[r]["grid"])]}
+
+
+def rescaled_dual(methods_: Sequence[str], rescale: bool) -> dict[str, dict[str, Any]]:
+  """``{method: {"rescale_dual": True}}`` for the SAFE-family methods when ``rescale``.
+
+  The per-method overrides of a sweep run with ``--rescale-dual``: other
+  methods keep their configs (and folders), so their runs are shared with a
+  sweep without it.
+
+  Examples:
+    >>> rescaled_dual(["safe", "admm", "gmp"], True)
+    {'safe': {'rescale_dual': True}}
+    >>> rescaled_dual(["safe"], False)
+    {}
+  """
+  return {m: {"rescale_dual": True} for m in methods_ if rescale and m in sweeps.SAFE_FAMILY}
+
+
+def key(method: str, sparsity: float) -> str:
+  """The key of :func:`select_hyperparameters`'s ``chosen``: ``"safe@0.9"``."""
+  return f"{method}@{sparsity:g}"
+
+
+def chosen_overrides(selection: Optional[dict[str, Any]], method: str,
+                     sparsity: float) -> dict[str, float]:
+  """``{field: chosen value}`` for a method the selection tuned, ``{}`` otherwise."""
+  if selection is None or method not in sweeps.TUNED_METHODS:
+    return {}
+  k = key(method, sparsity)
+  rho = {"rho": selection["chosen_rho"][k]} if k in selection.get("chosen_rho", {}) else {}
+  if method in sweeps.PENALTY_METHODS:  # always selected: a missing choice is an error
+    return {sweeps.penalty_field(method): selection["chosen"][k], **rho}
+  return {sweeps.tuned_field(method): selection["chosen"][k]} if k in selection["chosen"] else {}
