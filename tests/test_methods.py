@@ -30,6 +30,9 @@ import test_train  # noqa: E402  (the tiny data set and config of the trainer te
 def test_names_derived_from_the_registry_keep_their_order():
   assert configs.METHODS == ("dense", "safe", "safe-plus", "admm", "gmp", "magnitude", "imp-sam",
                              "cram", "cram-plus", "safe-sg", "safe-multi")
+  # configs names what a config may hold, methods builds it: one entry for every name.
+  assert tuple(methods.REGISTRY) == configs.METHODS
+  assert tuple(methods.STRUCTURES) == configs.STRUCTURES
   assert sweeps.SAFE_FAMILY == ("safe", "safe-plus", "safe-sg", "safe-multi")
   assert sweeps.PENALTY_METHODS == sweeps.SAFE_FAMILY + ("admm",)
   assert sweeps.TUNED_METHODS == sweeps.PENALTY_METHODS + ("cram", "cram-plus")

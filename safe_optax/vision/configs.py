@@ -26,18 +26,17 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Optional, Union
 
-from safe_optax.vision import methods
-
-METHODS = tuple(methods.REGISTRY)
-"""Training methods understood by :func:`safe_optax.vision.train.train_and_evaluate`
-(the names of :data:`safe_optax.vision.methods.REGISTRY`)."""
+METHODS = ("dense", "safe", "safe-plus", "admm", "gmp", "magnitude", "imp-sam", "cram",
+           "cram-plus", "safe-sg", "safe-multi")
+"""Training methods understood by :func:`safe_optax.vision.train.train_and_evaluate`; each
+has one entry in :data:`safe_optax.vision.methods.REGISTRY`, which builds it."""
 
 MODELS = ("resnet8", "resnet20", "resnet32", "vgg19", "mlp", "lenet5")
 """``resnet8`` (one block per stage) is a small model for smoke tests."""
 
 DATASETS = ("cifar10", "cifar100", "mnist", "fashion_mnist")
 SALIENCIES = ("snip", "obd")
-STRUCTURES = tuple(methods.STRUCTURES)
+STRUCTURES = ("global", "per_leaf", "erk")
 """Sparsity sets of :attr:`Config.structure`: one top-k over all prunable leaves
 (:class:`~safe_optax.Global`), the same fraction in each (:class:`~safe_optax.PerLeaf`) or
 a fraction per leaf from its shape (:class:`~safe_optax.ERK`)."""

@@ -6,9 +6,10 @@ base, the paper's learning-rate schedule), whether ``tx.update`` needs
 ``grad_fn`` (SAM-style second gradients), whether its state carries an
 :class:`~safe_optax.ADMMState` (whose ``||x - z||`` is logged), which config
 field holds its penalty ``lambda`` and whether the run's seed enters the
-optimizer. :data:`REGISTRY` lists them in the order of
-:data:`~safe_optax.vision.configs.METHODS`, which is derived from it, as are
-:data:`~safe_optax.vision.sweeps.PENALTY_METHODS` and ``SAFE_FAMILY``.
+optimizer. :data:`REGISTRY` has one entry per name of
+:data:`~safe_optax.vision.configs.METHODS`, in its order;
+:data:`~safe_optax.vision.sweeps.PENALTY_METHODS` and ``SAFE_FAMILY`` are derived
+from it.
 
 The sparsity set of a run (the target sparsity and the structure of
 ``Config.structure``: :class:`~safe_optax.Global`, one top-k over all
@@ -17,7 +18,8 @@ The sparsity set of a run (the target sparsity and the structure of
 projection of the trainer (the optimizers, ``||x - Proj(x)||``, the final
 projection) takes its keywords from there.
 
-Adding a method: write its ``build`` and add one :data:`REGISTRY` entry.
+Adding a method: add its name to ``configs.METHODS``, write its ``build`` and add one
+:data:`REGISTRY` entry.
 
 Examples:
   >>> from safe_optax.vision import configs, methods
@@ -33,18 +35,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import jax.numpy as jnp
 import optax
 
 import safe_optax
-
-if TYPE_CHECKING:
-  from safe_optax.vision.configs import Config
+from safe_optax.vision.configs import Config
 
 
-def projection(config: "Config") -> dict[str, Any]:
+def projection(config: Config) -> dict[str, Any]:
   """The sparsity set of ``config`` as keywords of the projection functions.
 
   The one place the vision trainer describes its sparsity set: pass the
@@ -85,12 +85,12 @@ STRUCTURE_HELP = {
 """One line per :data:`STRUCTURES` name, for help texts and result tables."""
 
 
-def _set_keywords(config: "Config") -> dict[str, Any]:
+def _set_keywords(config: Config) -> dict[str, Any]:
   """:func:`projection` without the sparsity, for transforms with a sparsity schedule."""
   return {k: v for k, v in projection(config).items() if k != "sparsity"}
 
 
-def learning_rate_schedule(config: "Config", num_steps_per_epoch: int) -> optax.Schedule:
+def learning_rate_schedule(config: Config, num_steps_per_epoch: int) -> optax.Schedule:
   """Linear warm-up for ``warmup_epochs``, then cosine decay to 0 at step ``epochs * spe``.
 
   optax's ``decay_steps`` is the length of the whole schedule, warm-up
@@ -113,7 +113,7 @@ def learning_rate_schedule(config: "Config", num_steps_per_epoch: int) -> optax.
 class Recipe:
   """What every method's optimizer shares: the schedule, the SGD base, the ADMM keywords."""
 
-  def __init__(self, config: "Config", num_steps_per_epoch: int):
+  def __init__(self, config: Config, num_steps_per_epoch: int):
     self.steps_per_epoch = num_steps_per_epoch
     self.total_steps = config.epochs * num_steps_per_epoch
     self.learning_rate = learning_rate_schedule(config, num_steps_per_epoch)
@@ -125,12 +125,12 @@ class Recipe:
                      seed=config.seed, rescale_dual=config.rescale_dual)
 
 
-def _dense(config: "Config", recipe: Recipe) -> optax.GradientTransformation:
+def _dense(config: Config, recipe: Recipe) -> optax.GradientTransformation:
   del config
   return optax.chain(*recipe.base)
 
 
-def _magnitude(config: "Config", recipe: Recipe) -> optax.GradientTransformation:
+def _magnitude(config: Config, recipe: Recipe) -> optax.GradientTransformation:
   """Dense training, then one-shot magnitude pruning at the last step (no fine-tuning)."""
   last = max(recipe.total_steps - 1, 1)
   s = projection(config)["sparsity"]
@@ -139,21 +139,21 @@ def _magnitude(config: "Config", recipe: Recipe) -> optax.GradientTransformation
       at_end, update_every=last, **_set_keywords(config)))
 
 
-def _safe_alias(alias: Callable[..., Any]) -> Callable[["Config", Recipe], Any]:
+def _safe_alias(alias: Callable[..., Any]) -> Callable[[Config, Recipe], Any]:
   """SAFE / SAFE-SG: the alias with the (cosine-ramped) penalty and SAM radius ``rho``."""
-  def build(config: "Config", recipe: Recipe) -> optax.GradientTransformation:
+  def build(config: Config, recipe: Recipe) -> optax.GradientTransformation:
     return alias(recipe.learning_rate, **projection(config), penalty=penalty(config),
                  penalty_schedule=config.penalty_schedule, rho=config.rho, **recipe.admm)
   return build
 
 
-def _safe_plus(config: "Config", recipe: Recipe) -> optax.GradientTransformation:
+def _safe_plus(config: Config, recipe: Recipe) -> optax.GradientTransformation:
   return safe_optax.safe_plus(recipe.learning_rate, **projection(config), penalty=penalty(config),
                               scores=config.saliency, penalty_schedule=config.penalty_schedule,
                               rho=config.rho, **recipe.admm)
 
 
-def _safe_multi(config: "Config", recipe: Recipe) -> optax.GradientTransformation:
+def _safe_multi(config: Config, recipe: Recipe) -> optax.GradientTransformation:
   """Draws its sparsity from ``multi_sparsities`` at each dual update (finalizes at the target)."""
   return safe_optax.safe_multi(recipe.learning_rate, config.multi_sparsities,
                                **_set_keywords(config), penalty=penalty(config),
@@ -161,13 +161,13 @@ def _safe_multi(config: "Config", recipe: Recipe) -> optax.GradientTransformatio
                                **recipe.admm)
 
 
-def _admm(config: "Config", recipe: Recipe) -> optax.GradientTransformation:
+def _admm(config: Config, recipe: Recipe) -> optax.GradientTransformation:
   """ADMM (Zhang et al.): a constant penalty, no SAM."""
   return safe_optax.admm(recipe.learning_rate, **projection(config), penalty=penalty(config),
                          penalty_schedule="constant", **recipe.admm)
 
 
-def _gradual(config: "Config", recipe: Recipe) -> optax.GradientTransformation:
+def _gradual(config: Config, recipe: Recipe) -> optax.GradientTransformation:
   """GMP (cubic ramp, masks every ``gmp_update_every`` steps) and IMP+SAM (SAM, then pruning
   every ``imp_every_epochs`` with ``imp_power``), both over ``[gmp_begin_fraction,
   gmp_end_fraction]`` of training with a persistent mask after."""
@@ -188,13 +188,13 @@ def _gradual(config: "Config", recipe: Recipe) -> optax.GradientTransformation:
   return optax.chain(*head, *recipe.base, pruner)
 
 
-def _cram(config: "Config", recipe: Recipe) -> optax.GradientTransformation:
+def _cram(config: Config, recipe: Recipe) -> optax.GradientTransformation:
   """CrAM / CrAM+ (:func:`safe_optax.cram`) before the SGD base."""
   return optax.chain(safe_optax.cram(config.rho, **projection(config),
                                      plus=config.method == "cram-plus"), *recipe.base)
 
 
-def _never(config: "Config") -> bool:
+def _never(config: Config) -> bool:
   del config
   return False
 
@@ -203,7 +203,7 @@ def _never(config: "Config") -> bool:
 class Method:
   """How the vision trainer runs one training method."""
 
-  build: Callable[["Config", Recipe], optax.GradientTransformation]
+  build: Callable[[Config, Recipe], optax.GradientTransformation]
   """``build(config, recipe)``: the optax optimizer."""
   uses_grad_fn: bool = False
   """``tx.update`` takes ``grad_fn=`` (SAM-style second gradients of the same batch)."""
@@ -214,7 +214,7 @@ class Method:
   tuned_field: Optional[str] = None
   """A config field other than a penalty that a sweep may choose on a validation split
   (CrAM's radius ``rho``, its one hyperparameter); see :attr:`selected_field`."""
-  seeded: Callable[["Config"], bool] = _never
+  seeded: Callable[[Config], bool] = _never
   """Whether ``config.seed`` enters the optimizer (else its programs are shared across seeds)."""
   dual_alone: bool = False
   """Its dual update reads no gradient (magnitude scores), so the trainer runs it as a
@@ -262,7 +262,7 @@ def get(name: str) -> Method:
   return REGISTRY[name]
 
 
-def penalty(config: "Config") -> Optional[float]:
+def penalty(config: Config) -> Optional[float]:
   """The ``lambda`` that ``config.method`` trains with (``None`` for a method without one).
 
   ``Config.admm_penalty`` for ADMM when set, else :meth:`Config.resolved_penalty`.
@@ -280,7 +280,7 @@ def penalty(config: "Config") -> Optional[float]:
   return config.resolved_penalty() if value is None else value
 
 
-def make_optimizer(config: "Config", num_steps_per_epoch: int) -> optax.GradientTransformation:
+def make_optimizer(config: Config, num_steps_per_epoch: int) -> optax.GradientTransformation:
   """The optax optimizer of ``config.method`` (see :data:`REGISTRY`).
 
   * ``dense``: SGD only;
