@@ -58,6 +58,15 @@ def test_changes_match_a_plain_computation_and_get_their_verdicts():
   assert result["budgets"] == [20, 40]
 
 
+def test_a_small_change_that_every_seed_makes_is_not_stable():
+  """The 80-epoch MLP at 99 %: +0.43 ± 0.12 against 40 epochs is 3.6 s.e., so still moving."""
+  short = _sweep(40, {("safe", 0.99): [0.8720, 0.8730, 0.8728]})
+  long = _sweep(80, {("safe", 0.99): [0.8765, 0.8770, 0.8772]})
+  row = budget_doubling.compare(short, long, tolerance=0.5)["rows"][0]
+  assert abs(row["change"]) <= 0.5 and abs(row["change"]) > 2 * row["change_se"]
+  assert row["verdict"] == "still moving"
+
+
 def test_a_large_change_inside_two_standard_errors_is_within_noise_not_stable():
   short = _sweep(20, {("admm", 0.995): [0.70, 0.80, 0.75]})
   long = _sweep(40, {("admm", 0.995): [0.78, 0.80, 0.82]})

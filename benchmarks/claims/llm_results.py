@@ -174,73 +174,8 @@ def _load(r) -> str:
   return "-" if load is None else f"{load['before'][0]:.1f} / {load['after'][0]:.1f}"
 
 
-READING = """\
-Does the paper's ordering hold (SAFE+ < SparseGPT <= Wanda << magnitude; SAFE far below magnitude)?
-
-- At the paper's step (10 steps, lr 2e-4): no, and it cannot: SAFE+ ~ Wanda and SAFE ~ magnitude
-  by construction (unconverged rows).
-- At the held-out-selected step (60 steps per block, lr 3e-3), block level, block 0, held-out
-  windows (`block_selection_block0.json`): yes at 50 %: SAFE+ 0.0289 (0.0206 at 250 steps) <
-  SparseGPT 0.0333 < Wanda 0.0468 << magnitude 0.1022, and SAFE 0.0544 is half of magnitude's
-  error but above Wanda's. At 2:4: SAFE+ 0.0721 (0.0416 at 250 steps) < SparseGPT 0.0752 <
-  Wanda 0.1048 < SAFE 0.1300 < magnitude 0.1989. At 250 steps SAFE reaches 0.0288 at 50 %,
-  below SparseGPT and Wanda as in the paper: the 60-step SAFE is not converged.
-- Perplexity at 50 % (whole model, 60 steps per block, still not converged): SAFE+ is best on
-  both texts (WikiText-2 56.05 vs SparseGPT 65.35, Wanda 67.21, magnitude 458.90; Austen 60.16
-  vs Wanda 67.74, SparseGPT 79.89). SAFE is far below magnitude (194.32 vs 458.90) but far above
-  Wanda and SparseGPT; in the paper SAFE beats both. SparseGPT <= Wanda holds on WikiText-2
-  only. Every method is scored on the same 2,048 tokens (4 windows) per text, from one
-  calibration draw (seed 0): gaps of a few percent (Wanda vs SparseGPT) could change with other
-  tokens; SAFE+'s 14 % (WikiText-2) and 11 % (Austen) leads are less likely to, but have not
-  been checked on more tokens or seeds.
-- SAFE at 250 steps per block (lr 3e-3, lambda 1e-2, the 250-step choice on held-out block-0
-  error; ~2 h for the 30 blocks here): WikiText-2 59.36, below SparseGPT (65.35) and Wanda
-  (67.21) as the paper reports, and 7.7x below magnitude (458.90); Austen 79.64, level with
-  SparseGPT (79.89) and above Wanda (67.74). Its mean in-sample block error, 0.0028, is under
-  half Wanda's (0.0066). So "SAFE far below magnitude" holds and "SAFE < SparseGPT, Wanda"
-  holds on WikiText-2 but not on Austen. The 60-step SAFE row (194.32) was the budget, not
-  the method. Its s / block includes a 35-minute pause of the process (block 16) and load
-  5-14 from other jobs: ignore it as a speed figure.
-- SAFE+ at 250 steps per block (lr 3e-3, lambda 1e-3, the 250-step choice on held-out block-0
-  error): WikiText-2 52.07 and Austen 59.95, the best of every row here: below SparseGPT
-  (65.35 / 79.89) and Wanda (67.21 / 67.74) on both texts, and below its own 60-step row
-  (56.05 / 60.16). So the paper's 50 % ordering SAFE+ < SparseGPT <= Wanda << magnitude holds
-  on WikiText-2 (Wanda is ahead of SparseGPT on Austen). Block 11 is an outlier: in-sample
-  error 0.065 against SAFE's 0.0031 there (the loss of both spikes to ~14 early in that
-  block); the others are at most 0.0042. The per-block seconds include load 5-10 from other
-  jobs.
-- Perplexity at 2:4 (SAFE+ only, 60 steps per block): WikiText-2 118.23 vs SparseGPT 113.29,
-  Wanda 191.33, magnitude 3427.84; Austen 130.30 vs SparseGPT 151.97, Wanda 178.03. SAFE+ beats
-  Wanda by far; against SparseGPT it is 4 % worse on WikiText-2 and 14 % better on Austen, so
-  at 60 steps "SAFE+ < SparseGPT" is not shown at 2:4.
-- SAFE+ at 2:4 with 250 steps per block (lr 3e-3, lambda 1e-3, the 250-step 2:4 choice on
-  held-out block-0 error, 0.0416): WikiText-2 **90.85** against SparseGPT 113.29, Wanda 191.33
-  and magnitude 3427.84; Austen **113.35** against 151.97 / 178.03 / 1272.18. The paper's 2:4
-  ordering SAFE+ < SparseGPT < Wanda << magnitude holds on both texts (SAFE+ 20 % below
-  SparseGPT on WikiText-2, 25 % on Austen); the 60-step row was the budget. s / block ran
-  beside two other jobs (load up to 7.9).
-- SAFE at 2:4 with 250 steps per block (lr 3e-3, lambda 1e-2: the 250-step choice at 50 %;
-  the 2:4 selection ran at 60 steps only, where it also chose 1e-2): WikiText-2 142.98 and
-  Austen 181.44, 24x and 7x below magnitude (3427.84 / 1272.18), below Wanda on WikiText-2
-  (191.33) and level with it on Austen (178.03), above SparseGPT on both (113.29 / 151.97).
-  So "SAFE far below magnitude" holds at 2:4; "SAFE < SparseGPT" does not at this budget
-  (at 50 % it needed 250 steps to pass SparseGPT on WikiText-2). Ran beside two other jobs.
-- What limits convergence (SAFE+, block 0, 50 %, held-out): at 60 steps the step size: lr 2e-4
-  / 1e-3 / 3e-3 give 0.0440 / 0.0359 / 0.0289, and 1e-2 overshoots (0.0843); a per-matrix
-  relative step (`--lr-scale rms`, lr 3e-2 x each matrix's RMS, which ranges 0.05-0.40 in this
-  block) reaches 0.0231. Then steps: 120 / 250 steps give 0.0220 / 0.0206, and at 250 steps
-  the relative step gives the same (0.0203). Then calibration size: at 250 steps the
-  calibration error is 0.0045 against 0.0206 held out (over-fitting 16 x 128 tokens), and 64
-  windows give 0.0160 at 248 steps (SparseGPT with 64 windows: 0.0254). lambda (1e-3 vs 1e-2) matters little
-  for SAFE+ (0.0289 vs 0.0290) and favours 1e-2 for SAFE (0.0544 vs 0.0614).
-- Block 11 of SmolLM2 is where the Wanda score does badly: in the full runs Wanda and SAFE+
-  (which projects with Wanda's scores, per output row) leave 0.063-0.066 of its output energy
-  (in-sample), magnitude 0.006, SAFE 0.004, SparseGPT 0.0001. The block-11 study (inputs from
-  the dense stream, `block_selection_block11.json`) agrees on held-out windows: Wanda 0.0697,
-  SAFE+ 0.069-0.073 at every lr and lambda of the 60-step grid, magnitude 0.0055, SAFE
-  0.0045-0.0055, SparseGPT 0.0001. There the paper's ordering fails for SAFE+ (its projection,
-  not its steps); a per-matrix grouping (`--grouping per_matrix`) was not tried.
-"""
+READING = ("Which orderings of the paper hold, and under which rules, is in the evidence report "
+           "(`results/README.md`, written by `benchmarks/report.py` from these files).\n\n")
 
 
 def _selection_tables() -> str:
@@ -322,7 +257,7 @@ def table() -> None:
       "  - 60 steps, lr 3e-3 (30 epochs, 2 warm-up): the best 60-step setting on *held-out* "
       "block-0 reconstruction error (`../../benchmarks/claims/llm_block_selection.py`, "
       "`block_selection_block0.json`; lambda 1e-3 for SAFE+, 1e-2 for SAFE). Still not "
-      "converged: at 250 steps SAFE+'s held-out block-0 error drops further (0.0289 -> 0.0206).\n"
+      "converged: at 250 steps SAFE+'s held-out block-0 error drops further (the block study).\n"
       f"- Perplexity: first {BUDGET['eval_tokens']} tokens of WikiText-2 test and of the Austen "
       f"novels, {BUDGET['eval_seqlen']}-token windows.\n"
       "- s / block: mean over blocks 1-29 (block 0 includes compilation; blocks count from 0). Other jobs shared the "
@@ -332,8 +267,8 @@ def table() -> None:
       "on a quiet machine.\n"
       "- Block rel. error: ||f_pruned(X) - f_dense(X)||^2 / ||f_dense(X)||^2 on the "
       "calibration windows themselves (in-sample; SparseGPT's exact least-squares fit looks "
-      "best here and overfits 16 windows: on held-out windows of block 0 it is 0.0333 against "
-      "0.0142 in-sample). Block 0 / mean over the 30 blocks, each on the pruned stream.\n\n")
+      "best here and overfits 16 windows: compare its held-out block-0 error in the block study). "
+      "Block 0 / mean over the 30 blocks, each on the pruned stream.\n\n")
   header = ("| method | sparsity | SAFE budget | WikiText-2 ppl | Austen ppl | "
             "block rel. error: block 0 / mean (calibration) | s / block | load | "
             "block sparsity |\n|---|---|---|---|---|---|---|---|---|")

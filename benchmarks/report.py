@@ -1,0 +1,302 @@
+"""The evidence report: ``results/README.md`` and README.md's evidence summary, from the claim folders.
+
+Every number in the report comes from the JSON files in ``results/<claim>/``
+(read by ``report_sources``); the verdict of each row follows from the rules
+declared once below, in code, and printed at the top of the report.
+
+  python benchmarks/report.py           # write results/README.md and README.md's evidence block
+  python benchmarks/report.py --check   # exit 1 when either differs from what the JSON gives
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import math
+import pathlib
+import re
+import sys
+from typing import Optional, Sequence
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import report_sources  # noqa: E402  pylint: disable=wrong-import-position
+from report_sources import Arm, Row  # noqa: E402  pylint: disable=wrong-import-position
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "results"
+START, END = "<!-- evidence:start -->", "<!-- evidence:end -->"
+
+# The verdict rules: the only place their thresholds live.
+HOLD_SE = 2.0            # a difference counts when it exceeds this many standard errors
+SEEDS_AGAINST = 1        # ... and its sign holds in every seed but at most this many
+STABLE_POINTS = 0.5      # converged: doubling the budget moves each method by at most this ...
+STABLE_SE = 2.0          # ... and by at most this many standard errors of the change
+SPARSE_SET_DISTANCE = 1.0  # ... and each ADMM-type iterate ends within this ||x - z|| of its sparse set
+ADMM_TYPE = ("SAFE", "SAFE+", "ADMM")
+DIVERGED = 10.0          # a diverged run scores chance accuracy on the 10-class tasks
+
+
+@dataclasses.dataclass(frozen=True)
+class Stat:
+  mean: float
+  se: Optional[float]  # None with one seed
+  n: int
+
+
+def stat(values: Sequence[float]) -> Stat:
+  """Mean and standard error (sample standard deviation / sqrt(n))."""
+  n = len(values)
+  mean = math.fsum(values) / n
+  if n < 2:
+    return Stat(mean, None, n)
+  var = math.fsum((v - mean) ** 2 for v in values) / (n - 1)
+  return Stat(mean, math.sqrt(var / n), n)
+
+
+def scored(values: dict[int, Optional[float]]) -> dict[int, float]:
+  """Each seed's value, a diverged run (None) scored as chance."""
+  return {s: DIVERGED if v is None else v for s, v in values.items()}
+
+
+def paired(a: dict[int, Optional[float]], b: dict[int, Optional[float]]) -> list[float]:
+  """Per-seed differences a - b over the seeds both have."""
+  a, b = scored(a), scored(b)
+  seeds = sorted(set(a) & set(b))
+  if not seeds:
+    raise ValueError("no seed in common: a paired difference needs the same seeds")
+  return [a[s] - b[s] for s in seeds]
+
+
+def verdict(diffs: Sequence[float]) -> str:
+  """``holds``, ``level``, ``reversed`` or ``fails`` for per-seed differences (positive: ours better).
+
+  Examples:
+    >>> verdict([1.0, 1.2, 0.9]), verdict([0.1, -0.1, 0.05]), verdict([-1.0, -1.1, -0.9])
+    ('holds', 'level', 'reversed')
+  """
+  s = stat(diffs)
+  if s.se is None:
+    return "no verdict (one seed)"
+  if abs(s.mean) <= HOLD_SE * s.se:
+    return "level"
+  sign = 1.0 if s.mean > 0 else -1.0
+  against = sum(1 for d in diffs if d * sign <= 0)
+  if against > SEEDS_AGAINST:
+    return "fails"
+  return "holds" if sign > 0 else "reversed"
+
+
+def convergence(arms: Sequence[Arm], points: bool) -> str:
+  """``converged`` or what stops it: a method that moved, a missing shorter run, a far iterate."""
+  problems = []
+  for arm in arms:
+    if arm.shorter is None:
+      problems.append(f"{arm.name}: no shorter run")
+      continue
+    if not arm.shorter_same_hyper:
+      problems.append(f"{arm.name}: shorter run used other hyperparameters")
+      continue
+    change = stat(paired(arm.values, arm.shorter.values))
+    moved = (change.se is None or abs(change.mean) > STABLE_SE * change.se
+             or (points and abs(change.mean) > STABLE_POINTS))
+    if moved:
+      problems.append(f"{arm.name} {change.mean:+.2f} ± {_num(change.se, 2)} vs {arm.shorter.budget}")
+  for arm in arms:
+    if arm.name in ADMM_TYPE and arm.distance is not None and arm.distance > SPARSE_SET_DISTANCE:
+      problems.append(f"{arm.name} ||x − z|| {arm.distance:.2f}")
+  if not points and not problems:
+    problems.append("not an accuracy: no budget rule")
+  return "converged" if not problems else "not shown: " + "; ".join(problems)
+
+
+def check_budgets(row: Row) -> None:
+  """Methods are compared at one budget: a row that mixes budgets is an error."""
+  budgets = {arm.budget for arm in (row.ours, *row.baselines)}
+  if len(budgets) != 1:
+    raise ValueError(f"row {row.label!r} mixes budgets {sorted(budgets)}")
+
+
+def anchor(heading: str) -> str:
+  """GitHub's anchor of a Markdown heading (headings here carry no `_`, `*` or backticks)."""
+  if re.search(r"[`*_]", heading):
+    raise ValueError(f"a claim title must not contain `, * or _: {heading!r}")
+  return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _num(x: Optional[float], digits: int) -> str:
+  return "–" if x is None else f"{x:.{digits}f}"
+
+
+def _mean_se(values: dict[int, Optional[float]], digits: int) -> str:
+  s = stat(list(scored(values).values()))
+  diverged = sum(1 for v in values.values() if v is None)
+  note = f" ({diverged} of {s.n} diverged)" if diverged else ""
+  if s.se is None:
+    return f"{s.mean:.{digits}f} (1 seed){note}"
+  return f"{s.mean:.{digits}f} ± {s.se:.{digits}f}{note}"
+
+
+def _hyper(arm: Arm) -> str:
+  text = "; ".join(arm.hyper) if arm.hyper else "none"
+  return f"{arm.name}: {text}"
+
+
+@dataclasses.dataclass
+class Line:
+  row: Row
+  baseline: Arm
+  diff: Stat
+  won: int
+  verdict: str
+  convergence: str
+
+
+def lines(row: Row) -> list[Line]:
+  check_budgets(row)
+  sign = 1.0 if row.higher_is_better else -1.0
+  status = convergence([row.ours, *row.baselines], row.points)
+  out = []
+  for base in row.baselines:
+    diffs = [sign * d for d in paired(row.ours.values, base.values)]
+    v = verdict(diffs)
+    both = row.ours.flags | base.flags
+    flags = [f for f, on in (("untuned baseline", base.untuned), ("edge pick", "edge" in both),
+                             ("a setting not chosen", "unchosen" in both),
+                             (f"NOT EVIDENCE: {row.note}", bool(row.note))) if on]
+    if flags:
+      v += " (" + ", ".join(flags) + ")"
+    out.append(Line(row, base, stat(diffs), sum(1 for d in diffs if d > 0), v, status))
+  return out
+
+
+def rules_text() -> str:
+  return "\n".join([
+      "## How each verdict is decided",
+      "",
+      "The generator (`benchmarks/report.py`) applies these rules to every row; no verdict is "
+      "written by hand.",
+      "",
+      "- The difference is paired: ours minus the baseline in each seed, signed so that positive "
+      "means ours is better; its mean ± standard error is over those seeds.",
+      f"- **holds**: the difference exceeds {HOLD_SE:g} s.e. and its sign holds in every seed but "
+      f"at most {SEEDS_AGAINST}.",
+      f"- **level**: the difference is within {HOLD_SE:g} s.e.",
+      f"- **reversed**: the difference is below −{HOLD_SE:g} s.e. with the same seed rule "
+      "(the baseline is better); **fails**: beyond "
+      f"{HOLD_SE:g} s.e. but more than {SEEDS_AGAINST} seed disagrees.",
+      "- With one seed there is no standard error and no verdict.",
+      f"- A run that diverged scores {DIVERGED:g} % (chance on these 10-class tasks) and is "
+      "counted as diverged beside the mean.",
+      f"- **converged**: every compared method has a run at a shorter budget with the same "
+      f"hyperparameters, and going from it to this budget moved each by at most "
+      f"{STABLE_POINTS:g} points and at most {STABLE_SE:g} s.e. of the change; and every "
+      f"ADMM-type iterate ({', '.join(ADMM_TYPE)}) ends within `||x − z||` ≤ "
+      f"{SPARSE_SET_DISTANCE:g} of its sparse set. Otherwise the column says what is missing.",
+      "- Methods in a row share one budget: the generator refuses a row that mixes budgets.",
+      "- Hyperparameters: `λ 0.01 ∈ {0.003, 0.01} (file)` was chosen on the validation split "
+      "recorded in that file's `selection`, from that grid; AT GRID EDGE marks a choice at either "
+      "end of its grid, NOT CHOSEN a value given without a choice (a grid of one value or the "
+      "paper's value), NOT TUNED a baseline run with its defaults. The verdict names each of "
+      "these after it; 〃 repeats the line above. A row marked NOT EVIDENCE (a pipeline "
+      "check, a grid informed by the test set) is shown for completeness only.",
+  ])
+
+
+def claim_section(folder: pathlib.Path, claim: report_sources.Claim) -> tuple[str, list[Line]]:
+  all_lines = [line for row in claim.rows for line in lines(row)]
+  out = [f"## {claim.title}", "",
+         f"Folder `results/{folder.name}/`; regenerate with `sh results/{folder.name}/run.sh`. "
+         f"The paper: {claim.paper}. Metric: {claim.metric}, "
+         f"{'higher' if claim.higher_is_better else 'lower'} is better; mean ± s.e. over seeds.",
+         "",
+         "| row | paper | ours | baseline | difference | seeds won | budget | hyperparameters "
+         "| convergence | verdict |",
+         "|---|---|---|---|---|---|---|---|---|---|"]
+  previous = None
+  for line in all_lines:
+    row, base, d = line.row, line.baseline, line.diff
+    first = row is not previous
+    previous = row
+    diff = f"{d.mean:+.{row.digits}f}" + ("" if d.se is None else f" ± {d.se:.{row.digits}f}")
+    hyper = (f"{_hyper(row.ours)}. " if first else "") + _hyper(base)
+    out.append(" | ".join([
+        f"| {row.label if first else '〃'}", (row.paper or "–") if first else "〃",
+        f"{row.ours.name} {_mean_se(row.ours.values, row.digits)}" if first else "〃",
+        f"{base.name} {_mean_se(base.values, row.digits)}", diff,
+        f"{line.won} of {d.n}", row.ours.budget if first else "〃", hyper,
+        line.convergence if first else "〃", f"**{line.verdict}** |"]))
+  if claim.caveats:
+    out += [""] + [f"- {c}" for c in claim.caveats]
+  return "\n".join(out), all_lines
+
+
+def summary_line(claim: report_sources.Claim, all_lines: list[Line]) -> str:
+  """One line per claim: how many rows each verdict got against each baseline."""
+  kinds = ("holds", "level", "reversed", "fails", "no verdict")
+  parts = []
+  for name in dict.fromkeys(line.baseline.name for line in all_lines):
+    verdicts = [line.verdict for line in all_lines if line.baseline.name == name]
+    counts = [(k, sum(1 for v in verdicts if v.startswith(k))) for k in kinds]
+    parts.append(f"vs {name}: " + ", ".join(f"{k} {n}" for k, n in counts if n))
+  status = {id(line.row): line.convergence for line in all_lines}
+  converged = sum(1 for c in status.values() if c == "converged")
+  return (f"- [{claim.short}](results/README.md#{anchor(claim.title)}): " + "; ".join(parts)
+          + f" (rows converged: {converged} of {len(status)})")
+
+
+def build(results: pathlib.Path = RESULTS) -> tuple[str, str]:
+  """The report's text and the README's evidence block."""
+  sections, summary = [], []
+  for folder in sorted(p for p in results.iterdir() if (p / "claim.json").is_file()):
+    claim = report_sources.load_claim(folder)
+    text, all_lines = claim_section(folder, claim)
+    sections.append((claim.order, text))
+    summary.append((claim.order, summary_line(claim, all_lines)))
+  report = "\n\n".join([
+      "# Evidence: the paper's claims, checked against the committed runs",
+      "Generated by `python benchmarks/report.py` from the JSON files in each folder below; "
+      "do not edit by hand (`python benchmarks/report.py --check` fails when this file differs "
+      "from what the JSON gives).",
+      rules_text()] + [text for _, text in sorted(sections)]) + "\n"
+  block = "\n".join([START, *(line for _, line in sorted(summary)), END])
+  return report, block
+
+
+def readme_with(readme: str, block: str) -> str:
+  if START not in readme or END not in readme:
+    raise ValueError(f"README.md has no {START} ... {END} markers")
+  head, rest = readme.split(START, 1)
+  _, tail = rest.split(END, 1)
+  return head + block + tail
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--check", action="store_true",
+                      help="compare with the committed files instead of writing them")
+  parser.add_argument("--root", default=str(ROOT), help="repository root (for tests)")
+  args = parser.parse_args(argv)
+  root = pathlib.Path(args.root)
+  report, block = build(root / "results")
+  readme_path, report_path = root / "README.md", root / "results" / "README.md"
+  readme = readme_with(readme_path.read_text(encoding="utf-8"), block)
+  if args.check:
+    stale = [(p, want) for p, want in ((report_path, report), (readme_path, readme))
+             if not p.is_file() or p.read_text(encoding="utf-8") != want]
+    for path, want in stale:
+      have = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
+      sys.stderr.writelines(line + "\n" for line in difflib.unified_diff(
+          have, want.splitlines(), str(path), "generated", lineterm="", n=0))
+    if stale:
+      print("stale: run python benchmarks/report.py", file=sys.stderr)
+    return 1 if stale else 0
+  report_path.write_text(report, encoding="utf-8")
+  readme_path.write_text(readme, encoding="utf-8")
+  print(json.dumps({"wrote": [str(report_path), str(readme_path)]}))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,363 @@
+"""Read a claim folder (``results/<claim>/claim.json`` and the run JSON it names) into report rows.
+
+``claim.json`` names what is compared (methods, sparsities, files) and the
+paper's numbers; it holds none of our results. Every value, budget and
+hyperparameter in a row is read here from the run files the benchmarks wrote.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Any, Callable, Optional
+
+NAMES = {"safe": "SAFE", "safe-plus": "SAFE+", "admm": "ADMM", "gmp": "GMP", "cram": "CrAM",
+         "magnitude": "magnitude", "wanda": "Wanda", "sparsegpt": "SparseGPT",
+         "dense": "dense", "imp-sam": "IMP+SAM"}
+PENALIZED = ("safe", "safe-plus", "admm")
+
+
+@dataclasses.dataclass
+class Arm:
+  """One method in one row: its value per seed at one budget, and where its settings came from."""
+  name: str
+  values: dict[int, Optional[float]]  # None: the run diverged
+  budget: str
+  hyper: list[str] = dataclasses.field(default_factory=list)
+  untuned: bool = False
+  flags: set[str] = dataclasses.field(default_factory=set)  # "edge", "unchosen"
+  distance: Optional[float] = None  # mean ||x - z|| at the end (ADMM-type methods)
+  shorter: Optional["Arm"] = None   # the same method at a shorter budget
+  shorter_same_hyper: bool = True
+  settings: dict[str, Any] = dataclasses.field(default_factory=dict)  # what must match across budgets
+
+
+@dataclasses.dataclass
+class Row:
+  label: str
+  paper: str
+  ours: Arm
+  baselines: list[Arm]
+  higher_is_better: bool
+  points: bool  # values are accuracy points (the budget rule applies)
+  digits: int
+  note: str = ""  # what the row is when it is not evidence (claim.json's "not_evidence")
+
+
+@dataclasses.dataclass
+class Claim:
+  order: int
+  title: str
+  short: str
+  paper: str
+  metric: str
+  higher_is_better: bool
+  rows: list[Row]
+  caveats: list[str]
+
+
+def _load(path: pathlib.Path) -> Any:
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def _mean(values: list[float]) -> Optional[float]:
+  return sum(values) / len(values) if values else None
+
+
+def _percent(accuracy: Optional[float]) -> Optional[float]:
+  """Accuracy in %, None for a run that diverged (the report scores it by its declared rule)."""
+  return None if accuracy is None else 100 * accuracy
+
+
+def _grid_note(arm: Arm, name: str, value: float, grid: list[float], where: str) -> None:
+  """Record how a value was picked from its grid: inside it, at an edge, or not chosen at all."""
+  grid = sorted(set(grid))
+  if value not in grid:
+    raise ValueError(f"{name} {value:g} is not in its selection grid {grid} ({where})")
+  if len(grid) == 1:
+    arm.flags.add("unchosen")
+    arm.hyper.append(f"{name} {value:g}, NOT CHOSEN ({where})")
+    return
+  edge = value in (grid[0], grid[-1])
+  if edge:
+    arm.flags.add("edge")
+  shown = "{" + ", ".join(f"{g:g}" for g in grid) + "}"
+  arm.hyper.append(f"{name} {value:g} ∈ {shown} ({where})" + (" AT GRID EDGE" if edge else ""))
+
+
+def _only(values: set, what: str) -> Any:
+  if len(values) != 1:
+    raise ValueError(f"{what} differs between seeds: {sorted(values, key=str)}")
+  return next(iter(values))
+
+
+# --- sparsity_sweep.py's sweep.json -------------------------------------------------------------
+
+def _sweep_budget(sweep: dict) -> str:
+  c = sweep["config"]
+  subset = f" on {c['train_subset']} images" if c.get("train_subset") else ""
+  return f"{c['epochs']} epochs{subset}"
+
+
+def _sweep_arm(folder: pathlib.Path, name: str, method: str, sparsity: float, file: str,
+               selection: Optional[str]) -> Arm:
+  sweep = _load(folder / file)
+  runs = [r for r in sweep["runs"]
+          if r["method"] == method and abs(r["sparsity"] - sparsity) < 1e-9]
+  if not runs:
+    raise ValueError(f"{file} has no {method} run at sparsity {sparsity}")
+  arm = Arm(name, {r["seed"]: _percent(r["accuracy"]) for r in runs}, _sweep_budget(sweep))
+  config = sweep["config"]
+  if method in PENALIZED or method == "cram":
+    field = "rho" if method == "cram" else "penalty"
+    value = _only({r[field] for r in runs}, f"{method}'s {field}")
+    arm.settings[field] = value
+    source = _load(folder / (selection or file))
+    sel = source["selection"]
+    grid = [g.get("value", g.get(field)) for g in sel.get("grid", [])
+            if g["method"] == method and abs(g["sparsity"] - sparsity) < 1e-9]
+    chosen = sel["chosen"][f"{method}@{sparsity:g}"]
+    if abs(chosen - value) > 1e-12:
+      raise ValueError(f"{file}: {method} ran with {field} {value:g}, its selection chose {chosen:g}")
+    symbol = "ρ" if method == "cram" else "λ"
+    where = f"`{selection}`, chosen at {_sweep_budget(source)}" if selection else f"`{file}`"
+    _grid_note(arm, symbol, value, grid or [value], where)
+  if method in ("safe", "safe-plus"):
+    rho = _only({r.get("rho", config["rho"]) for r in runs}, "rho")
+    arm.settings.update(rho=rho, rescale_dual=bool(runs[0].get("rescale_dual")))
+    arm.hyper.append(f"ρ {rho:g} (the paper's value, not tuned)")
+    if runs[0].get("rescale_dual"):
+      arm.hyper.append("`rescale_dual`")
+  if method == "gmp":
+    arm.untuned = True
+    arm.settings.update(end=config["gmp_end_fraction"], every=config["gmp_update_every"])
+    arm.hyper.append(f"schedule end {config['gmp_end_fraction']:g}, update every "
+                     f"{config['gmp_update_every']} steps: defaults, NOT TUNED")
+  if method in PENALIZED:
+    arm.distance = _mean([r["constraint_distance"] for r in runs if r.get("constraint_distance") is not None])
+  return arm
+
+
+def _sweep_row(folder: pathlib.Path, r: dict) -> Row:
+  names = r.get("names", {})
+  arms = []
+  for name in [r["ours"], *r["baselines"]]:
+    method = r.get("methods", {}).get(name, name)
+    arm = _sweep_arm(folder, names.get(name, NAMES.get(name, name)), method, r["sparsity"],
+                     r.get("files", {}).get(name, r["file"]), r.get("selection", {}).get(name))
+    if "shorter" in r:
+      arm.shorter = _sweep_arm(folder, arm.name, method, r["sparsity"], r["shorter"],
+                               r.get("shorter_selection", {}).get(name))
+      arm.shorter_same_hyper = arm.shorter.settings == arm.settings
+    arms.append(arm)
+  return Row(r["label"], r.get("paper", ""), arms[0], arms[1:], True, True, 2)
+
+
+# --- label_noise.py --------------------------------------------------------------------------------
+
+def _noise_row(folder: pathlib.Path, r: dict) -> Row:
+  run = _load(folder / r["file"])
+  source = _load(folder / r.get("selection", r["file"]))
+  sel = source["selection"][f"{r['noise']:g}"]
+  c = run["config"]
+  split = c.get("test_only_split")
+  budget = f"{c['epochs']} epochs" + (f" on {split[0]} images" if split else "")
+  arms = []
+  for method in [r["ours"], *r["baselines"]]:
+    runs = [x for x in run["runs"] if x["method"] == method and abs(x["noise"] - r["noise"]) < 1e-9]
+    if not runs:
+      raise ValueError(f"{r['file']} has no {method} run at noise {r['noise']}")
+    arm = Arm(NAMES[method], {x["seed"]: _percent(x["accuracy"]) for x in runs}, budget)
+    value = _only({x["penalty"] for x in runs}, f"{method}'s lambda")
+    grid = [g.get("value", g.get("penalty")) for g in sel["grid"] if g["method"] == method]
+    chosen = sel["chosen"][f"{method}@0.9"]
+    if abs(chosen - value) > 1e-12:
+      raise ValueError(f"{r['file']}: {method} ran with lambda {value:g}, selection chose {chosen:g}")
+    _grid_note(arm, "λ", value, grid or [value], f"`{r.get('selection', r['file'])}`")
+    if method == "safe":
+      rho = _only({x.get("rho", c["rho"]) for x in runs}, "rho")
+      if "rho_grid" in sel:
+        _grid_note(arm, "ρ", rho, sel["rho_grid"], f"`{r.get('selection', r['file'])}`")
+      else:
+        arm.hyper.append(f"ρ {rho:g} (the paper's value, not tuned)")
+      if runs[0].get("rescale_dual"):
+        arm.hyper.append("`rescale_dual`")
+    arm.distance = _mean([x["constraint_distance"] for x in runs if x.get("constraint_distance") is not None])
+    arms.append(arm)
+  return Row(r["label"], r.get("paper", ""), arms[0], arms[1:], True, True, 2)
+
+
+# --- flatness_mlp.py ---------------------------------------------------------------------------------
+
+def _flatness_row(folder: pathlib.Path, r: dict) -> Row:
+  data = _load(folder / r["file"])
+  c = data["config"]
+  budget = f"{c['epochs']} epochs on {data['data']['train']} images"
+  scale = 100.0 if r["metric"] == "test_accuracy" else 1.0
+  arms = []
+  for method in [r["ours"], *r["baselines"]]:
+    runs = data["runs"][method]
+    arm = Arm(NAMES[method], {x["seed"]: scale * x[r["metric"]] for x in runs}, budget)
+    grid = [g["penalty"] for g in data["selection"]["grid"][method]]
+    _grid_note(arm, "λ", data["selection"]["chosen"][method], grid, f"`{r['file']}`")
+    if method == "safe":
+      arm.hyper.append(f"ρ {c['rho']:g} (the paper's value, not tuned)")
+    arm.distance = _mean([x["constraint_distance"] for x in runs if x.get("constraint_distance") is not None])
+    arms.append(arm)
+  return Row(r["label"], r.get("paper", ""), arms[0], arms[1:], r["higher_is_better"],
+             r["metric"] == "test_accuracy", r.get("digits", 2))
+
+
+# --- dual_rescaling.py -------------------------------------------------------------------------------
+
+def _dual_row(folder: pathlib.Path, r: dict) -> Row:
+  data = _load(folder / r["file"])
+  a = data["args"]
+  budget = f"{a['epochs']} epochs on {a['train_subset']} images"
+  arms = []
+  for variant in ("rescaled", "paper"):
+    runs = [x for x in data["runs"] if x["variant"] == variant and x["penalty"] == r["penalty"]]
+    arm = Arm("SAFE, paper's dual" if variant == "paper" else "SAFE, rescaled dual", {x["seed"]: _percent(x["accuracy"]) for x in runs}, budget,
+              [f"λ {r['penalty']:g}, fixed: a mechanism check"])
+    arm.distance = _mean([x["constraint_distance"] for x in runs if x.get("constraint_distance") is not None])
+    arms.append(arm)
+  return Row(r["label"], r.get("paper", ""), arms[0], arms[1:], True, True, 2)
+
+
+# --- the LLM study -------------------------------------------------------------------------------------
+
+def _block_study_notes(arm: Arm, folder: pathlib.Path, method: str, structure: str, n: int,
+                       lr: float, penalty: float) -> None:
+  """Where SAFE / SAFE+'s lr and lambda came from: the block-0 study's grid at ``n`` windows."""
+  tried = [x for x in _load(folder / "block_selection_block0.json")["runs"].values()
+           if x["method"] == method and x["structure"] == structure and x["n"] == n
+           and x["lr_scale"] == "none"]
+  # The grid is the step count with the most settings tried; longer runs carry its choice.
+  counts = {k: len({(x["lr"], x["penalty"]) for x in tried if x["steps"] == k})
+            for k in {x["steps"] for x in tried}}
+  if not counts:
+    arm.flags.add("unchosen")
+    arm.hyper.append(f"lr {lr:g}, λ {penalty:g}: NOT CHOSEN at {n} calibration windows")
+    return
+  grid_steps = max(counts, key=lambda k: (counts[k], -k))
+  where = f"block-0 error at {grid_steps} steps, `block_selection_block0.json`"
+  for symbol, key, value in (("lr", "lr", lr), ("λ", "penalty", penalty)):
+    _grid_note(arm, symbol, value, [x[key] for x in tried if x["steps"] == grid_steps], where)
+
+
+def _llm_row(folder: pathlib.Path, r: dict) -> Row:
+  results = _load(folder / "results.json")
+  by_name = {x["name"]: x for x in results["runs"]}
+  b = results["budget"]
+  budget = (f"{b['nsamples']} x {b['seqlen']} calibration tokens, "
+            f"{b['eval_tokens']} evaluation tokens")
+  arms = []
+  for method in [r["ours"], *r["baselines"]]:
+    run = by_name[r["runs"][method]]
+    arm = Arm(NAMES[run["method"]],
+              {run["calibration"]["seed"]: run["eval"][r["eval"]]["perplexity"]}, budget)
+    if run["method"] in PENALIZED:
+      p = run["prune_config"]
+      steps = p["epochs"] * (b["nsamples"] // p["batch_size"])
+      _block_study_notes(arm, folder, run["method"], run["structure"], b["nsamples"],
+                         p["learning_rate"], p["penalty"])
+      arm.hyper.append(f"{steps} steps per block")
+    else:
+      arm.hyper.append("one-shot")
+    arms.append(arm)
+  return Row(r["label"], r.get("paper", ""), arms[0], arms[1:], False, False, 2)
+
+
+def _block_row(folder: pathlib.Path, r: dict) -> Row:
+  data = _load(folder / r["file"])
+  budget = f"{data['steps']} steps, {data['windows']} x {data['seqlen']} calibration tokens"
+  arms = []
+  for method in [r["ours"], *r["baselines"]]:
+    values = {int(s): v[method] for s, v in data["seeds"].items() if method in v}
+    arm = Arm(NAMES[method], values, budget)
+    if method in PENALIZED:
+      _block_study_notes(arm, folder, method, "50%", data["windows"], data["learning_rate"],
+                         data["penalty"])
+    else:
+      arm.hyper.append("one-shot")
+    arms.append(arm)
+  return Row(r["label"], r.get("paper", ""), arms[0], arms[1:], False, False, 4)
+
+
+# --- cifar_gpu.py ----------------------------------------------------------------------------------------
+
+def _cifar_row(folder: pathlib.Path, r: dict) -> Row:
+  data = _load(folder / r["file"])["runs"]
+  arms = []
+  for method in [r["ours"], *r["baselines"]]:
+    seeds = data[method]
+    epochs = _only({v["epochs_done"] for v in seeds.values()}, f"{method}'s epochs")
+    arm = Arm(NAMES[method], {int(s): 100 * v["final"]["sparse_accuracy"] for s, v in seeds.items()},
+              f"{epochs} epochs")
+    config = _load(folder / "runs" / f"{method}-s0.9-seed0" / "config.json")
+    if method == "gmp":
+      arm.untuned = True
+      arm.hyper.append(f"schedule end {config['gmp_end_fraction']:g}, update every "
+                       f"{config['gmp_update_every']} steps: defaults, NOT TUNED")
+    elif method in PENALIZED:
+      value = config["penalty"]
+      if value is None:  # the paper's per-sparsity table: the first row whose bound covers it
+        value = next(lam for bound, lam in config["penalty_table"] if config["sparsity"] <= bound)
+      arm.hyper.append(f"λ {value:g}, the paper's value, NOT CHOSEN here")
+      arm.distance = _mean([v["last_distance_to_projection"] for v in seeds.values()])
+    arms.append(arm)
+  return Row(r["label"], r.get("paper", ""), arms[0], arms[1:], True, True, 2)
+
+
+# --- robustness_mnist.py ----------------------------------------------------------------------------
+
+ROBUSTNESS = {"clean": lambda e: 100 * e["clean"],
+              "corruptions-3": lambda e: 100 * e["corruptions"]["mean"]["3"],
+              "corruptions-5": lambda e: 100 * e["corruptions"]["mean"]["5"],
+              "pgd-linf": lambda e: 100 * e["pgd-linf"]["adversarial"],
+              "pgd-l2": lambda e: 100 * e["pgd-l2"]["adversarial"],
+              "lambda_max": lambda e: e["hessian"]["lambda_max_support"]}
+
+
+def _robustness_row(folder: pathlib.Path, r: dict) -> Row:
+  data = _load(folder / r["file"])
+  arms = []
+  for method in [r["ours"], *r["baselines"]]:
+    evals = data["evals"][method]
+    c = evals[0]["config"]
+    arm = Arm(NAMES[method], {e["config"]["seed"]: ROBUSTNESS[r["metric"]](e) for e in evals},
+              f"{c['epochs']} epochs")
+    value = c["admm_penalty"] if method == "admm" else c["penalty"]
+    if value is None:
+      value = next(lam for bound, lam in c["penalty_table"] if c["sparsity"] <= bound)
+    arm.hyper.append(f"λ {value:g}, the preset's value, NOT CHOSEN here")
+    arm.flags.add("unchosen")
+    arms.append(arm)
+  lower = r["metric"] == "lambda_max"
+  return Row(r["label"], r.get("paper", ""), arms[0], arms[1:], not lower, not lower,
+             3 if lower else 2)
+
+
+READERS: dict[str, Callable[[pathlib.Path, dict], Row]] = {
+    "robustness": _robustness_row,
+    "sweep": _sweep_row, "label_noise": _noise_row, "flatness": _flatness_row,
+    "dual_rescaling": _dual_row, "llm": _llm_row, "llm_block": _block_row, "cifar": _cifar_row}
+CLAIM_KEYS = ("order", "title", "short", "paper", "metric", "rows", "caveats", "higher_is_better")
+
+
+def load_claim(folder: pathlib.Path) -> Claim:
+  """A claim's rows: each row of ``claim.json`` read with the claim's defaults (source, file, methods)."""
+  spec = _load(folder / "claim.json")
+  defaults = {k: v for k, v in spec.items() if k not in CLAIM_KEYS}
+  rows = []
+  for row in spec["rows"]:
+    r = {**defaults, **row}
+    if r["source"] not in READERS:
+      raise ValueError(f"{folder}/claim.json: source {r['source']!r} is not one of {sorted(READERS)}")
+    row = READERS[r["source"]](folder, r)
+    row.note = r.get("not_evidence", "")
+    rows.append(row)
+  return Claim(spec["order"], spec["title"], spec["short"], spec["paper"], spec["metric"],
+               spec.get("higher_is_better", True), rows, spec.get("caveats", []))

@@ -1,0 +1,13 @@
+#!/bin/sh
+# SAFE, CrAM and GMP with RigL's ERK allocation at 99 / 99.5 % (Fashion-MNIST MLP); lambda and
+# CrAM's rho chosen on a 10k validation split at each budget.
+set -eu
+cd "$(dirname "$0")/../.."  # the repository root
+. benchmarks/claims/env.sh
+O=results/erk_cram
+E="python benchmarks/claims/sparsity_sweep.py --preset mlp-fashion-mnist --data-dir $FMNIST --methods cram gmp safe --sparsities 0.99 0.995 --seeds 0 1 2 --warmup-epochs 2 --rescale-dual --structure erk --safe-grid 0.001 0.003 0.01 0.03"
+$E --epochs 20 --eval-every 5 --workdir $WORK/fmnist_mlp --cram-grid 0 0.001 0.003 0.01 0.03 0.1 --out $WORK/erk20
+keep $WORK/erk20/sweep.json $O/sweep_20epochs.json
+$E --epochs 40 --eval-every 10 --workdir $WORK/fmnist_mlp40 --cram-grid 0 0.003 0.01 --out $WORK/erk40
+keep $WORK/erk40/sweep.json $O/sweep_40epochs.json
+python benchmarks/report.py

