@@ -10,4 +10,7 @@ $C --epochs 60 --eval-every 20 --safe-grid 0.01 0.1 1 --admm-grid 0.001 0.01 0.1
 keep $WORK/ci995_60/sweep.json $O/sweep_60epochs.json
 $C --epochs 120 --eval-every 40 --safe-grid 0.1 --admm-grid 0.01 --workdir $WORK/ci995_120 --out $WORK/ci995_120
 keep $WORK/ci995_120/sweep.json $O/sweep_120epochs.json
+# GMP tuned with the same effort as SAFE's and ADMM's lambda (three values each, on the same
+# 1,000 validation images at 60 epochs); this grid was fixed before the run.
+python benchmarks/claims/gmp_selection.py --sweep $O/sweep_60epochs.json --end-grid 0.5 0.75 0.9 --data-dir $FMNIST --workdir $WORK/gmp_sel --out $O/gmp_selection_60epochs.json
 python benchmarks/report.py
