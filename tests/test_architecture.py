@@ -25,7 +25,7 @@ LAYERS = {
                    "__init__"),
     "helpers": ("flax_utils", "_flax_linen", "_flax_nnx", "distributed", "_hessian", "_landscape", "plots", "flatness",
                 "data_paths"),
-    "experiment": ("experiment",),
+    "experiment": ("experiment", "methods"),
     "applications": ("demo", "vision", "llm"),
 }
 ORDER = list(LAYERS)

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import pytest
 
 import safe_optax
+from safe_optax import methods
 from safe_optax.vision import configs
-from safe_optax.vision import methods
 from safe_optax.vision import sweeps
 from safe_optax.vision import train
 from safe_optax.vision import programs as programs_lib

@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import safe_optax
-from safe_optax.vision import cli, configs, methods, sweeps
+from safe_optax import methods
+from safe_optax.vision import cli, configs, sweeps
 
 TARGET = np.array([[3.0, -0.2, 0.05, 1.5], [-2.0, 0.3, 0.0, -0.7], [0.9, -1.1, 0.4, 2.2]],
                   np.float32)

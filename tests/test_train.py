@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 
 import safe_optax
 from safe_optax import flax_utils
+from safe_optax import methods
 from safe_optax.vision import checkpoint as checkpoint_lib
 from safe_optax.vision import configs
 from safe_optax.vision import finish
@@ -36,7 +37,6 @@ from safe_optax.vision import input_pipeline
 from safe_optax.vision import train
 from safe_optax import experiment
 from safe_optax.vision import datasets
-from safe_optax.vision import methods
 from safe_optax.vision import programs as programs_lib
 from safe_optax.vision import steps as steps_lib
 from safe_optax.vision import train_state

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import safe_optax
+from safe_optax import methods as methods_lib
 from safe_optax.vision import configs
-from safe_optax.vision import methods as methods_lib
 from safe_optax.vision import train
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -188,7 +188,7 @@ def test_sweep_takes_a_config_file_too():
 
 
 def test_structure_is_a_config_field_a_flag_and_a_config_key(capsys):
-  from safe_optax.vision import methods  # pylint: disable=import-outside-toplevel
+  from safe_optax import methods  # pylint: disable=import-outside-toplevel
   assert configs.get_config("mlp-mnist").structure == "global"
   with pytest.raises(ValueError, match=r"`structure` must be one of \['global', 'per_leaf', "
                                        r"'erk'\], got 'per_layer'"):

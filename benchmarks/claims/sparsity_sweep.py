@@ -49,8 +49,8 @@ from typing import Any, Optional
 import numpy as np
 
 from safe_optax.experiment import mean_se, versions
+from safe_optax import methods
 from safe_optax.vision import configs
-from safe_optax.vision import methods
 from safe_optax.vision import selection as selection_lib
 from safe_optax.vision import sweeps
 from safe_optax.vision import datasets

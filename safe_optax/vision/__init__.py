@@ -7,7 +7,7 @@ SAM / SAFE steps that keep the first pass's BatchNorm statistics.
 
 Submodules (imported on demand, they pull in orbax / matplotlib):
 :mod:`~safe_optax.vision.configs` (the paper's named presets),
-:mod:`~safe_optax.vision.methods` (the training-method registry),
+:mod:`~safe_optax.methods` (the training-method registry),
 :mod:`~safe_optax.vision.datasets` (a run's data),
 :mod:`~safe_optax.vision.train_state`, :mod:`~safe_optax.vision.steps`
 (``train_step``, ``eval_step``), :mod:`~safe_optax.vision.programs` (their compiled

@@ -54,9 +54,9 @@ from typing import Any, NoReturn, Optional
 from absl import flags
 from ml_collections import config_flags
 
+from safe_optax import methods
 from safe_optax.vision import config_files
 from safe_optax.vision import configs
-from safe_optax.vision import methods
 from safe_optax.vision import workdirs
 
 _CONFIG_OVERRIDE = "--config."

@@ -22,29 +22,30 @@ from __future__ import annotations
 import dataclasses
 import functools
 import typing
-import warnings
 from collections.abc import Mapping
 from typing import Any, Optional, Union
 
-METHODS = ("dense", "safe", "safe-plus", "admm", "gmp", "magnitude", "imp-sam", "cram",
-           "cram-plus", "safe-sg", "safe-multi")
-"""Training methods understood by :func:`safe_optax.vision.train.train_and_evaluate`; each
-has one entry in :data:`safe_optax.vision.methods.REGISTRY`, which builds it."""
+from safe_optax import methods
+
+METHODS = tuple(methods.REGISTRY)
+"""Training methods understood by :func:`safe_optax.vision.train.train_and_evaluate`
+(the names of :data:`safe_optax.methods.REGISTRY`)."""
 
 MODELS = ("resnet8", "resnet20", "resnet32", "vgg19", "mlp", "lenet5")
 """``resnet8`` (one block per stage) is a small model for smoke tests."""
 
 DATASETS = ("cifar10", "cifar100", "mnist", "fashion_mnist")
-SALIENCIES = ("snip", "obd")
-STRUCTURES = ("global", "per_leaf", "erk")
+SALIENCIES = methods.SALIENCIES
+STRUCTURES = tuple(methods.STRUCTURES)
 """Sparsity sets of :attr:`Config.structure`: one top-k over all prunable leaves
 (:class:`~safe_optax.Global`), the same fraction in each (:class:`~safe_optax.PerLeaf`) or
 a fraction per leaf from its shape (:class:`~safe_optax.ERK`)."""
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
-  """A complete vision training run.
+class Config(methods.Hyperparams):
+  """A complete vision training run: the :class:`~safe_optax.methods.Hyperparams` of its
+  method, the model, the data and the loop.
 
   ``penalty=None`` takes ``lambda`` from ``penalty_table``: the first
   ``(max_sparsity, lambda)`` entry whose ``max_sparsity >= sparsity``.
@@ -54,43 +55,8 @@ class Config:
   width: int = 1
   mlp_features: tuple[int, ...] = (300, 100)
   dataset: str = "cifar10"
-  method: str = "safe"
-  sparsity: float = 0.9
-  structure: str = "global"
-  """``global``: one top-k over all prunable leaves (the paper's vision setting; layers end
-  with different sparsities); ``per_leaf``: ``sparsity`` in every prunable leaf (a uniform
-  per-layer mask, which no layer can lose entirely); ``erk``: RigL's Erdős–Rényi-Kernel
-  allocation, small layers denser, the same total as ``global``."""
-  epochs: int = 200
   batch_size: int = 128
   eval_batch_size: int = 500
-  learning_rate: float = 0.1
-  warmup_epochs: int = 5
-  momentum: float = 0.9
-  weight_decay: float = 1e-4
-  rho: float = 0.1
-  dual_every: int = 32
-  penalty: Optional[float] = None
-  penalty_table: tuple[tuple[float, float], ...] = ((1.0, 1e-3),)
-  penalty_schedule: str = "cosine"
-  """SAFE family ramp; ADMM always uses a constant penalty (Zhang et al.)."""
-  rescale_dual: bool = False
-  """SAFE family: keep the unscaled dual ``lambda * u`` while the penalty ramps
-  (``safe_optax.safe(rescale_dual=True)``, Boyd et al. 2011 §3.4.1). ``False`` is the paper's
-  update, which can diverge at extreme sparsity under the ramp (docs/dual_rescaling.md)."""
-  admm_penalty: Optional[float] = None
-  """ADMM's ``lambda`` when tuned apart from SAFE's (``None``: the same as SAFE)."""
-  saliency: str = "snip"
-  """SAFE+ score: ``snip`` or ``obd``."""
-  multi_sparsities: tuple[float, ...] = (0.7, 0.8, 0.9, 0.95, 0.98)
-  """SAFE-Multi: choices drawn at each dual update; the run finalizes at ``sparsity``."""
-  gmp_begin_fraction: float = 0.0
-  gmp_end_fraction: float = 0.75
-  """GMP's cubic ramp runs over this fraction of training (persistent mask after)."""
-  gmp_update_every: int = 100
-  imp_every_epochs: int = 10
-  imp_power: int = 3
-  """IMP+SAM: 1 (linear) or 3 (cubic) sparsity increase, pruning every ``imp_every_epochs``."""
   augment: bool = True
   label_noise: float = 0.0
   train_subset: Optional[int] = None
@@ -103,7 +69,6 @@ class Config:
   when set, is applied before the split, so the validation labels are as noisy as the
   training labels."""
   bnt_samples: int = 10_000
-  seed: int = 0
   data_seed: int = 0
   """Seeds the training subset, the t10k split and the label noise (fixed across seeds)."""
   eval_every: int = 1
@@ -111,15 +76,6 @@ class Config:
   log_every: int = 50
   """Per-step scalars (loss, learning rate, ``lambda_t``, ...) every this many steps of an epoch,
   kept on the device and written with the epoch's record (:mod:`safe_optax.vision.metrics`)."""
-
-  def resolved_penalty(self) -> float:
-    """``lambda`` for this model and sparsity."""
-    if self.penalty is not None:
-      return self.penalty
-    for max_sparsity, lam in self.penalty_table:
-      if self.sparsity <= max_sparsity + 1e-12:
-        return lam
-    return self.penalty_table[-1][1]
 
   def replace(self, **overrides: Any) -> "Config":
     """A validated copy with ``overrides`` applied (``None`` values are ignored)."""
@@ -142,43 +98,20 @@ def _positive_int(value: Any, name: str) -> None:
 
 
 def validate(config: Config) -> Config:
-  """Checks every field; raises ``ValueError`` naming the field and what is allowed."""
+  """Checks every field; raises ``ValueError`` naming the field and what is allowed.
+
+  The method's fields are :func:`safe_optax.methods.validate`'s; the rest are checked here.
+  """
   _one_of(config.model, "model", MODELS)
   _one_of(config.dataset, "dataset", DATASETS)
-  _one_of(config.method, "method", METHODS)
-  _one_of(config.saliency, "saliency", SALIENCIES)
-  _one_of(config.structure, "structure", STRUCTURES)
-  _one_of(config.penalty_schedule, "penalty_schedule", ("constant", "linear", "cosine"))
-  _one_of(config.imp_power, "imp_power", (1, 3))
-  for name in ("augment", "rescale_dual"):
-    if not isinstance(getattr(config, name), bool):
-      raise ValueError(f"`{name}` must be True or False, got {getattr(config, name)!r}.")
-  for name in ("width", "epochs", "batch_size", "eval_batch_size", "dual_every", "bnt_samples",
-               "eval_every", "checkpoint_every", "imp_every_epochs", "gmp_update_every",
-               "log_every"):
+  methods.validate(config)
+  if not isinstance(config.augment, bool):
+    raise ValueError(f"`augment` must be True or False, got {config.augment!r}.")
+  for name in ("width", "batch_size", "eval_batch_size", "bnt_samples", "eval_every",
+               "checkpoint_every", "log_every"):
     _positive_int(getattr(config, name), name)
-  if not 0.0 <= config.sparsity < 1.0:
-    raise ValueError(f"`sparsity` must be in [0, 1), got {config.sparsity}.")
-  if config.method != "dense" and config.sparsity == 0.0:
-    raise ValueError(f"method {config.method!r} needs `sparsity` > 0.")
-  for s in config.multi_sparsities:
-    if not 0.0 < s < 1.0:
-      raise ValueError(f"`multi_sparsities` must lie in (0, 1), got {config.multi_sparsities}.")
   if not 0.0 <= config.label_noise <= 1.0:
     raise ValueError(f"`label_noise` must be in [0, 1], got {config.label_noise}.")
-  if not 0 <= config.warmup_epochs < config.epochs:
-    raise ValueError(f"`warmup_epochs` must be in [0, epochs={config.epochs}), "
-                     f"got {config.warmup_epochs} (for short runs set warmup_epochs, "
-                     "CLI --warmup-epochs).")
-  if not 0.0 <= config.gmp_begin_fraction < config.gmp_end_fraction <= 1.0:
-    raise ValueError("GMP needs 0 <= `gmp_begin_fraction` < `gmp_end_fraction` <= 1, got "
-                     f"{config.gmp_begin_fraction}, {config.gmp_end_fraction}.")
-  for name in ("learning_rate", "momentum", "weight_decay", "rho"):
-    if getattr(config, name) < 0:
-      raise ValueError(f"`{name}` must be >= 0, got {getattr(config, name)}.")
-  for name in ("penalty", "admm_penalty"):
-    if getattr(config, name) is not None and getattr(config, name) < 0:
-      raise ValueError(f"`{name}` must be >= 0, got {getattr(config, name)}.")
   for name in ("train_subset", "test_subset", "validation"):
     value = getattr(config, name)
     if value is not None:
@@ -258,13 +191,9 @@ def override(base: Config, overrides: Mapping[str, Any], *, name: str = "the con
   """
   epochs = overrides.get("epochs")
   if (epochs is not None and overrides.get("warmup_epochs") is None
-      and isinstance(epochs, int) and 0 < epochs <= base.warmup_epochs):
-    # A run shorter than the base's warm-up: warm up for a tenth of it instead.
-    capped = epochs // 10
-    warnings.warn(f"{name} warms up for {base.warmup_epochs} epochs, more than the "
-                  f"run's {epochs}; warming up for {capped} (set warmup_epochs, CLI "
-                  "--warmup-epochs, to choose).", stacklevel=3)
-    overrides = {**overrides, "warmup_epochs": capped}
+      and isinstance(epochs, int) and not isinstance(epochs, bool)):
+    overrides = {**overrides,
+                 "warmup_epochs": methods.fit_warmup(base.warmup_epochs, epochs, name=name)}
   return base.replace(**overrides)
 
 

@@ -2,7 +2,7 @@
 
 After the last training step, :func:`finish` evaluates the dense iterate,
 projects it onto the sparsity set (:func:`deploy`: the run's
-:func:`~safe_optax.vision.methods.projection`; SAFE+ with the scores it
+:func:`~safe_optax.methods.projection`; SAFE+ with the scores it
 trained with, :func:`final_scores`), re-estimates the BatchNorm statistics of
 the sparse model on ``bnt_samples`` training images (:func:`bnt_batches`,
 :func:`safe_optax.flax_utils.recalibrate_batch_stats`), evaluates it again,
@@ -41,10 +41,10 @@ from safe_optax import distributed
 from safe_optax import experiment
 from safe_optax import flax_utils
 from safe_optax._prunable import path_str
+from safe_optax import methods
 from safe_optax.vision import configs
 from safe_optax.vision import datasets
 from safe_optax.vision import input_pipeline
-from safe_optax.vision import methods
 from safe_optax.vision import plots
 from safe_optax.vision import workdirs
 
@@ -167,7 +167,7 @@ def deploy(programs: Any, config: configs.Config, params: Any, model_state: Any,
   final scores and BNT read batches of it).
 
   The dense params and state for ``method='dense'``; otherwise the final
-  projection (:func:`~safe_optax.vision.methods.projection`, with
+  projection (:func:`~safe_optax.methods.projection`, with
   :func:`final_scores` for SAFE+), then :func:`recalibrate`.
 
   Raises:

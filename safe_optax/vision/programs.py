@@ -24,10 +24,10 @@ from jax.sharding import Mesh, NamedSharding
 
 import safe_optax
 from safe_optax import distributed
+from safe_optax import methods
 from safe_optax.vision import checkpoint as checkpoint_lib
 from safe_optax.vision import finish as finish_lib
 from safe_optax.vision import input_pipeline
-from safe_optax.vision import methods
 from safe_optax.vision import metrics as metrics_lib
 from safe_optax.vision import steps as steps_lib
 from safe_optax.vision.configs import Config
@@ -42,7 +42,7 @@ class Programs(NamedTuple):
   model: nn.Module
   """The Linen model."""
   tx: optax.GradientTransformation
-  """The optimizer (:func:`~safe_optax.vision.methods.make_optimizer`)."""
+  """The optimizer (:func:`~safe_optax.methods.make_optimizer`)."""
   mesh: Mesh
   """The 1-D data-parallel mesh over every device of every process."""
   replicated: NamedSharding
@@ -55,7 +55,7 @@ class Programs(NamedTuple):
   dual: Optional[Callable[..., Any]]
   """:func:`~safe_optax.vision.steps.dual_step` (the state not donated; :func:`~safe_optax.vision.steps.with_dual_step` applies its output),
   for the methods whose dual update runs alone
-  (:attr:`~safe_optax.vision.methods.Method.dual_alone`), else ``None``."""
+  (:attr:`~safe_optax.methods.Method.dual_alone`), else ``None``."""
   eval: Callable[..., Any]
   """:func:`~safe_optax.vision.steps.eval_step` (its sums replicated)."""
   distance: Optional[Callable[..., Any]]

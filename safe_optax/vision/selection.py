@@ -16,9 +16,9 @@ from typing import Any, Optional
 
 import numpy as np
 
+from safe_optax import methods as methods_lib
 from safe_optax.vision import configs
 from safe_optax.vision import datasets
-from safe_optax.vision import methods as methods_lib
 from safe_optax.vision import sweeps
 from safe_optax.vision import workdirs
 

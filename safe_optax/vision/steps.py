@@ -87,7 +87,7 @@ def dual_step(state: TrainState, *, tx: optax.GradientTransformation,
   :func:`safe_optax.run_dual_update` on the state's optimizer state, its mask
   churn logged; the :func:`train_step` that follows takes ``dual_due=False``.
   Only for the methods whose dual update reads no gradient
-  (:attr:`~safe_optax.vision.methods.Method.dual_alone`).
+  (:attr:`~safe_optax.methods.Method.dual_alone`).
 
   Returns:
     The new :class:`~safe_optax.ADMMState` nodes of the optimizer state, in
@@ -135,7 +135,7 @@ def distance_to_projection(params: Any, sparsity: float, **structure: Any) -> ja
   Args:
     params: the parameters ``x``.
     sparsity: the target sparsity.
-    **structure: the rest of :func:`~safe_optax.vision.methods.projection`.
+    **structure: the rest of :func:`~safe_optax.methods.projection`.
 
   Examples:
     >>> import jax.numpy as jnp

@@ -31,8 +31,8 @@ import numpy as np
 
 from safe_optax import distributed
 from safe_optax import experiment
+from safe_optax import methods
 from safe_optax.vision import configs
-from safe_optax.vision import methods
 
 SAFE_FAMILY = tuple(name for name, m in methods.REGISTRY.items() if m.penalty_field == "penalty")
 """Methods whose lambda is ``Config.penalty`` (cosine ramp by default)."""

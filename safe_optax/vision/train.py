@@ -37,7 +37,7 @@ workdir``) runs a whole experiment; the state is
   re-estimation on ``bnt_samples`` training images, ``results.json`` and
   matplotlib plots.
 
-The optimizers are :mod:`~safe_optax.vision.methods`' registry, the data
+The optimizers are :mod:`~safe_optax.methods`' registry, the data
 :mod:`~safe_optax.vision.datasets`, the run's folder
 :mod:`~safe_optax.vision.workdirs`.
 """

@@ -1,39 +1,38 @@
-"""The training methods of the vision trainer: one registry, name -> how to run it.
+"""The training methods of every experiment: one registry, name -> optimizer.
 
 Each :class:`Method` says how to build its optax optimizer from a
-:class:`~safe_optax.vision.configs.Config` (SGD + momentum + weight decay
-base, the paper's learning-rate schedule), whether ``tx.update`` needs
-``grad_fn`` (SAM-style second gradients), whether its state carries an
-:class:`~safe_optax.ADMMState` (whose ``||x - z||`` is logged), which config
-field holds its penalty ``lambda`` and whether the run's seed enters the
-optimizer. :data:`REGISTRY` has one entry per name of
-:data:`~safe_optax.vision.configs.METHODS`, in its order;
-:data:`~safe_optax.vision.sweeps.PENALTY_METHODS` and ``SAFE_FAMILY`` are derived
-from it.
+:class:`Hyperparams` (SGD + momentum + weight decay base, a linear warm-up
+then a cosine decay to 0, :func:`learning_rate_schedule`), whether
+``tx.update`` needs ``grad_fn`` (SAM-style second gradients), whether its
+state carries an :class:`~safe_optax.ADMMState` (whose ``||x - z||`` is
+logged), which field holds its penalty ``lambda`` and whether the run's seed
+enters the optimizer. The vision trainer (its ``Config`` is a
+:class:`Hyperparams`), the digits demo and the benchmarks all build their
+optimizers here (:func:`make_optimizer`).
 
 The sparsity set of a run (the target sparsity and the structure of
-``Config.structure``: :class:`~safe_optax.Global`, one top-k over all
-:func:`~safe_optax.default_prunable` leaves, by default, or
-:class:`~safe_optax.PerLeaf`) is :func:`projection`; every
-projection of the trainer (the optimizers, ``||x - Proj(x)||``, the final
-projection) takes its keywords from there.
+``Hyperparams.structure``: :class:`~safe_optax.Global`, one top-k over all
+:func:`~safe_optax.default_prunable` leaves, by default,
+:class:`~safe_optax.PerLeaf` or :class:`~safe_optax.ERK`) is
+:func:`projection`; every projection of a run (the optimizers,
+``||x - Proj(x)||``, the final projection) takes its keywords from there.
 
-Adding a method: add its name to ``configs.METHODS``, write its ``build`` and add one
-:data:`REGISTRY` entry.
+Adding a method: write its ``build`` and add one :data:`REGISTRY` entry.
 
 Examples:
-  >>> from safe_optax.vision import configs, methods
-  >>> config = configs.get_config("mlp-mnist", method="admm", sparsity=0.9)
+  >>> from safe_optax import methods
+  >>> hp = methods.Hyperparams(method="admm", sparsity=0.9, admm_penalty=0.01)
   >>> m = methods.get("admm")
-  >>> m.uses_grad_fn, m.has_admm_state, m.penalty_field, methods.penalty(config)
+  >>> m.uses_grad_fn, m.has_admm_state, m.penalty_field, methods.penalty(hp)
   (False, True, 'admm_penalty', 0.01)
-  >>> methods.projection(config)
+  >>> methods.projection(hp)
   {'sparsity': 0.9, 'structure': Global()}
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
@@ -41,10 +40,141 @@ import jax.numpy as jnp
 import optax
 
 import safe_optax
-from safe_optax.vision.configs import Config
 
 
-def projection(config: Config) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class Hyperparams:
+  """How a run trains: the method, its sparsity set and every setting a method reads.
+
+  ``penalty=None`` takes ``lambda`` from ``penalty_table``: the first
+  ``(max_sparsity, lambda)`` entry whose ``max_sparsity >= sparsity``. An
+  experiment's config subclasses it (the vision ``Config``, the demo's), so
+  the fields are declared once.
+  """
+
+  method: str = "safe"
+  sparsity: float = 0.9
+  structure: str = "global"
+  """``global``: one top-k over all prunable leaves (the paper's vision setting; layers end
+  with different sparsities); ``per_leaf``: ``sparsity`` in every prunable leaf (a uniform
+  per-layer mask, which no layer can lose entirely); ``erk``: RigL's Erdős–Rényi-Kernel
+  allocation, small layers denser, the same total as ``global``."""
+  epochs: int = 200
+  learning_rate: float = 0.1
+  warmup_epochs: int = 5
+  momentum: float = 0.9
+  weight_decay: float = 1e-4
+  rho: float = 0.1
+  dual_every: int = 32
+  penalty: Optional[float] = None
+  penalty_table: tuple[tuple[float, float], ...] = ((1.0, 1e-3),)
+  penalty_schedule: str = "cosine"
+  """SAFE family ramp; ADMM always uses a constant penalty (Zhang et al.)."""
+  rescale_dual: bool = False
+  """SAFE family: keep the unscaled dual ``lambda * u`` while the penalty ramps
+  (``safe_optax.safe(rescale_dual=True)``, Boyd et al. 2011 §3.4.1). ``False`` is the paper's
+  update, which can diverge at extreme sparsity under the ramp (docs/dual_rescaling.md)."""
+  admm_penalty: Optional[float] = None
+  """ADMM's ``lambda`` when tuned apart from SAFE's (``None``: the same as SAFE)."""
+  saliency: str = "snip"
+  """SAFE+ score: ``snip`` or ``obd``."""
+  multi_sparsities: tuple[float, ...] = (0.7, 0.8, 0.9, 0.95, 0.98)
+  """SAFE-Multi: choices drawn at each dual update; the run finalizes at ``sparsity``."""
+  gmp_begin_fraction: float = 0.0
+  gmp_end_fraction: float = 0.75
+  """GMP's cubic ramp runs over this fraction of training (persistent mask after)."""
+  gmp_update_every: int = 100
+  imp_every_epochs: int = 10
+  imp_power: int = 3
+  """IMP+SAM: 1 (linear) or 3 (cubic) sparsity increase, pruning every ``imp_every_epochs``."""
+  seed: int = 0
+
+  def resolved_penalty(self) -> float:
+    """``lambda`` for this sparsity (``penalty``, else the ``penalty_table`` entry)."""
+    if self.penalty is not None:
+      return self.penalty
+    for max_sparsity, lam in self.penalty_table:
+      if self.sparsity <= max_sparsity + 1e-12:
+        return lam
+    return self.penalty_table[-1][1]
+
+
+SALIENCIES = ("snip", "obd")
+PENALTY_SCHEDULES = ("constant", "linear", "cosine")
+
+
+def _one_of(value: Any, name: str, allowed: tuple[Any, ...]) -> None:
+  if value not in allowed:
+    raise ValueError(f"`{name}` must be one of {list(allowed)}, got {value!r}.")
+
+
+def _positive_int(value: Any, name: str) -> None:
+  if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
+
+
+def validate(hp: Hyperparams) -> Hyperparams:
+  """Checks every :class:`Hyperparams` field; raises ``ValueError`` naming it and what is allowed.
+
+  Examples:
+    >>> validate(Hyperparams(warmup_epochs=3, epochs=3))
+    Traceback (most recent call last):
+    ...
+    ValueError: `warmup_epochs` must be in [0, epochs=3), got 3 (for short runs set warmup_epochs, CLI --warmup-epochs).
+  """
+  _one_of(hp.method, "method", tuple(REGISTRY))
+  _one_of(hp.saliency, "saliency", SALIENCIES)
+  _one_of(hp.structure, "structure", tuple(STRUCTURES))
+  _one_of(hp.penalty_schedule, "penalty_schedule", PENALTY_SCHEDULES)
+  _one_of(hp.imp_power, "imp_power", (1, 3))
+  if not isinstance(hp.rescale_dual, bool):
+    raise ValueError(f"`rescale_dual` must be True or False, got {hp.rescale_dual!r}.")
+  for name in ("epochs", "dual_every", "imp_every_epochs", "gmp_update_every"):
+    _positive_int(getattr(hp, name), name)
+  if not 0.0 <= hp.sparsity < 1.0:
+    raise ValueError(f"`sparsity` must be in [0, 1), got {hp.sparsity}.")
+  if hp.method != "dense" and hp.sparsity == 0.0:
+    raise ValueError(f"method {hp.method!r} needs `sparsity` > 0.")
+  for s in hp.multi_sparsities:
+    if not 0.0 < s < 1.0:
+      raise ValueError(f"`multi_sparsities` must lie in (0, 1), got {hp.multi_sparsities}.")
+  if not 0 <= hp.warmup_epochs < hp.epochs:
+    raise ValueError(f"`warmup_epochs` must be in [0, epochs={hp.epochs}), "
+                     f"got {hp.warmup_epochs} (for short runs set warmup_epochs, "
+                     "CLI --warmup-epochs).")
+  if not 0.0 <= hp.gmp_begin_fraction < hp.gmp_end_fraction <= 1.0:
+    raise ValueError("GMP needs 0 <= `gmp_begin_fraction` < `gmp_end_fraction` <= 1, got "
+                     f"{hp.gmp_begin_fraction}, {hp.gmp_end_fraction}.")
+  for name in ("learning_rate", "momentum", "weight_decay", "rho"):
+    if getattr(hp, name) < 0:
+      raise ValueError(f"`{name}` must be >= 0, got {getattr(hp, name)}.")
+  for name in ("penalty", "admm_penalty"):
+    if getattr(hp, name) is not None and getattr(hp, name) < 0:
+      raise ValueError(f"`{name}` must be >= 0, got {getattr(hp, name)}.")
+  return hp
+
+
+def fit_warmup(warmup_epochs: int, epochs: int, *, name: str) -> int:
+  """The warm-up rule of every experiment: a run no longer than its warm-up warms up for a tenth.
+
+  A run of ``epochs <= warmup_epochs`` warms up for ``epochs // 10`` epochs
+  instead, with a warning naming ``name`` (where the warm-up came from); a
+  longer run keeps ``warmup_epochs``.
+
+  Examples:
+    >>> fit_warmup(5, 200, name="the preset")
+    5
+  """
+  if 0 < epochs <= warmup_epochs:
+    capped = epochs // 10
+    warnings.warn(f"{name} warms up for {warmup_epochs} epochs, more than the run's "
+                  f"{epochs}; warming up for {capped} (set warmup_epochs, CLI "
+                  "--warmup-epochs, to choose).", stacklevel=3)
+    return capped
+  return warmup_epochs
+
+
+def projection(config: Hyperparams) -> dict[str, Any]:
   """The sparsity set of ``config`` as keywords of the projection functions.
 
   The one place the vision trainer describes its sparsity set: pass the
@@ -63,17 +193,16 @@ def projection(config: Config) -> dict[str, Any]:
     ``{"sparsity": config.sparsity, "structure": Global(), PerLeaf() or ERK()}``.
 
   Examples:
-    >>> from safe_optax.vision import configs
-    >>> projection(configs.get_config("mlp-mnist", sparsity=0.95))
+    >>> projection(Hyperparams(sparsity=0.95))
     {'sparsity': 0.95, 'structure': Global()}
-    >>> projection(configs.get_config("mlp-mnist", sparsity=0.95, structure="per_leaf"))
+    >>> projection(Hyperparams(sparsity=0.95, structure="per_leaf"))
     {'sparsity': 0.95, 'structure': PerLeaf()}
   """
   return {"sparsity": config.sparsity, "structure": STRUCTURES[config.structure]()}
 
 
 STRUCTURES = {"global": safe_optax.Global, "per_leaf": safe_optax.PerLeaf, "erk": safe_optax.ERK}
-"""``Config.structure`` names -> the library's structure types; the names, in this order, are
+"""``Hyperparams.structure`` names -> the library's structure types; the names, in this order, are
 :data:`~safe_optax.vision.configs.STRUCTURES`."""
 
 STRUCTURE_HELP = {
@@ -85,12 +214,12 @@ STRUCTURE_HELP = {
 """One line per :data:`STRUCTURES` name, for help texts and result tables."""
 
 
-def _set_keywords(config: Config) -> dict[str, Any]:
+def _set_keywords(config: Hyperparams) -> dict[str, Any]:
   """:func:`projection` without the sparsity, for transforms with a sparsity schedule."""
   return {k: v for k, v in projection(config).items() if k != "sparsity"}
 
 
-def learning_rate_schedule(config: Config, num_steps_per_epoch: int) -> optax.Schedule:
+def learning_rate_schedule(config: Hyperparams, num_steps_per_epoch: int) -> optax.Schedule:
   """Linear warm-up for ``warmup_epochs``, then cosine decay to 0 at step ``epochs * spe``.
 
   optax's ``decay_steps`` is the length of the whole schedule, warm-up
@@ -98,9 +227,7 @@ def learning_rate_schedule(config: Config, num_steps_per_epoch: int) -> optax.Sc
   code passes the post-warm-up length and so trains its last 5 epochs at 0).
 
   Examples:
-    >>> from safe_optax.vision import configs
-    >>> lr = learning_rate_schedule(configs.get_config("mlp-mnist", epochs=10,
-    ...                                                warmup_epochs=1), 100)
+    >>> lr = learning_rate_schedule(Hyperparams(epochs=10, warmup_epochs=1), 100)
     >>> float(lr(0)), float(lr(100)), float(lr(1000))
     (0.0, 0.1, 0.0)
   """
@@ -113,7 +240,7 @@ def learning_rate_schedule(config: Config, num_steps_per_epoch: int) -> optax.Sc
 class Recipe:
   """What every method's optimizer shares: the schedule, the SGD base, the ADMM keywords."""
 
-  def __init__(self, config: Config, num_steps_per_epoch: int):
+  def __init__(self, config: Hyperparams, num_steps_per_epoch: int):
     self.steps_per_epoch = num_steps_per_epoch
     self.total_steps = config.epochs * num_steps_per_epoch
     self.learning_rate = learning_rate_schedule(config, num_steps_per_epoch)
@@ -125,12 +252,12 @@ class Recipe:
                      seed=config.seed, rescale_dual=config.rescale_dual)
 
 
-def _dense(config: Config, recipe: Recipe) -> optax.GradientTransformation:
+def _dense(config: Hyperparams, recipe: Recipe) -> optax.GradientTransformation:
   del config
   return optax.chain(*recipe.base)
 
 
-def _magnitude(config: Config, recipe: Recipe) -> optax.GradientTransformation:
+def _magnitude(config: Hyperparams, recipe: Recipe) -> optax.GradientTransformation:
   """Dense training, then one-shot magnitude pruning at the last step (no fine-tuning)."""
   last = max(recipe.total_steps - 1, 1)
   s = projection(config)["sparsity"]
@@ -139,21 +266,21 @@ def _magnitude(config: Config, recipe: Recipe) -> optax.GradientTransformation:
       at_end, update_every=last, **_set_keywords(config)))
 
 
-def _safe_alias(alias: Callable[..., Any]) -> Callable[[Config, Recipe], Any]:
+def _safe_alias(alias: Callable[..., Any]) -> Callable[[Hyperparams, Recipe], Any]:
   """SAFE / SAFE-SG: the alias with the (cosine-ramped) penalty and SAM radius ``rho``."""
-  def build(config: Config, recipe: Recipe) -> optax.GradientTransformation:
+  def build(config: Hyperparams, recipe: Recipe) -> optax.GradientTransformation:
     return alias(recipe.learning_rate, **projection(config), penalty=penalty(config),
                  penalty_schedule=config.penalty_schedule, rho=config.rho, **recipe.admm)
   return build
 
 
-def _safe_plus(config: Config, recipe: Recipe) -> optax.GradientTransformation:
+def _safe_plus(config: Hyperparams, recipe: Recipe) -> optax.GradientTransformation:
   return safe_optax.safe_plus(recipe.learning_rate, **projection(config), penalty=penalty(config),
                               scores=config.saliency, penalty_schedule=config.penalty_schedule,
                               rho=config.rho, **recipe.admm)
 
 
-def _safe_multi(config: Config, recipe: Recipe) -> optax.GradientTransformation:
+def _safe_multi(config: Hyperparams, recipe: Recipe) -> optax.GradientTransformation:
   """Draws its sparsity from ``multi_sparsities`` at each dual update (finalizes at the target)."""
   return safe_optax.safe_multi(recipe.learning_rate, config.multi_sparsities,
                                **_set_keywords(config), penalty=penalty(config),
@@ -161,13 +288,13 @@ def _safe_multi(config: Config, recipe: Recipe) -> optax.GradientTransformation:
                                **recipe.admm)
 
 
-def _admm(config: Config, recipe: Recipe) -> optax.GradientTransformation:
+def _admm(config: Hyperparams, recipe: Recipe) -> optax.GradientTransformation:
   """ADMM (Zhang et al.): a constant penalty, no SAM."""
   return safe_optax.admm(recipe.learning_rate, **projection(config), penalty=penalty(config),
                          penalty_schedule="constant", **recipe.admm)
 
 
-def _gradual(config: Config, recipe: Recipe) -> optax.GradientTransformation:
+def _gradual(config: Hyperparams, recipe: Recipe) -> optax.GradientTransformation:
   """GMP (cubic ramp, masks every ``gmp_update_every`` steps) and IMP+SAM (SAM, then pruning
   every ``imp_every_epochs`` with ``imp_power``), both over ``[gmp_begin_fraction,
   gmp_end_fraction]`` of training with a persistent mask after."""
@@ -188,22 +315,22 @@ def _gradual(config: Config, recipe: Recipe) -> optax.GradientTransformation:
   return optax.chain(*head, *recipe.base, pruner)
 
 
-def _cram(config: Config, recipe: Recipe) -> optax.GradientTransformation:
+def _cram(config: Hyperparams, recipe: Recipe) -> optax.GradientTransformation:
   """CrAM / CrAM+ (:func:`safe_optax.cram`) before the SGD base."""
   return optax.chain(safe_optax.cram(config.rho, **projection(config),
                                      plus=config.method == "cram-plus"), *recipe.base)
 
 
-def _never(config: Config) -> bool:
+def _never(config: Hyperparams) -> bool:
   del config
   return False
 
 
 @dataclasses.dataclass(frozen=True)
 class Method:
-  """How the vision trainer runs one training method."""
+  """How an experiment runs one training method."""
 
-  build: Callable[[Config, Recipe], optax.GradientTransformation]
+  build: Callable[[Hyperparams, Recipe], optax.GradientTransformation]
   """``build(config, recipe)``: the optax optimizer."""
   uses_grad_fn: bool = False
   """``tx.update`` takes ``grad_fn=`` (SAM-style second gradients of the same batch)."""
@@ -214,7 +341,7 @@ class Method:
   tuned_field: Optional[str] = None
   """A config field other than a penalty that a sweep may choose on a validation split
   (CrAM's radius ``rho``, its one hyperparameter); see :attr:`selected_field`."""
-  seeded: Callable[[Config], bool] = _never
+  seeded: Callable[[Hyperparams], bool] = _never
   """Whether ``config.seed`` enters the optimizer (else its programs are shared across seeds)."""
   dual_alone: bool = False
   """Its dual update reads no gradient (magnitude scores), so the trainer runs it as a
@@ -244,7 +371,7 @@ REGISTRY: Mapping[str, Method] = {
     "safe-sg": Method(_safe_alias(safe_optax.safe_sg), **_SAFE),
     "safe-multi": Method(_safe_multi, **_SAFE, seeded=lambda config: True),
 }
-"""Every training method, in the order of :data:`~safe_optax.vision.configs.METHODS`."""
+"""Every training method; :data:`safe_optax.vision.configs.METHODS` are its names."""
 
 
 def get(name: str) -> Method:
@@ -262,15 +389,15 @@ def get(name: str) -> Method:
   return REGISTRY[name]
 
 
-def penalty(config: Config) -> Optional[float]:
+def penalty(config: Hyperparams) -> Optional[float]:
   """The ``lambda`` that ``config.method`` trains with (``None`` for a method without one).
 
-  ``Config.admm_penalty`` for ADMM when set, else :meth:`Config.resolved_penalty`.
+  ``Hyperparams.admm_penalty`` for ADMM when set, else :meth:`Hyperparams.resolved_penalty`.
 
   Examples:
-    >>> from safe_optax.vision import configs
-    >>> config = configs.get_config("mlp-mnist", method="safe", sparsity=0.9)
-    >>> penalty(config), penalty(config.replace(method="gmp"))
+    >>> import dataclasses
+    >>> config = Hyperparams(method="safe", sparsity=0.9, penalty_table=((1.0, 0.1),))
+    >>> penalty(config), penalty(dataclasses.replace(config, method="gmp"))
     (0.1, None)
   """
   field = get(config.method).penalty_field
@@ -280,7 +407,7 @@ def penalty(config: Config) -> Optional[float]:
   return config.resolved_penalty() if value is None else value
 
 
-def make_optimizer(config: Config, num_steps_per_epoch: int) -> optax.GradientTransformation:
+def make_optimizer(config: Hyperparams, num_steps_per_epoch: int) -> optax.GradientTransformation:
   """The optax optimizer of ``config.method`` (see :data:`REGISTRY`).
 
   * ``dense``: SGD only;
@@ -299,8 +426,7 @@ def make_optimizer(config: Config, num_steps_per_epoch: int) -> optax.GradientTr
 
   Examples:
     >>> import jax.numpy as jnp
-    >>> from safe_optax.vision import configs
-    >>> tx = make_optimizer(configs.get_config("mlp-mnist", method="admm", sparsity=0.5), 10)
+    >>> tx = make_optimizer(Hyperparams(method="admm", sparsity=0.5), 10)
     >>> safe_optax.find_admm_state(tx.init({"w": jnp.ones((4, 4))})).z["w"].shape
     (4, 4)
   """
