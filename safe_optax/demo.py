@@ -13,8 +13,11 @@ scope; biases stay dense):
 All methods share the optimiser recipe (SGD momentum 0.9, cosine learning rate
 with a short linear warm-up, weight decay, batch 64), the initialisation and
 the data order of each seed (one permutation per epoch, drawn with NumPy from
-the seed). A whole training run is one ``jax.jit`` call, a ``lax.scan`` over
-every minibatch step, so there are no per-step host round-trips.
+the seed); the optimizers are :mod:`safe_optax.methods`' registry, built from
+the demo's :class:`Config`, a :class:`~safe_optax.methods.Hyperparams`. A whole
+training run is one ``jax.jit`` call (:func:`safe_optax.experiment.scan_trainer`),
+a ``lax.scan`` over every minibatch step, so there are no per-step host
+round-trips.
 
 Run ``python -m safe_optax.demo`` (or ``safe-optax-demo``); ``--help`` lists
 the flags. Accuracy is reported as mean +- standard error over seeds.
@@ -35,18 +38,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 
 import safe_optax
 from safe_optax import experiment
+from safe_optax import methods
 
 METHODS = ("dense", "magnitude", "admm", "safe")
 LAYERS = (64, 128, 64, 10)
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
-  """Everything that determines a demo run (written to the JSON output)."""
+class Config(methods.Hyperparams):
+  """Everything that determines a demo run (written to the JSON output).
+
+  The methods' settings are :class:`~safe_optax.methods.Hyperparams` fields
+  (with the demo's defaults below); ``method`` and ``sparsity`` are set per
+  run from :data:`METHODS` and ``sparsities``.
+  """
 
   sparsities: tuple[float, ...] = (0.9,)
   epochs: int = 40
@@ -64,8 +72,8 @@ class Config:
   # SAFE lambda in {0.01, 0.03, 0.1, 0.3, 1} x rho in {0.02, 0.05, 0.1, 0.2},
   # ADMM lambda in {0.003, 0.01, 0.03, 0.1, 0.3}. SAFE's cosine ramp keeps
   # lambda_t small for most of training, so it wants a larger lambda than ADMM.
-  penalty: float = 1.0
-  admm_penalty: float = 0.03
+  penalty: Optional[float] = 1.0
+  admm_penalty: Optional[float] = 0.03
   rho: float = 0.05
   dual_every: int = 16
   layers: tuple[int, ...] = LAYERS
@@ -136,57 +144,19 @@ def accuracy(params, x, y) -> jax.Array:
 # ----------------------------------------------------------------------------- training
 
 
-def make_optimizer(method: str, sparsity: Optional[float], config: Config, total_steps: int,
-                   steps_epoch: int) -> optax.GradientTransformation:
-  lr = optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=config.learning_rate,
-      warmup_steps=min(config.warmup_epochs * steps_epoch, total_steps // 2),
-      decay_steps=total_steps,  # includes the warm-up: the rate reaches 0 at the last step
-      end_value=0.0,
-  )
-  if method == "dense":
-    return optax.chain(optax.add_decayed_weights(config.weight_decay),
-                       optax.sgd(lr, momentum=config.momentum))
-  if method == "admm":
-    return safe_optax.admm(lr, sparsity, penalty=config.admm_penalty, total_steps=total_steps,
-                           dual_every=config.dual_every, momentum=config.momentum,
-                           weight_decay=config.weight_decay)
-  if method == "safe":
-    return safe_optax.safe(lr, sparsity, penalty=config.penalty, total_steps=total_steps,
-                           rho=config.rho, dual_every=config.dual_every,
-                           momentum=config.momentum, weight_decay=config.weight_decay)
-  raise ValueError(f"unknown training method {method!r}")
-
-
 def make_train_fn(method: str, sparsity: Optional[float], config: Config, n_train: int):
-  """Returns ``train(params, order, x_train, y_train) -> (params, epoch_losses)``, jitted whole.
+  """Returns ``train(params, order, x_train, y_train) -> (params, opt_state, epoch_losses)``.
 
-  ``order`` is :func:`safe_optax.experiment.batch_order`; the training loop is one
-  ``lax.scan`` over all steps, so a run is a single device call.
+  The optimizer is the registry's (:func:`safe_optax.methods.make_optimizer`)
+  for ``method`` at ``sparsity``; the run is
+  :func:`safe_optax.experiment.scan_trainer`'s, one jitted ``lax.scan`` over
+  :func:`safe_optax.experiment.batch_order`'s steps.
   """
   steps_epoch = experiment.steps_per_epoch(n_train, config.batch_size)
-  total_steps = config.epochs * steps_epoch
-  tx = make_optimizer(method, sparsity, config, total_steps, steps_epoch)
-  needs_grad_fn = method == "safe"
-
-  def train(params, order, x_train, y_train):
-    opt_state = tx.init(params)
-
-    def step(carry, idx):
-      params, opt_state = carry
-      xb, yb = x_train[idx], y_train[idx]
-      loss, grads = jax.value_and_grad(loss_fn)(params, xb, yb)
-      if needs_grad_fn:
-        grad_fn = lambda p, _: jax.grad(loss_fn)(p, xb, yb)  # same minibatch
-        updates, opt_state = tx.update(grads, opt_state, params, grad_fn=grad_fn)
-      else:
-        updates, opt_state = tx.update(grads, opt_state, params)
-      return (optax.apply_updates(params, updates), opt_state), loss
-
-    (params, _), losses = lax.scan(step, (params, opt_state), order)
-    return params, losses.reshape(config.epochs, steps_epoch).mean(axis=1)
-
-  return jax.jit(train)
+  hp = dataclasses.replace(config, method=method, sparsity=sparsity or 0.0)
+  tx = methods.make_optimizer(methods.validate(hp), steps_epoch)
+  return experiment.scan_trainer(loss_fn, tx, uses_grad_fn=methods.get(method).uses_grad_fn,
+                                 epochs=config.epochs, steps_per_epoch=steps_epoch)
 
 
 # ----------------------------------------------------------------------------- driver
@@ -226,7 +196,7 @@ def run(config: Config, progress: bool = True) -> dict[str, Any]:
     for seed in seeds:
       bar.set_postfix_str(f"{name} seed {seed}")
       t0 = time.perf_counter()
-      params, epoch_losses = jax.block_until_ready(
+      params, _, epoch_losses = jax.block_until_ready(
           train(inits[seed], orders[seed], x_train, y_train))
       train_s = time.perf_counter() - t0
       trained_acc = float(accuracy(params, x_test, y_test))
@@ -337,13 +307,21 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[Config, argparse.N
       parser.error(f"--sparsity values must lie in [0, 1), got {s}")
   if args.epochs < 1 or args.seeds < 1:
     parser.error("--epochs and --seeds must be positive")
+  warmup = methods.fit_warmup(defaults.warmup_epochs, args.epochs, name="the demo")
   config = dataclasses.replace(
-      defaults, sparsities=tuple(args.sparsity), epochs=args.epochs, seeds=args.seeds,
+      defaults, sparsities=tuple(args.sparsity), epochs=args.epochs, warmup_epochs=warmup,
+      seeds=args.seeds,
       first_seed=args.first_seed, split_seed=args.split_seed, penalty=args.penalty,
       admm_penalty=defaults.admm_penalty if args.admm_penalty is None else args.admm_penalty,
       rho=args.rho, dual_every=args.dual_every, learning_rate=args.lr,
       weight_decay=args.weight_decay, fast_compile=args.fast_compile,
   )
+  for method in METHODS[2:]:  # the trained sparse methods: what the registry will build
+    for s in config.sparsities:
+      try:
+        methods.validate(dataclasses.replace(config, method=method, sparsity=s))
+      except ValueError as err:
+        parser.error(f"{method} at sparsity {s:g}: {err}")
   return config, args
 
 

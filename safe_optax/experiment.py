@@ -26,13 +26,14 @@ import math
 import os
 import platform
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib import metadata
 from typing import Any, Optional
 
 import jax
 import numpy as np
 import optax
+from jax import lax
 
 import safe_optax
 
@@ -159,6 +160,51 @@ def batch_order(seed: int, num_examples: int, *, batch_size: int, epochs: int) -
   steps = steps_per_epoch(num_examples, batch_size)
   order = [rng.permutation(num_examples)[:steps * batch_size] for _ in range(epochs)]
   return np.concatenate(order).reshape(-1, batch_size).astype(np.int32)
+
+
+def scan_trainer(loss_fn: Callable[..., jax.Array], tx: optax.GradientTransformation, *,
+                 uses_grad_fn: bool, epochs: int, steps_per_epoch: int) -> Callable[..., Any]:
+  """A whole training run as one jitted ``lax.scan`` over every minibatch step.
+
+  Args:
+    loss_fn: ``loss_fn(params, x, y)``, the mean loss of a minibatch.
+    tx: the optimizer (:func:`safe_optax.methods.make_optimizer`).
+    uses_grad_fn: pass ``grad_fn`` (the same minibatch's gradient at other
+      parameters) to ``tx.update``, for the SAM-style methods.
+    epochs, steps_per_epoch: the run's length; the rows of ``order`` must
+      number ``epochs * steps_per_epoch``.
+
+  Returns:
+    ``train(params, order, x, y) -> (params, opt_state, epoch_losses)``,
+    jitted; ``order`` is :func:`batch_order`'s, ``epoch_losses`` the mean
+    training loss of each epoch.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> loss = lambda p, x, y: jnp.mean((x @ p - y) ** 2)
+    >>> train = scan_trainer(loss, optax.sgd(0.1), uses_grad_fn=False, epochs=2,
+    ...                      steps_per_epoch=2)
+    >>> x, y = jnp.eye(4), jnp.arange(4.0)
+    >>> params, _, losses = train(jnp.zeros(4), batch_order(0, 4, batch_size=2, epochs=2), x, y)
+    >>> losses.shape, bool(losses[1] < losses[0])
+    ((2,), True)
+  """
+  def train(params, order, x_train, y_train):
+    def step(carry, idx):
+      params, opt_state = carry
+      xb, yb = x_train[idx], y_train[idx]
+      loss, grads = jax.value_and_grad(loss_fn)(params, xb, yb)
+      if uses_grad_fn:
+        grad_fn = lambda p, _: jax.grad(loss_fn)(p, xb, yb)  # same minibatch for SAM
+        updates, opt_state = tx.update(grads, opt_state, params, grad_fn=grad_fn)
+      else:
+        updates, opt_state = tx.update(grads, opt_state, params)
+      return (optax.apply_updates(params, updates), opt_state), loss
+
+    (params, opt_state), losses = lax.scan(step, (params, tx.init(params)), order)
+    return params, opt_state, losses.reshape(epochs, steps_per_epoch).mean(axis=1)
+
+  return jax.jit(train)
 
 
 class _Plain:

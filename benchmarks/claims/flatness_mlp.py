@@ -51,11 +51,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 
 import safe_optax
 from safe_optax import flatness
-from safe_optax.experiment import batch_order, cross_entropy, mean_se, steps_per_epoch, versions
+from safe_optax import methods
+from safe_optax.experiment import (batch_order, cross_entropy, mean_se, scan_trainer,
+                                   steps_per_epoch, versions)
 from safe_optax.vision import input_pipeline, models
 from safe_optax.vision import datasets
 from safe_optax.vision import steps as steps_lib
@@ -69,24 +70,19 @@ SPLITS = {"mnist": (8000, 2000), "fashion_mnist": None}
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
-  """Everything that determines the run (written to the JSON)."""
+class Config(methods.Hyperparams):
+  """Everything that determines the run (written to the JSON): the methods'
+  :class:`~safe_optax.methods.Hyperparams` (this study's defaults below) and its own settings."""
 
   dataset: str = "mnist"
   data_dir: Optional[str] = None  # None: DATA_DIRS[dataset]
   split_seed: int = 0
-  sparsity: float = 0.9
   epochs: int = 100
   seeds: int = 3
   batch_size: int = 128
-  learning_rate: float = 0.1
   warmup_epochs: int = 2
-  momentum: float = 0.9
-  weight_decay: float = 1e-4
   safe_penalty: float = 0.1  # SAFE ramps it (cosine), ADMM keeps its own constant
-  admm_penalty: float = 1e-2
-  rho: float = 0.1
-  dual_every: int = 32
+  admm_penalty: Optional[float] = 1e-2
   select: bool = False
   validation: int = 2000  # training examples held out for the selection
   select_seeds: int = 2
@@ -105,43 +101,22 @@ class Config:
     return self.data_dir or DATA_DIRS[self.dataset]
 
 
-def make_optimizer(method: str, config: Config, penalty: Optional[float], total_steps: int,
-                   steps_epoch: int):
-  lr = optax.warmup_cosine_decay_schedule(
-      0.0, config.learning_rate, config.warmup_epochs * steps_epoch, total_steps, 0.0)
-  if method == "dense":
-    return optax.chain(optax.add_decayed_weights(config.weight_decay),
-                       optax.sgd(lr, momentum=config.momentum))
-  common = dict(penalty=penalty, total_steps=total_steps, dual_every=config.dual_every,
-                momentum=config.momentum, weight_decay=config.weight_decay)
-  if method == "safe":
-    return safe_optax.safe(lr, config.sparsity, rho=config.rho, **common)
-  return safe_optax.admm(lr, config.sparsity, **common)
-
-
 def make_train_fn(method: str, config: Config, penalty: Optional[float], n_train: int,
                   model: models.MLP):
-  """``train(params, order, x, y) -> (params, opt_state, epoch_losses)``, one jitted scan."""
+  """``train(params, order, x, y) -> (params, opt_state, epoch_losses)``, one jitted scan.
+
+  The optimizer is the registry's (:func:`safe_optax.methods.make_optimizer`) for
+  ``method`` with lambda ``penalty``; the run is :func:`safe_optax.experiment.scan_trainer`.
+  """
   steps_epoch = steps_per_epoch(n_train, config.batch_size)
-  total_steps = config.epochs * steps_epoch
-  tx = make_optimizer(method, config, penalty, total_steps, steps_epoch)
+  hp = dataclasses.replace(config, method=method, penalty=penalty, admm_penalty=penalty)
+  tx = methods.make_optimizer(methods.validate(hp), steps_epoch)
 
   def loss_fn(params, x, y):
     return cross_entropy(model.apply({"params": params}, x), y)
 
-  def train(params, order, x_train, y_train):
-    def step(carry, idx):
-      params, opt_state = carry
-      xb, yb = x_train[idx], y_train[idx]
-      loss, grads = jax.value_and_grad(loss_fn)(params, xb, yb)
-      grad_fn = lambda p, _: jax.grad(loss_fn)(p, xb, yb)  # same minibatch for SAM
-      updates, opt_state = tx.update(grads, opt_state, params, grad_fn=grad_fn)
-      return (optax.apply_updates(params, updates), opt_state), loss
-
-    (params, opt_state), losses = lax.scan(step, (params, tx.init(params)), order)
-    return params, opt_state, losses.reshape(config.epochs, steps_epoch).mean(axis=1)
-
-  return jax.jit(train)
+  return scan_trainer(loss_fn, tx, uses_grad_fn=methods.get(method).uses_grad_fn,
+                      epochs=config.epochs, steps_per_epoch=steps_epoch)
 
 
 def measure(model, params, dense_iterate, support, batches, key,

@@ -8,6 +8,7 @@ record every results JSON carries.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -23,36 +24,40 @@ import optax
 
 import safe_optax
 from safe_optax import flax_utils
+from safe_optax import methods
 from safe_optax.experiment import cross_entropy, versions
 
 DUAL_EVERY = 32
 METHODS = ("sgd", "sam", "safe", "admm", "safe_nodual")
 
 
-def make_tx(method: str) -> tuple[optax.GradientTransformation, bool]:
-  """The optimizer and whether its ``update`` needs ``grad_fn``.
+HYPERPARAMS = methods.Hyperparams(sparsity=0.9, epochs=1, learning_rate=0.1, warmup_epochs=0,
+                                  penalty=1e-3, dual_every=DUAL_EVERY, weight_decay=1e-4)
+"""The benchmarks' settings of the registry's methods (:mod:`safe_optax.methods`)."""
+SCHEDULE_STEPS = 10000
+"""The length of the schedules (learning rate, penalty ramp): one 'epoch' of this many steps."""
+_REGISTERED = {"sgd": ("dense", {}), "safe": ("safe", {}), "admm": ("admm", {}),
+               "safe_nodual": ("safe", {"dual_every": 2**30})}
 
-  * sgd:  ``chain(add_decayed_weights(1e-4), sgd(0.1, momentum=0.9))``;
-  * sam:  ``chain(sam_perturb(0.1), add_decayed_weights(1e-4), sgd(0.1, 0.9))``;
-  * safe: ``safe(0.1, 0.9, penalty=1e-3, total_steps=10000, dual_every=32,
-    weight_decay=1e-4)`` (SAM + ADMM penalty, a top-k dual update every 32 steps);
+
+def make_tx(method: str) -> tuple[optax.GradientTransformation, bool]:
+  """The optimizer and whether its ``update`` needs ``grad_fn``, from the method registry.
+
+  * sgd: the registry's ``dense`` (weight decay 1e-4, SGD lr 0.1 with momentum 0.9,
+    cosine-decayed over :data:`SCHEDULE_STEPS`);
+  * sam: ``safe_optax.sam`` (rho 0.1) around sgd;
+  * safe: the registry's ``safe`` (SAM + ADMM penalty 1e-3, a top-k dual update every
+    32 steps, sparsity 0.9);
   * admm: SAFE without SAM; safe_nodual: SAFE whose dual update never comes.
   """
-  if method == "sgd":
-    return optax.chain(optax.add_decayed_weights(1e-4), optax.sgd(0.1, momentum=0.9)), False
   if method == "sam":
-    return optax.chain(safe_optax.sam_perturb(0.1), optax.add_decayed_weights(1e-4),
-                       optax.sgd(0.1, momentum=0.9)), True
-  if method == "safe":
-    return safe_optax.safe(0.1, 0.9, penalty=1e-3, total_steps=10000, dual_every=DUAL_EVERY,
-                           weight_decay=1e-4), True
-  if method == "safe_nodual":
-    return safe_optax.safe(0.1, 0.9, penalty=1e-3, total_steps=10000, dual_every=2**30,
-                           weight_decay=1e-4), True
-  if method == "admm":
-    return safe_optax.admm(0.1, 0.9, penalty=1e-3, penalty_schedule="cosine",
-                           total_steps=10000, dual_every=DUAL_EVERY, weight_decay=1e-4), False
-  raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+    tx, _ = make_tx("sgd")
+    return safe_optax.sam(tx, HYPERPARAMS.rho), True
+  if method not in _REGISTERED:
+    raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+  name, changes = _REGISTERED[method]
+  hp = dataclasses.replace(HYPERPARAMS, method=name, **changes)
+  return methods.make_optimizer(hp, SCHEDULE_STEPS), methods.get(name).uses_grad_fn
 
 
 def make_step(apply_fn: Callable[..., Any], tx: optax.GradientTransformation,
