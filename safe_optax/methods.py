@@ -103,12 +103,14 @@ SALIENCIES = ("snip", "obd")
 PENALTY_SCHEDULES = ("constant", "linear", "cosine")
 
 
-def _one_of(value: Any, name: str, allowed: tuple[Any, ...]) -> None:
+def check_one_of(value: Any, name: str, allowed: tuple[Any, ...]) -> None:
+  """Raises ``ValueError`` naming ``name`` and ``allowed`` unless ``value`` is one of them."""
   if value not in allowed:
     raise ValueError(f"`{name}` must be one of {list(allowed)}, got {value!r}.")
 
 
-def _positive_int(value: Any, name: str) -> None:
+def check_positive_int(value: Any, name: str) -> None:
+  """Raises ``ValueError`` naming ``name`` unless ``value`` is an int >= 1 (not a bool)."""
   if not isinstance(value, int) or isinstance(value, bool) or value < 1:
     raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
 
@@ -120,17 +122,17 @@ def validate(hp: Hyperparams) -> Hyperparams:
     >>> validate(Hyperparams(warmup_epochs=3, epochs=3))
     Traceback (most recent call last):
     ...
-    ValueError: `warmup_epochs` must be in [0, epochs=3), got 3 (for short runs set warmup_epochs, CLI --warmup-epochs).
+    ValueError: `warmup_epochs` must be in [0, epochs=3), got 3 (for short runs set ...).
   """
-  _one_of(hp.method, "method", tuple(REGISTRY))
-  _one_of(hp.saliency, "saliency", SALIENCIES)
-  _one_of(hp.structure, "structure", tuple(STRUCTURES))
-  _one_of(hp.penalty_schedule, "penalty_schedule", PENALTY_SCHEDULES)
-  _one_of(hp.imp_power, "imp_power", (1, 3))
+  check_one_of(hp.method, "method", tuple(REGISTRY))
+  check_one_of(hp.saliency, "saliency", SALIENCIES)
+  check_one_of(hp.structure, "structure", tuple(STRUCTURES))
+  check_one_of(hp.penalty_schedule, "penalty_schedule", PENALTY_SCHEDULES)
+  check_one_of(hp.imp_power, "imp_power", (1, 3))
   if not isinstance(hp.rescale_dual, bool):
     raise ValueError(f"`rescale_dual` must be True or False, got {hp.rescale_dual!r}.")
   for name in ("epochs", "dual_every", "imp_every_epochs", "gmp_update_every"):
-    _positive_int(getattr(hp, name), name)
+    check_positive_int(getattr(hp, name), name)
   if not 0.0 <= hp.sparsity < 1.0:
     raise ValueError(f"`sparsity` must be in [0, 1), got {hp.sparsity}.")
   if hp.method != "dense" and hp.sparsity == 0.0:

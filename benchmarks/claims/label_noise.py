@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--rho-grid", type=float, nargs="+", default=None,
                       help="with --validation: SAM radii tried for SAFE-type methods, each "
                            "with every lambda of --safe-grid; the best (rho, lambda) pair on the "
-                           "noisy validation split is used (selection_lib.select_with_rho); outputs get "
+                           "noisy validation split is used (selection.select_with_rho); outputs get "
                            "a _rhogrid suffix")
   parser.add_argument("--workdir", default="/tmp/safe_optax_label_noise")
   parser.add_argument("--out", default="results/label_noise")

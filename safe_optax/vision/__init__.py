@@ -10,8 +10,9 @@ Submodules (imported on demand, they pull in orbax / matplotlib):
 :mod:`~safe_optax.methods` (the training-method registry),
 :mod:`~safe_optax.vision.datasets` (a run's data),
 :mod:`~safe_optax.vision.train_state`, :mod:`~safe_optax.vision.steps`
-(``train_step``, ``eval_step``), :mod:`~safe_optax.vision.programs` (their compiled
-programs), :mod:`~safe_optax.vision.train` (the loop, ``train_and_evaluate``), :mod:`~safe_optax.vision.finish` (final projection,
+(``train_step``, ``eval_step``), :mod:`~safe_optax.vision.programs` (their
+compiled programs), :mod:`~safe_optax.vision.train` (the loop,
+``train_and_evaluate``), :mod:`~safe_optax.vision.finish` (final projection,
 BNT, ``results.json``), :mod:`~safe_optax.vision.workdirs`,
 :mod:`~safe_optax.vision.checkpoint`, :mod:`~safe_optax.vision.plots`,
 :mod:`~safe_optax.vision.sweeps`, :mod:`~safe_optax.vision.evaluation` and

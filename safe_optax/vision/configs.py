@@ -87,35 +87,25 @@ class Config(methods.Hyperparams):
     return validate(dataclasses.replace(self, **overrides))
 
 
-def _one_of(value: Any, name: str, allowed: tuple[Any, ...]) -> None:
-  if value not in allowed:
-    raise ValueError(f"`{name}` must be one of {list(allowed)}, got {value!r}.")
-
-
-def _positive_int(value: Any, name: str) -> None:
-  if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-    raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
-
-
 def validate(config: Config) -> Config:
   """Checks every field; raises ``ValueError`` naming the field and what is allowed.
 
   The method's fields are :func:`safe_optax.methods.validate`'s; the rest are checked here.
   """
-  _one_of(config.model, "model", MODELS)
-  _one_of(config.dataset, "dataset", DATASETS)
+  methods.check_one_of(config.model, "model", MODELS)
+  methods.check_one_of(config.dataset, "dataset", DATASETS)
   methods.validate(config)
   if not isinstance(config.augment, bool):
     raise ValueError(f"`augment` must be True or False, got {config.augment!r}.")
   for name in ("width", "batch_size", "eval_batch_size", "bnt_samples", "eval_every",
                "checkpoint_every", "log_every"):
-    _positive_int(getattr(config, name), name)
+    methods.check_positive_int(getattr(config, name), name)
   if not 0.0 <= config.label_noise <= 1.0:
     raise ValueError(f"`label_noise` must be in [0, 1], got {config.label_noise}.")
   for name in ("train_subset", "test_subset", "validation"):
     value = getattr(config, name)
     if value is not None:
-      _positive_int(value, name)
+      methods.check_positive_int(value, name)
   if config.validation is not None and config.train_subset is not None and (
       config.validation >= config.train_subset):
     raise ValueError(f"`validation` ({config.validation}) must be smaller than `train_subset` "

@@ -48,6 +48,7 @@ from safe_optax.vision import finish
 from safe_optax.vision import input_pipeline
 from safe_optax.vision import programs as programs_lib
 from safe_optax.vision import robustness
+from safe_optax.vision import workdirs
 
 SUITES = ("clean", "corruptions", "pgd-linf", "pgd-l2", "hessian")
 
@@ -135,14 +136,8 @@ def evaluate_workdir(
   results_file = workdir / "results.json"
   if not results_file.exists():
     raise FileNotFoundError(f"'{results_file}' not found: train the run first.")
-  try:
-    with open(results_file, encoding="utf-8") as f:
-      results = json.load(f)
-    config = configs.from_dict(results["config"])
-  except (ValueError, KeyError, TypeError) as err:
-    detail = str(err).splitlines()[0] if str(err) else type(err).__name__
-    raise ValueError(f"'{results_file}' cannot be read ({detail}); rerun the training "
-                     "(train --restart) to write it again.") from None
+  results, config = workdirs.read_results(
+      workdir, way_out="rerun the training (train --restart) to write it again.")
   data = dataset if dataset is not None else datasets.load_dataset(config, data_dir)
   programs, state = programs_lib.restore_finished(config, workdir, data)
   params, model_state = finish.deploy(programs, config, state.params, state.model_state,

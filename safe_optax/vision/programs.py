@@ -50,10 +50,11 @@ class Programs(NamedTuple):
   init: Callable[..., Any]
   """``init(key) -> TrainState``."""
   train: Callable[..., Any]
-  """:func:`~safe_optax.vision.steps.train_step`, the state donated; ``dual_due`` static (two programs for the
-  ADMM-based methods, one without the projection)."""
+  """:func:`~safe_optax.vision.steps.train_step`, the state donated; ``dual_due`` static
+  (two programs for the ADMM-based methods, one without the projection)."""
   dual: Optional[Callable[..., Any]]
-  """:func:`~safe_optax.vision.steps.dual_step` (the state not donated; :func:`~safe_optax.vision.steps.with_dual_step` applies its output),
+  """:func:`~safe_optax.vision.steps.dual_step` (the state not donated;
+  :func:`~safe_optax.vision.steps.with_dual_step` applies its output),
   for the methods whose dual update runs alone
   (:attr:`~safe_optax.methods.Method.dual_alone`), else ``None``."""
   eval: Callable[..., Any]
@@ -65,7 +66,8 @@ class Programs(NamedTuple):
   distance_to_z: Optional[Callable[..., Any]]
   """``(params, opt_state) -> ||x - z||`` of the ADMM-based methods, else ``None``."""
   prepare: Callable[..., Any]
-  """``prepare(images, key or None)``: :func:`~safe_optax.vision.datasets.prepare_images` with the data set's constants."""
+  """``prepare(images, key or None)``: :func:`~safe_optax.vision.datasets.prepare_images`
+  with the data set's constants."""
   scores: Callable[..., Any]
   """SAFE+'s per-batch final scores (:func:`safe_optax.vision.finish.score_fn`), replicated."""
   step_logger: metrics_lib.StepLogger

@@ -65,14 +65,16 @@ def select_hyperparameters(base: configs.Config, methods: Sequence[str],
     ``{"grid": [...], "chosen": {"<method>@<sparsity>": value},
     "fields": {"<method>": field}, "fixed": [...], "at_grid_edge":
     ["<method>@<sparsity>", ...], ...}``: ``at_grid_edge`` lists the choices
-    that sit at an end of their grid, where the optimum may lie outside it. Each ``grid`` row has the
-    tried ``value`` (and, for a penalty method, the same as ``penalty``).
+    that sit at an end of their grid, where the optimum may lie outside it. Each
+    ``grid`` row has the tried ``value`` (and, for a penalty method, the same as
+    ``penalty``).
   """
   val_base = base.replace(validation=validation)
   missing = [m for m in methods if m in sweeps.PENALTY_METHODS and not grids.get(m)]
   if missing:
     raise ValueError(f"no lambda grid for {missing}; give one per penalty method.")
-  tuned = [m for m in methods if m in sweeps.PENALTY_METHODS or (m in sweeps.TUNED_METHODS and grids.get(m))]
+  tuned = [m for m in methods if m in sweeps.PENALTY_METHODS
+           or (m in sweeps.TUNED_METHODS and grids.get(m))]
   data = datasets.load_dataset(val_base, data_dir) if tuned else None
   rows, chosen = [], {}
   for method in tuned:
@@ -90,8 +92,8 @@ def select_hyperparameters(base: configs.Config, methods: Sequence[str],
                                     **(method_overrides or {}).get(method, {}),
                                     **{field: lam})
           try:
-            results = sweeps.run_or_load(config, sweeps.run_dir(root, config), data=data, data_dir=data_dir,
-                                  progress=progress)
+            results = sweeps.run_or_load(config, sweeps.run_dir(root, config), data=data,
+                                         data_dir=data_dir, progress=progress)
           except workdirs.TrainingDiverged as err:
             # A lambda that makes training diverge is a grid point that lost, not a crash.
             runs.append({"method": method, "sparsity": s, "seed": seed, "field": field,

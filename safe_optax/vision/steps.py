@@ -1,4 +1,4 @@
-"""The pure step functions of the vision trainer: a training step, the dual update alone, evaluation.
+"""The pure steps of the vision trainer: a training step, the dual update alone, evaluation.
 
 Jit them with their keywords bound (:func:`safe_optax.vision.programs.build_programs`
 does, for a configuration).

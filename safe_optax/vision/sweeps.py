@@ -33,6 +33,7 @@ from safe_optax import distributed
 from safe_optax import experiment
 from safe_optax import methods
 from safe_optax.vision import configs
+from safe_optax.vision import workdirs
 
 SAFE_FAMILY = tuple(name for name, m in methods.REGISTRY.items() if m.penalty_field == "penalty")
 """Methods whose lambda is ``Config.penalty`` (cosine ramp by default)."""
@@ -135,14 +136,8 @@ def run_or_load(config: configs.Config, workdir: os.PathLike, *, data: Any,
   from safe_optax.vision import train as train_lib  # pylint: disable=import-outside-toplevel
   results_file = pathlib.Path(workdir) / "results.json"
   if results_file.exists():
-    try:
-      with open(results_file, encoding="utf-8") as f:
-        results = json.load(f)
-      recorded = configs.from_dict(results["config"])
-    except (ValueError, KeyError, TypeError) as err:
-      detail = str(err).splitlines()[0] if str(err) else type(err).__name__
-      raise ValueError(f"'{results_file}' cannot be read ({detail}); delete '{workdir}' to "
-                       "train that run again.") from None
+    results, recorded = workdirs.read_results(
+        workdir, way_out=f"delete '{workdir}' to train that run again.")
     differ = differing_settings(recorded, config)
     if differ:
       raise ValueError(f"'{workdir}' holds a finished run with other settings ({differ}); "

@@ -120,6 +120,23 @@ def recorded_config(workdir: os.PathLike) -> Optional[configs.Config]:
   return None
 
 
+def read_results(workdir: os.PathLike, *, way_out: str) -> tuple[dict[str, Any], configs.Config]:
+  """The ``results.json`` of the finished run in ``workdir``, and its config.
+
+  Raises:
+    ValueError: the file cannot be read (truncated, not JSON, no valid
+      config); the message names it and ends with ``way_out``.
+  """
+  path = pathlib.Path(workdir) / "results.json"
+  try:
+    with open(path, encoding="utf-8") as f:
+      results = json.load(f)
+    return results, configs.from_dict(results["config"])
+  except (ValueError, KeyError, TypeError) as err:
+    detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+    raise ValueError(f"'{path}' cannot be read ({detail}); {way_out}") from None
+
+
 def check_workdir(workdir: os.PathLike, config: configs.Config, *,
                   restart: bool = False) -> None:
   """Raises unless ``config`` may run in ``workdir`` (read only, before any data is loaded).
