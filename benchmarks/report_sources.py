@@ -131,10 +131,17 @@ def _sweep_arm(folder: pathlib.Path, name: str, method: str, sparsity: float, fi
     if runs[0].get("rescale_dual"):
       arm.hyper.append("`rescale_dual`")
   if method == "gmp":
-    arm.untuned = True
-    arm.settings.update(end=config["gmp_end_fraction"], every=config["gmp_update_every"])
-    arm.hyper.append(f"schedule end {config['gmp_end_fraction']:g}, update every "
-                     f"{config['gmp_update_every']} steps: defaults, NOT TUNED")
+    end, every = config["gmp_end_fraction"], config["gmp_update_every"]
+    arm.settings.update(end=end, every=every)
+    sel = sweep.get("selection") or {}
+    if sel.get("fields", {}).get("gmp") == "gmp_end_fraction":  # benchmarks/claims/gmp_selection.py
+      if abs(sel["chosen"][f"gmp@{sparsity:g}"] - end) > 1e-12:
+        raise ValueError(f"{file}: GMP ran with end {end:g}, its selection chose another")
+      _grid_note(arm, "schedule end", end, [g["value"] for g in sel["grid"]], f"`{file}`")
+      arm.hyper.append(f"update every {every} steps: fixed, not tuned")
+    else:
+      arm.untuned = True
+      arm.hyper.append(f"schedule end {end:g}, update every {every} steps: defaults, NOT TUNED")
   if method in PENALIZED:
     arm.distance = _mean([r["constraint_distance"] for r in runs if r.get("constraint_distance") is not None])
   return arm

@@ -124,3 +124,38 @@ def test_check_fails_when_a_committed_number_changes(tmp_path):
   sweep.write_text(json.dumps(data), encoding="utf-8")
   out = subprocess.run(args, capture_output=True, text=True, check=False)
   assert out.returncode == 1 and "stale" in out.stderr
+
+
+def _write(path, data):
+  path.write_text(json.dumps(data), encoding="utf-8")
+
+
+def test_a_claim_folder_is_read_with_its_provenance(tmp_path):
+  """A hand-made folder: SAFE's lambda chosen inside its grid, GMP's end chosen at an edge."""
+  import report_sources  # pylint: disable=import-outside-toplevel
+  config = {"epochs": 4, "train_subset": None, "rho": 0.1, "gmp_end_fraction": 0.75,
+            "gmp_update_every": 100}
+  run = lambda m, seed, acc, **kw: {"method": m, "sparsity": 0.9, "seed": seed, "accuracy": acc,
+                                    "constraint_distance": 0.5 if m == "safe" else None, **kw}
+  _write(tmp_path / "sweep.json", {
+      "config": config,
+      "runs": [run("safe", s, a, penalty=0.1, rho=0.1) for s, a in ((0, 0.91), (1, 0.92))],
+      "selection": {"grid": [{"method": "safe", "sparsity": 0.9, "value": v} for v in (0.01, 0.1, 1)],
+                    "chosen": {"safe@0.9": 0.1}}})
+  _write(tmp_path / "gmp.json", {
+      "config": {**config, "gmp_end_fraction": 0.9},
+      "runs": [run("gmp", s, a) for s, a in ((0, 0.90), (1, 0.905))],
+      "selection": {"grid": [{"method": "gmp", "value": v} for v in (0.5, 0.75, 0.9)],
+                    "chosen": {"gmp@0.9": 0.9}, "fields": {"gmp": "gmp_end_fraction"}}})
+  _write(tmp_path / "claim.json", {
+      "order": 1, "title": "A claim", "short": "a claim", "paper": "–", "metric": "accuracy",
+      "source": "sweep", "ours": "safe", "baselines": ["gmp"],
+      "rows": [{"label": "90 %", "sparsity": 0.9, "file": "sweep.json",
+                "files": {"gmp": "gmp.json"}}]})
+  row, = report_sources.load_claim(tmp_path).rows
+  assert row.ours.values == {0: pytest.approx(91.0), 1: pytest.approx(92.0)}
+  assert row.ours.flags == set() and "λ 0.1 ∈ {0.01, 0.1, 1}" in row.ours.hyper[0]
+  gmp, = row.baselines
+  assert not gmp.untuned and gmp.flags == {"edge"} and "AT GRID EDGE" in gmp.hyper[0]
+  line, = report.lines(row)
+  assert line.verdict == "holds (edge pick)" and line.won == 2
