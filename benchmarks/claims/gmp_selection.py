@@ -41,8 +41,9 @@ def select_end(base: configs.Config, grid: list[float], seeds: list[int], valida
     runs = []
     for seed in seeds:
       config = val_base.replace(method="gmp", seed=seed, **{FIELD: value})
-      results = sweeps.run_or_load(config, sweeps.run_dir(root, config), data=None,
-                                   data_dir=data_dir)
+      # run_dir names a run by the settings sweeps vary, which do not include GMP's end.
+      results = sweeps.run_or_load(config, sweeps.run_dir(root / f"end{value:g}", config),
+                                   data=None, data_dir=data_dir)
       runs.append(sweeps.record(config, results))
     rows.append({"method": "gmp", "sparsity": base.sparsity, "field": FIELD, "value": value,
                  "validation_accuracy_mean": float(np.mean([r["accuracy"] for r in runs])),
