@@ -4,8 +4,9 @@ The experiment layer (the digits demo, :mod:`safe_optax.vision`,
 :mod:`safe_optax.llm`, the benchmarks) writes results that carry the
 library versions and the device (:func:`versions`), summarises seeds as
 mean +- standard error (:func:`mean_se`), shows tqdm bars
-(:func:`progress`) and trains classifiers with the mean softmax cross entropy
-(:func:`cross_entropy`). The fixed-size minibatch orders of the whole-run
+(:func:`progress`), trains classifiers with the mean softmax cross entropy
+(:func:`cross_entropy`) and writes every output file whole or not at all
+(:func:`atomic_write`). The fixed-size minibatch orders of the whole-run
 ``lax.scan`` trainers (the demo, ``benchmarks/claims/flatness_mlp.py``) are
 :func:`batch_order`.
 
@@ -22,13 +23,15 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import pathlib
 import platform
 import sys
 from collections.abc import Callable, Sequence
 from importlib import metadata
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import jax
 import numpy as np
@@ -38,6 +41,8 @@ from jax import lax
 import safe_optax
 
 _CORE_PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy")
+TMP_MARK = ".tmp"
+"""What :func:`atomic_write` puts in a temporary file's name (``*.tmp*`` globs find leftovers)."""
 
 
 def _version(name: str) -> Optional[str]:
@@ -252,3 +257,31 @@ def progress(total: int, *, initial: int = 0, desc: Optional[str] = None, unit: 
     return _Plain(total, initial, enabled)
   return tqdm(total=total, initial=initial, desc=desc, unit=unit, disable=not enabled,
               leave=leave, dynamic_ncols=True, file=sys.stderr)
+
+
+@contextlib.contextmanager
+def atomic_write(path: os.PathLike) -> Iterator[pathlib.Path]:
+  """Yields a temporary path beside ``path``, renamed onto ``path`` when the block ends.
+
+  A reader sees either the old file or the whole new one, never a part: a
+  run killed while writing leaves ``path`` as it was. The temporary name
+  keeps the suffix (``model.tmp.safetensors``), so writers that append one
+  (``np.savez``) use it as given; it is removed if the block raises
+  (Ctrl-C included).
+
+  Examples:
+    >>> import tempfile
+    >>> target = pathlib.Path(tempfile.mkdtemp()) / "result.json"
+    >>> with atomic_write(target) as tmp:
+    ...   _ = tmp.write_text("{}")
+    >>> target.read_text(), sorted(p.name for p in target.parent.iterdir())
+    ('{}', ['result.json'])
+  """
+  path = pathlib.Path(path)
+  tmp = path.with_name(f"{path.stem}{TMP_MARK}{path.suffix}")
+  try:
+    yield tmp
+    os.replace(tmp, path)
+  finally:
+    if tmp.exists():
+      tmp.unlink()

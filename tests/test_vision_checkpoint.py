@@ -11,6 +11,10 @@
 * A run in a relative workdir resumes from another current directory.
 * A checkpoint of the earlier format (the state's leaves as one unnamed list)
   is still read: a run resumes from it to the uninterrupted result.
+* A damaged checkpoint (a changed byte in a data file, a truncated data file,
+  garbage in ``_METADATA`` or the layout) is refused at restore with one line
+  naming it and ``--restart``; the trainer does not resume from it, and
+  ``restart=True`` trains from the start to the uninterrupted result.
 
 Cost: the trainer runs a tiny MLP with BatchNorm (the project's models with
 BatchNorm are convolutional, and compile for minutes on a busy 2-core CPU)
@@ -315,3 +319,87 @@ def test_encode_keys_optax_states_by_path_and_decode_inverts_it():
   with pytest.raises(ValueError, match="both named 'x'"):
     checkpoint_lib.encode(_TwiceX(jnp.ones(1), jnp.ones(2)))
   assert checkpoint_lib.encode(optax.sgd(0.1).init(params)) == {}  # no leaves
+
+
+def _largest_data_file(step_folder: pathlib.Path) -> pathlib.Path:
+  """The OCDBT data file that holds the params' bytes."""
+  return max((p for p in (step_folder / "params").rglob("*") if p.is_file() and p.parent.name == "d"),
+             key=lambda p: p.stat().st_size)
+
+
+def _flip_byte(fraction):
+  def damage(step_folder):
+    path = _largest_data_file(step_folder)
+    data = bytearray(path.read_bytes())
+    data[int(fraction * (len(data) - 1))] ^= 0x10
+    path.write_bytes(bytes(data))
+  return damage
+
+
+def _truncate(step_folder):
+  path = _largest_data_file(step_folder)
+  path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _garbage(relative):
+  return lambda step_folder: (step_folder / relative).write_text("{not json")
+
+
+@pytest.mark.parametrize("damage", [_flip_byte(0.1), _flip_byte(0.5), _flip_byte(0.8), _truncate,
+                                    _garbage("params/_METADATA"), _garbage("layout/metadata")],
+                         ids=["flip-10%", "flip-50%", "flip-80%", "truncated", "metadata",
+                              "layout"])
+def test_a_damaged_checkpoint_is_refused_in_one_line_naming_restart(tmp_path, damage):
+  values = np.random.default_rng(0).normal(size=(64, 64)).astype(np.float32)
+  state = {"params": {"w": jnp.asarray(values)}, "step": jnp.int32(3)}
+  checkpoint_lib.Checkpointer(tmp_path).save(3, state)
+  damage(tmp_path / "3")
+  like = {"params": {"w": jnp.zeros((64, 64))}, "step": jnp.int32(0)}
+  with pytest.raises(checkpoint_lib.CorruptCheckpoint) as info:
+    checkpoint_lib.Checkpointer(tmp_path).restore(3, like)
+  message = str(info.value)
+  assert f"checkpoint '{tmp_path / '3'}' is damaged" in message
+  assert "--restart" in message and "\n" not in message and len(message) < 400, message
+
+
+def test_a_checkpoint_records_the_sha256_of_every_item(tmp_path):
+  state = {"params": {"w": jnp.arange(3.0)}, "step": jnp.int32(3),
+           "rng": jnp.array([1, 2], jnp.uint32)}
+  checkpoint_lib.Checkpointer(tmp_path).save(3, state)
+  layout = json.loads((tmp_path / "3" / "layout" / "metadata").read_text())
+  assert layout["version"] == 3
+  assert layout["sha256"] == {"params": checkpoint_lib.digest({"w": np.arange(3.0, dtype=np.float32)}),
+                              "step": checkpoint_lib.digest(np.int32(3)),
+                              "rng": checkpoint_lib.digest(np.array([1, 2], np.uint32))}
+
+
+def test_the_trainer_refuses_a_damaged_checkpoint_and_restart_retrains(whole_mlp_run, tmp_path):
+  config, data = test_train.tiny_config(**MLP_CONFIG), test_train.tiny_dataset()
+  train.train_and_evaluate(config, tmp_path, data_dir=None, dataset=data, stop_after_epoch=1)
+  _flip_byte(0.5)(tmp_path / "checkpoints" / "7")
+  with pytest.raises(checkpoint_lib.CorruptCheckpoint, match="--restart"):
+    train.train_and_evaluate(config, tmp_path, data_dir=None, dataset=data)
+  assert not (tmp_path / "results.json").exists()
+  again = train.train_and_evaluate(config, tmp_path, data_dir=None, dataset=data, restart=True)
+  _assert_same(again.state, whole_mlp_run.state)
+
+
+def test_the_cli_reports_a_damaged_checkpoint_in_one_line(tmp_path, monkeypatch, capsys):
+  from safe_optax.vision import cli
+  import test_vision_interrupt  # noqa: E402  (the tiny MNIST files)
+
+  def damaged(*args, **kwargs):
+    raise checkpoint_lib.CorruptCheckpoint(tmp_path / "run" / "checkpoints" / "3", "item 'params' "
+                                           "does not match its SHA-256")
+
+  monkeypatch.setattr(train, "train_and_evaluate", damaged)
+  test_vision_interrupt._write_tiny_mnist(tmp_path)  # pylint: disable=protected-access
+  with pytest.raises(SystemExit) as exit_info:
+    cli.main(["train", "--preset", "mlp-mnist", "--data-dir", str(tmp_path), "--workdir",
+              str(tmp_path / "run"), "--test-only-split", "48", "24", "--no-progress"])
+  err = capsys.readouterr().err
+  assert exit_info.value.code == 2 and "Traceback" not in err
+  assert err.strip().splitlines() == [
+      f"safe-optax-vision train: error: checkpoint '{tmp_path / 'run' / 'checkpoints' / '3'}' is "
+      "damaged (item 'params' does not match its SHA-256); it cannot be resumed: rerun with "
+      "--restart (restart=True) to discard the run's checkpoints and train from the start."]

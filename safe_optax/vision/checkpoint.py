@@ -20,7 +20,13 @@ safe_optax (``docs/checkpoints.md``):
   :class:`~orbax.checkpoint.args.JsonSave` number or nested list (exact for
   integers; the raw ``uint32`` key data for ``rng``);
 * ``layout`` (JSON) names the format, the safe_optax version, each item's
-  kind (``pytree`` or ``json``) and the dtypes of the JSON ones.
+  kind (``pytree`` or ``json``), the dtypes of the JSON ones, and each
+  item's SHA-256 (:func:`digest`).
+
+:meth:`Checkpointer.restore` recomputes every item's SHA-256 and refuses a
+checkpoint whose bytes changed (a flipped bit restores silently in Orbax), or
+that Orbax cannot read (a truncated data file, garbage metadata), with
+:class:`CorruptCheckpoint`: one line naming the checkpoint and ``--restart``.
 
 :meth:`Checkpointer.restore` reads the items back into a freshly built state
 of the same configuration, every array with that state's sharding. A
@@ -37,6 +43,7 @@ several processes every process calls :meth:`Checkpointer.save` and
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import pathlib
 import shutil
@@ -53,8 +60,8 @@ import safe_optax
 
 _TMP_GLOB = "*.orbax-checkpoint-tmp*"
 FORMAT = "safe_optax.vision.checkpoint"
-FORMAT_VERSION = 2
-"""Version 1 was the state's leaves as one unnamed list (still read)."""
+FORMAT_VERSION = 3
+"""Version 1 was the state's leaves as one unnamed list, version 2 had no checksums (both read)."""
 LAYOUT_ITEM = "layout"
 """The JSON item naming the format and every other item's kind."""
 COLLECTIONS_FIELD = "model_state"
@@ -106,6 +113,60 @@ def sigint_deferred() -> Iterator[None]:
       previous(signal.SIGINT, None)  # Python's default handler raises KeyboardInterrupt
     elif previous == signal.SIG_DFL:
       raise KeyboardInterrupt
+
+
+class CorruptCheckpoint(ValueError):
+  """A checkpoint whose bytes changed since it was saved, or that cannot be read.
+
+  Attributes:
+    directory: the checkpoint's step folder.
+  """
+
+  def __init__(self, directory: os.PathLike, problem: str):
+    super().__init__(f"checkpoint '{directory}' is damaged ({problem}); it cannot be resumed: "
+                     "rerun with --restart (restart=True) to discard the run's checkpoints "
+                     "and train from the start.")
+    self.directory = pathlib.Path(directory)
+
+
+def _host(leaf: Any) -> np.ndarray:
+  """The whole value of ``leaf`` on this host (every process gets the same array)."""
+  if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+    if leaf.is_fully_replicated:
+      return np.asarray(leaf.addressable_data(0))
+    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+    return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+  return np.asarray(jax.device_get(leaf))
+
+
+def digest(tree: Any) -> str:
+  """SHA-256 of a pytree's leaves: each one's path, dtype, shape and bytes, in order.
+
+  What a checkpoint records for each item at save and compares at restore.
+  Under several processes every process must call it (a leaf split across
+  processes is gathered).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> digest({"w": jnp.zeros(2)}) == digest({"w": jnp.zeros(2)})
+    True
+    >>> digest({"w": jnp.zeros(2)}) == digest({"w": jnp.array([0.0, 1e-30])})
+    False
+  """
+  sha = hashlib.sha256()
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    array = np.ascontiguousarray(_host(leaf))
+    sha.update(f"{jax.tree_util.keystr(path)}|{array.dtype}|{array.shape}|".encode())
+    sha.update(array.tobytes())
+  return sha.hexdigest()
+
+
+def _problem(err: BaseException) -> str:
+  """The first line of an error from Orbax or TensorStore, cut short."""
+  text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+  text = text.split(" See full TensorStore details")[0]  # the rest is a pybind repr
+  text = text if len(text) <= 160 else text[:157] + "..."
+  return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
 def _key_names(path: tuple[Any, ...]) -> list[str]:
@@ -221,6 +282,11 @@ def _save_args(tree: Any) -> ocp.args.CheckpointArgs:
   return ocp.args.StandardSave(encode(tree))
 
 
+def _saved(tree: Any) -> Any:
+  """What is written of an item: a JSON item as the host array its list came from."""
+  return np.asarray(tree) if _kind(tree) == _JSON else tree
+
+
 def _restore_args(like: Any) -> ocp.args.CheckpointArgs:
   if _kind(like) == _JSON:
     return ocp.args.JsonRestore()
@@ -280,7 +346,8 @@ class Checkpointer:
               "safe_optax_version": safe_optax.__version__,
               "items": {name: _kind(tree) for name, tree in items.items()},
               "dtypes": {name: str(_dtype(tree)) for name, tree in items.items()
-                         if _kind(tree) == _JSON}}
+                         if _kind(tree) == _JSON},
+              "sha256": {name: digest(_saved(tree)) for name, tree in items.items()}}
     args = ocp.args.Composite(**{name: _save_args(tree) for name, tree in items.items()},
                               **{LAYOUT_ITEM: ocp.args.JsonSave(layout)})
     with sigint_deferred():
@@ -303,13 +370,29 @@ class Checkpointer:
 
     Returns:
       The saved state, each array with the sharding of ``like``'s.
+
+    Raises:
+      CorruptCheckpoint: an item's SHA-256 differs from the one saved, or
+        Orbax cannot read the checkpoint.
     """
-    if (self._directory / str(step) / _LEGACY_ITEM).is_dir():
+    folder = self._directory / str(step)
+    if (folder / _LEGACY_ITEM).is_dir():
       return self._restore_format_1(step, like)
     items = _items(like)
-    restored = self._manager.restore(step, args=ocp.args.Composite(
-        **{name: _restore_args(tree) for name, tree in items.items()}))
-    values = {name: _from_restored(restored[name], tree) for name, tree in items.items()}
+    try:
+      restored = self._manager.restore(step, args=ocp.args.Composite(
+          **{name: _restore_args(tree) for name, tree in items.items()},
+          **{LAYOUT_ITEM: ocp.args.JsonRestore()}))
+      layout = restored[LAYOUT_ITEM]
+      values = {name: _from_restored(restored[name], tree) for name, tree in items.items()}
+    except Exception as err:  # TensorStore, JSON and Orbax errors alike: the files are bad
+      raise CorruptCheckpoint(folder, _problem(err)) from err
+    if "sha256" in layout:  # format 2 had none
+      for name, value in values.items():
+        if _kind(value) == _JSON:  # as saved, before the cast to the state's dtype
+          value = np.asarray(restored[name], layout["dtypes"][name])
+        if digest(value) != layout["sha256"].get(name):
+          raise CorruptCheckpoint(folder, f"item '{name}' does not match its SHA-256")
     fields = {}
     for name, value in _fields(like).items():
       if name == COLLECTIONS_FIELD:

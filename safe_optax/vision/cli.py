@@ -332,7 +332,9 @@ def train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
   except KeyboardInterrupt as err:
     _interrupted(parser, err)
   except ValueError as err:
-    if "holds a run" not in str(err) and "holds checkpoints" not in str(err):
+    from safe_optax.vision import checkpoint  # pylint: disable=import-outside-toplevel
+    if ("holds a run" not in str(err) and "holds checkpoints" not in str(err)
+        and not isinstance(err, checkpoint.CorruptCheckpoint)):
       raise
     _fail(parser, str(err))
   final = outcome.results["final"]
