@@ -29,6 +29,15 @@ check. Every result records its protocol, window and token counts.
 a lost machine) continues from the next block with the same final result. A
 rerun whose pruning arguments differ is refused, naming them, unless
 ``--restart``. The state folder is removed once the export is written.
+
+Every file is written under a temporary name and renamed
+(:func:`safe_optax.experiment.atomic_write`), ``report.json`` last: a folder
+with ``report.json`` holds a finished export, which a rerun with other
+pruning arguments refuses to replace unless ``--restart`` (a rerun with the
+same ones says so and prunes nothing). Arguments, the output folder, the
+texts and the calibration length are checked before the model is loaded, and
+``--export-dtype float16`` refuses a model whose weights float16 cannot
+hold. Errors and Ctrl-C print one line (exit 2 and 130), not a traceback.
 """
 
 from __future__ import annotations
@@ -51,6 +60,7 @@ from safe_optax import experiment
 from safe_optax._prunable import path_str
 from safe_optax.llm import checkpoints
 from safe_optax.llm import data
+from safe_optax.llm import export
 from safe_optax.llm import model as model_lib
 from safe_optax.llm import prune as prune_lib
 from safe_optax.llm import prune_config
@@ -76,6 +86,30 @@ def parse_nm(text: Optional[str]) -> Optional[tuple[int, int]]:
   if not 1 <= n < m:
     raise argparse.ArgumentTypeError(f"--nm needs 1 <= N < M, got {text!r}")
   return n, m
+
+
+def _count(minimum: int):
+  """An argparse type: an integer of at least ``minimum`` (the message names the flag)."""
+  def parse(text: str) -> int:
+    try:
+      value = int(text)
+    except ValueError as err:
+      raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from err
+    if value < minimum:
+      raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+    return value
+  return parse
+
+
+def _non_negative(text: str) -> float:
+  """An argparse type: a finite float >= 0."""
+  try:
+    value = float(text)
+  except ValueError as err:
+    raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from err
+  if not (np.isfinite(value) and value >= 0):
+    raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+  return value
 
 
 @functools.lru_cache(maxsize=4)
@@ -135,8 +169,47 @@ PRUNING_ARGS = ("model", "method", "sparsity", "nm", "grouping", "calib", "nsamp
 STATE_DIR = "prune_state"
 
 
+def _identity(args: argparse.Namespace) -> dict[str, Any]:
+  """The pruning arguments by flag, as JSON has them (a finished report stores its args)."""
+  return json.loads(json.dumps({"--" + k.replace("_", "-"): getattr(args, k)
+                                for k in PRUNING_ARGS}))
+
+
+def _make_folder(path: pathlib.Path, flag: str) -> None:
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+  except OSError as err:
+    raise ValueError(f"{flag} '{path}' cannot be created ({err.strerror or err}); "
+                     "give a folder path whose parents are folders you can write.") from err
+
+
+def _finished(args: argparse.Namespace, out: pathlib.Path) -> Optional[dict[str, Any]]:
+  """The report of a finished export in ``out`` made with these pruning arguments, or None.
+
+  Raises:
+    ValueError: ``out`` holds a finished export with other pruning arguments
+      (and no ``--restart``), or a ``report.json`` that does not parse.
+  """
+  report_file = out / "report.json"
+  if not report_file.exists():
+    return None
+  try:
+    saved = json.loads(report_file.read_text())
+    old = {"--" + k.replace("_", "-"): saved["args"].get(k) for k in PRUNING_ARGS}
+  except (ValueError, KeyError, TypeError, AttributeError) as err:
+    raise ValueError(f"--out '{out}' holds a report.json that does not parse ({err}); rerun "
+                     "with --restart to replace that export, or give another --out.") from err
+  new = _identity(args)
+  differing = [k for k in new if old[k] != new[k]]
+  if differing:
+    details = "; ".join(f"{k}: saved {old[k]!r}, now {new[k]!r}" for k in differing)
+    raise ValueError(f"--out '{out}' holds a finished export with other pruning arguments "
+                     f"({details}); give another --out, or --restart to replace it.")
+  return saved
+
+
 def _prune(args: argparse.Namespace) -> dict[str, Any]:
-  # Cheap checks first: a bad text path should not cost a model load.
+  # Cheap checks first: a bad text path or output folder should not cost a model load.
   calib_text = data.read_text(args.calib)
   for text in args.eval or []:
     data.read_text(text)
@@ -146,28 +219,46 @@ def _prune(args: argparse.Namespace) -> dict[str, Any]:
       batch_size=args.batch_size, learning_rate=args.lr, warmup_epochs=args.warmup_epochs,
       rho=args.rho, penalty=args.penalty, dual_every=args.dual_every, lr_scale=args.lr_scale,
       seed=args.seed)
+  out = pathlib.Path(args.out)
+  state_dir = out / STATE_DIR
+  if args.restart:
+    # The report goes first: a folder without it no longer claims a finished export.
+    if (out / "report.json").exists():
+      (out / "report.json").unlink()
+    if state_dir.exists():
+      shutil.rmtree(state_dir)
+  finished = _finished(args, out)
+  if finished is not None:
+    if state_dir.exists():  # a run killed between its report and this removal
+      shutil.rmtree(state_dir)
+    print(f"safe-optax-llm prune: '{out}' already holds this export; nothing to prune "
+          "(--restart prunes it again).", file=sys.stderr)
+    return finished
+  _make_folder(out, "--out")
+  export_dtype = args.export_dtype or checkpoints.source_dtype(args.model)
+  tokenizer = checkpoints.load_tokenizer(args.model)
+  calib_tokens = data.tokenize(tokenizer, calib_text)
+  if len(calib_tokens) <= args.seqlen:
+    raise ValueError(f"--calib '{args.calib}' has {len(calib_tokens)} tokens, too few for "
+                     f"--seqlen {args.seqlen}; give a longer text or a smaller --seqlen.")
+  calibration = data.calibration_windows(calib_tokens, args.nsamples, args.seqlen, args.seed)
   config, params = checkpoints.load_model(args.model)
   if args.dtype:
     config = dataclasses.replace(config, dtype=args.dtype)
-  tokenizer = checkpoints.load_tokenizer(args.model)
-  calib_tokens = data.tokenize(tokenizer, calib_text)
-  calibration = data.calibration_windows(calib_tokens, args.nsamples, args.seqlen, args.seed)
-  state_dir = pathlib.Path(args.out) / STATE_DIR
-  if args.restart and state_dir.exists():
-    shutil.rmtree(state_dir)
-  identity = {"--" + k.replace("_", "-"): getattr(args, k) for k in PRUNING_ARGS}
+  # Pruning only zeroes or refits weights of the same scale: a dense weight out of the
+  # export's range fails now rather than after hours of pruning (the export checks again).
+  export.check_range(export.hf_tensors(config, params)[0], export_dtype, "--export-dtype")
   start = time.perf_counter()
   pruned, prune_report = prune_lib.prune_model(config, params, calibration, cfg,
                                                progress=not args.quiet, state_dir=state_dir,
-                                               identity=identity)
+                                               identity=_identity(args))
   total = time.perf_counter() - start
   # Only the blocks' matrices are pruned; the embedding (and untied head) stay dense.
   sparsity = safe_optax.sparsity_report(
       pruned, prunable=lambda path, leaf: "layers_" in path_str(path) and leaf.ndim == 2)
-  export_dtype = args.export_dtype or checkpoints.source_dtype(args.model)
   context = model_context(args.model)
-  out = checkpoints.save_safetensors(
-      args.out, config, pruned, tokenizer, dtype=export_dtype, prune_config=cfg,
+  checkpoints.save_safetensors(
+      out, config, pruned, tokenizer, dtype=export_dtype, prune_config=cfg,
       source_metadata=checkpoints.source_metadata(args.model))
   report = {
       "command": args.command_line,
@@ -184,13 +275,17 @@ def _prune(args: argparse.Namespace) -> dict[str, Any]:
                for text in args.eval or []],
       "versions": versions(),
   }
-  (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+  with experiment.atomic_write(out / "report.json") as tmp:
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
   # The export and report now hold everything the state was kept for.
   shutil.rmtree(state_dir)
   return report
 
 
 def _ppl(args: argparse.Namespace) -> dict[str, Any]:
+  data.read_text(args.text)
+  if args.json:
+    _make_folder(pathlib.Path(args.json).parent, "--json's folder")
   config, params = checkpoints.load_model(args.model)
   if args.dtype:
     config = dataclasses.replace(config, dtype=args.dtype)
@@ -199,7 +294,8 @@ def _ppl(args: argparse.Namespace) -> dict[str, Any]:
                     protocol=args.protocol, context=model_context(args.model))
   result.update(model=str(args.model), dtype=config.dtype, versions=versions())
   if args.json:
-    pathlib.Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    with experiment.atomic_write(args.json) as tmp:
+      tmp.write_text(json.dumps(result, indent=2) + "\n")
   return result
 
 
@@ -216,18 +312,18 @@ def build_parser() -> argparse.ArgumentParser:
                  help="unstructured scores compete per matrix or per output row "
                       "(default: per row for wanda / safe-plus, per matrix otherwise)")
   p.add_argument("--calib", required=True, help="calibration text file or folder")
-  p.add_argument("--nsamples", type=int, default=128)
-  p.add_argument("--seqlen", type=int, default=2048)
+  p.add_argument("--nsamples", type=_count(1), default=128)
+  p.add_argument("--seqlen", type=_count(2), default=2048)
   p.add_argument("--out", required=True, help="output folder (safetensors + report.json)")
-  p.add_argument("--epochs", type=int, default=30)
-  p.add_argument("--batch-size", type=int, default=8)
-  p.add_argument("--lr", type=float, default=2e-4)
+  p.add_argument("--epochs", type=_count(1), default=30)
+  p.add_argument("--batch-size", type=_count(1), default=8)
+  p.add_argument("--lr", type=_non_negative, default=2e-4)
   p.add_argument("--lr-scale", choices=prune_config.LR_SCALES, default="none",
                  help="'rms': each matrix's step is lr x the RMS of its dense weights")
-  p.add_argument("--warmup-epochs", type=int, default=2)
-  p.add_argument("--rho", type=float, default=2e-4)
-  p.add_argument("--penalty", type=float, default=1e-3)
-  p.add_argument("--dual-every", type=int, default=32)
+  p.add_argument("--warmup-epochs", type=_count(0), default=2)
+  p.add_argument("--rho", type=_non_negative, default=2e-4)
+  p.add_argument("--penalty", type=_non_negative, default=1e-3)
+  p.add_argument("--dual-every", type=_count(1), default=32)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--dtype", choices=tuple(model_lib.DTYPES), default=None,
                  help="computation dtype while pruning and evaluating (default float32)")
@@ -239,9 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="'standard': the whole text in windows of min(context, 2048) tokens, "
                       "as SparseGPT and Wanda; 'short': its first --eval-tokens (default 2048) "
                       "in 512-token windows, for quick checks")
-  p.add_argument("--eval-seqlen", type=int, default=None,
+  p.add_argument("--eval-seqlen", type=_count(2), default=None,
                  help="evaluation window (default: the protocol's)")
-  p.add_argument("--eval-tokens", type=int, default=None,
+  p.add_argument("--eval-tokens", type=_count(2), default=None,
                  help="tokens scored by the short protocol (default 2048)")
   p.add_argument("--quiet", action="store_true", help="no progress bar")
   p.add_argument("--restart", action="store_true",
@@ -255,8 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="'standard': the whole text in windows of min(context, 2048) tokens, "
                       "as SparseGPT and Wanda; 'short': its first --max-tokens (default 2048) "
                       "in 512-token windows, for quick checks")
-  q.add_argument("--seqlen", type=int, default=None, help="window (default: the protocol's)")
-  q.add_argument("--max-tokens", type=int, default=None,
+  q.add_argument("--seqlen", type=_count(2), default=None,
+                 help="window (default: the protocol's)")
+  q.add_argument("--max-tokens", type=_count(2), default=None,
                  help="tokens scored by the short protocol (default 2048)")
   q.add_argument("--dtype", choices=tuple(model_lib.DTYPES), default=None)
   q.add_argument("--json", default=None, help="also write the result here")
@@ -278,15 +375,23 @@ def _check_sparsity(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
 
 def _check_protocol(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-  """A token limit belongs to the short protocol; refused before any model is loaded."""
+  """A token limit belongs to the short protocol, and must hold one window; refused before
+  any model is loaded."""
   if args.command == "ppl":
-    protocol, tokens, names = args.protocol, args.max_tokens, ("--protocol", "--max-tokens")
+    protocol, tokens, window = args.protocol, args.max_tokens, args.seqlen
+    names = ("--protocol", "--max-tokens", "--seqlen")
   else:
-    protocol, tokens, names = args.eval_protocol, args.eval_tokens, ("--eval-protocol",
-                                                                     "--eval-tokens")
+    protocol, tokens, window = args.eval_protocol, args.eval_tokens, args.eval_seqlen
+    names = ("--eval-protocol", "--eval-tokens", "--eval-seqlen")
   if protocol == "standard" and tokens is not None:
     parser.error(f"{names[1]} applies only to {names[0]} short: the standard protocol scores "
                  "the whole text.")
+  if protocol == "short":
+    tokens = data.SHORT_TOKENS if tokens is None else tokens
+    window = data.SHORT_WINDOW if window is None else window
+    if tokens < window:
+      parser.error(f"{names[1]} {tokens} is fewer than {names[2]} {window}: not one window "
+                   f"to evaluate; raise {names[1]} or lower {names[2]}.")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -300,9 +405,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   args.command_line = " ".join(["safe-optax-llm"] + argv)
   try:
     result = args.func(args)
-  except (FileNotFoundError, ValueError) as err:
-    print(f"safe-optax-llm: error: {err}", file=sys.stderr)
+  except (OSError, ValueError) as err:
+    print(f"safe-optax-llm {args.command}: error: {err}", file=sys.stderr)
     return 2
+  except KeyboardInterrupt:
+    state = pathlib.Path(args.out) / STATE_DIR if args.command == "prune" else None
+    saved = (f"the finished blocks are saved in {state}; rerun the same command to resume"
+             if state is not None and (state / "state.json").exists() else
+             "nothing was saved")
+    print(f"safe-optax-llm {args.command}: interrupted; {saved}", file=sys.stderr)
+    return 130
   summary = {k: v for k, v in result.items() if k not in ("blocks", "versions", "args")}
   print(json.dumps(summary, indent=2, default=str))
   return 0

@@ -117,14 +117,17 @@ def eval_windows(tokens: np.ndarray, seqlen: int, max_tokens: Optional[int] = No
   """Non-overlapping ``(n, seqlen)`` windows from the start (a ragged tail is dropped).
 
   Raises ``ValueError`` naming ``flag`` (the option that sets ``seqlen``) when
-  the text (or its first ``max_tokens``) is shorter than one window.
+  the text is shorter than one window, and naming ``max_tokens`` when that
+  budget is.
   """
+  if max_tokens is not None and max_tokens < seqlen:
+    raise ValueError(f"max_tokens={max_tokens} is fewer than seqlen={seqlen}: not one window.")
+  if len(tokens) < seqlen:
+    raise ValueError(f"the evaluation text has {len(tokens)} tokens, fewer than seqlen={seqlen} "
+                     f"(one window): give a longer text or a smaller {flag}.")
   if max_tokens is not None:
     tokens = tokens[:max_tokens]
   count = len(tokens) // seqlen
-  if count == 0:
-    raise ValueError(f"the evaluation text has {len(tokens)} tokens, fewer than seqlen={seqlen} "
-                     f"(one window): give a longer text or a smaller {flag}.")
   return np.asarray(tokens[: count * seqlen], np.int32).reshape(count, seqlen)
 
 

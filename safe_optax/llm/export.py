@@ -21,6 +21,11 @@
   pattern and its axis, every pruned tensor with its measured sparsity, the
   dense ones, the ``safe_optax`` version. An N:M claim is checked against
   the written tensors: a tensor breaking it raises instead of being written.
+
+Each file is written under a temporary name and renamed into place
+(:func:`safe_optax.experiment.atomic_write`), so a killed export never leaves
+a part of a file. A weight the chosen precision cannot hold (above 65504 in
+float16) raises (:func:`check_range`) instead of being written as infinity.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import ml_dtypes
 import numpy as np
 
 import safe_optax
+from safe_optax import experiment
 from safe_optax.llm import model as model_lib
 from safe_optax.llm.prune_config import PruneConfig
 
@@ -164,6 +170,41 @@ def _check_nm(name: str, weight: np.ndarray, n: int, m: int) -> None:
                      "this PruneConfig?).")
 
 
+def check_range(tensors: dict[str, np.ndarray], dtype: str, what: str = "dtype") -> None:
+  """Raises if casting ``tensors`` to ``dtype`` turns a finite value infinite.
+
+  Args:
+    tensors: named arrays (a state dict, as :func:`hf_tensors` returns).
+    dtype: one of :data:`EXPORT_DTYPES`.
+    what: how the message names the choice of ``dtype`` (the CLI's flag).
+
+  Raises:
+    ValueError: naming the first such tensor, its largest magnitude and the
+      precisions that hold it.
+
+  Examples:
+    >>> check_range({"w": np.array([1.0, 7e4], np.float32)}, "bfloat16")
+    >>> check_range({"w": np.array([1.0, 7e4], np.float32)}, "float16")
+    Traceback (most recent call last):
+    ...
+    ValueError: dtype float16 cannot hold 'w': its weights reach 7e+04, beyond float16's largest 65504; choose bfloat16 or float32.
+  """
+  def holds(kind: np.dtype, magnitude: float) -> bool:
+    with np.errstate(over="ignore"):
+      return bool(np.isfinite(np.asarray(magnitude).astype(kind)))
+
+  for name, value in tensors.items():
+    value = np.asarray(value)
+    largest = float(np.max(np.abs(value), initial=0.0, where=np.isfinite(value)))
+    target = EXPORT_DTYPES[dtype]
+    if not holds(target, largest):
+      others = " or ".join(k for k in ("bfloat16", "float32")
+                           if k != dtype and holds(EXPORT_DTYPES[k], largest))
+      raise ValueError(f"{what} {dtype} cannot hold '{name}': its weights reach {largest:.3g}, "
+                       f"beyond {dtype}'s largest {float(np.finfo(target).max):.6g}; "
+                       f"choose {others}.")
+
+
 def sparsity_metadata(tensors: dict[str, np.ndarray], pruned: list[str],
                       prune_config: PruneConfig) -> dict[str, Any]:
   """What ``sparsity.json`` says about the written ``tensors``.
@@ -234,8 +275,9 @@ def save_safetensors(
     The folder.
 
   Raises:
-    ValueError: ``dtype`` is not one of :data:`EXPORT_DTYPES`; a pruned
-      tensor breaks ``prune_config``'s N:M pattern.
+    ValueError: ``dtype`` is not one of :data:`EXPORT_DTYPES`, or cannot hold
+      a weight (:func:`check_range`); a pruned tensor breaks
+      ``prune_config``'s N:M pattern.
   """
   from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
 
@@ -250,6 +292,7 @@ def save_safetensors(
   path = pathlib.Path(path)
   path.mkdir(parents=True, exist_ok=True)
   tensors, matrices = hf_tensors(config, params)
+  check_range(tensors, dtype)
   tensors = {name: value.astype(EXPORT_DTYPES[dtype]) for name, value in tensors.items()}
   header = {"format": "pt", "safe_optax_version": safe_optax.__version__}
   sparsity = None
@@ -257,13 +300,16 @@ def save_safetensors(
     sparsity = sparsity_metadata(tensors, matrices, prune_config)
     summary = {k: v for k, v in sparsity.items() if k not in ("pruned", "dense", "prune_config")}
     header["sparsity"] = json.dumps(summary)
-  save_file(tensors, str(path / "model.safetensors"), metadata=header)
+  with experiment.atomic_write(path / "model.safetensors") as tmp:
+    save_file(tensors, str(tmp), metadata=header)
   files = {name: source_metadata[name] for name in SIDE_FILES if name in source_metadata}
   files["config.json"] = hf_config(config, dtype, source_metadata.get("config.json"))
   if sparsity is not None:
     files["sparsity.json"] = sparsity
   for name, content in files.items():
-    (path / name).write_text(json.dumps(content, indent=2) + "\n")
+    with experiment.atomic_write(path / name) as tmp:
+      tmp.write_text(json.dumps(content, indent=2) + "\n")
   if tokenizer is not None:
-    tokenizer.save(str(path / "tokenizer.json"))
+    with experiment.atomic_write(path / "tokenizer.json") as tmp:
+      tokenizer.save(str(tmp))
   return path
