@@ -20,7 +20,8 @@ The functions take the run's jitted ``programs``
 every batch is a global batch of which each process gathers only its rows
 (:func:`~safe_optax.vision.datasets.gather_batch`), so several processes
 compute what one would. Only process 0 writes ``results.json``, the plots and
-the safetensors.
+the safetensors, each under a temporary name renamed into place
+(:func:`safe_optax.experiment.atomic_write`), ``results.json`` last.
 """
 
 from __future__ import annotations
@@ -245,7 +246,8 @@ def export_sparse_model(workdir: os.PathLike, config: configs.Config, sparse_par
   for name, flat in tensors.items():
     if flat:
       written.append(pathlib.Path(workdir) / f"{name}.safetensors")
-      save_file(flat, str(written[-1]), metadata=metadata)
+      with experiment.atomic_write(written[-1]) as tmp:
+        save_file(flat, str(tmp), metadata=metadata)
   return written
 
 
@@ -342,10 +344,11 @@ def finish(programs: Any, config: configs.Config, params: Any, model_state: Any,
       "history": history,
   }
   if distributed.is_primary():
-    with open(pathlib.Path(workdir) / "results.json", "w", encoding="utf-8") as f:
-      json.dump(results, f, indent=1)
-      f.write("\n")
     plots.plot_history(history, workdir, title=f"{config.model} {config.method} "
                                                f"sparsity {config.sparsity:g}")
     export_sparse_model(workdir, config, sparse_params, sparse_state, report)
+    # Last, and whole: results.json marks the run finished, so it never stands beside a
+    # missing or partial export.
+    with experiment.atomic_write(pathlib.Path(workdir) / "results.json") as tmp:
+      tmp.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
   return sparse_params, sparse_state, results

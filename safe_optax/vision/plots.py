@@ -6,6 +6,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from safe_optax import experiment
+
 
 def plot_history(history: Sequence[dict[str, Any]], directory: os.PathLike,
                  title: str = "") -> list[str]:
@@ -38,7 +40,8 @@ def plot_history(history: Sequence[dict[str, Any]], directory: os.PathLike,
       ax.legend()
     paths.append(os.path.join(directory, name))
     fig.tight_layout()
-    fig.savefig(paths[-1], dpi=100)
+    with experiment.atomic_write(paths[-1]) as tmp:
+      fig.savefig(tmp, dpi=100)
 
   paths: list[str] = []
   fig = Figure(figsize=(6, 4))

@@ -22,6 +22,7 @@ from typing import Any, Optional
 import numpy as np
 
 from safe_optax import distributed
+from safe_optax import experiment
 from safe_optax.vision import configs
 
 DIVERGED_FILE = "diverged.json"
@@ -183,9 +184,8 @@ def claim_workdir(workdir: pathlib.Path, config: configs.Config, *, restart: boo
           shutil.rmtree(path)
         elif path.exists():
           path.unlink()
-    with open(workdir / "config.json", "w", encoding="utf-8") as f:
-      json.dump(configs.to_dict(config), f, indent=1)
-      f.write("\n")
+    with experiment.atomic_write(workdir / "config.json") as tmp:
+      tmp.write_text(json.dumps(configs.to_dict(config), indent=1) + "\n", encoding="utf-8")
   distributed.barrier("claim_workdir:written")
 
 
@@ -199,10 +199,9 @@ def read_history(path: pathlib.Path, epochs_done: int) -> list[dict[str, Any]]:
 
 
 def write_history(path: pathlib.Path, history: list[dict[str, Any]]) -> None:
-  """Rewrites ``metrics.jsonl`` with ``history`` (one JSON record a line)."""
-  with open(path, "w", encoding="utf-8") as f:
-    for record in history:
-      f.write(json.dumps(record) + "\n")
+  """Rewrites ``metrics.jsonl`` with ``history`` (one JSON record a line), whole or not at all."""
+  with experiment.atomic_write(path) as tmp:
+    tmp.write_text("".join(json.dumps(record) + "\n" for record in history), encoding="utf-8")
 
 
 def raise_if_diverged(workdir: pathlib.Path) -> None:

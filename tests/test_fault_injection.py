@@ -1,0 +1,226 @@
+"""SIGKILL at random points: both CLIs resume to the uninterrupted result and never lose an export.
+
+For each engine (``safe-optax-vision train`` on a tiny MNIST, and
+``safe-optax-llm prune`` with SAFE+ on a tiny 4-block model), one
+uninterrupted run gives the reference. Then ``SAFE_OPTAX_FAULT_RUNS`` child
+processes (default 20) each run the same command in one of four output
+folders and are killed with SIGKILL after a delay drawn by a seeded RNG,
+uniform over the reference's working time (from the end of the imports to
+the exit, measured on a run that finds the compiled programs in JAX's cache
+as the children do), so kills land in compilation, steps or blocks, checkpoint saves,
+the final export and reruns of finished folders alike. A child that
+finishes before its delay counts too: the next kill in that folder hits a
+rerun of a finished run.
+
+After every kill, a folder that claims to be finished (``results.json`` /
+``report.json``) must hold the whole reference export: no finished output is
+ever replaced by a part of one. At the end each folder is run to completion
+and must equal the reference bit for bit: the vision run's final checkpoint
+(the SHA-256 of every item), exported tensors, final accuracies and per-epoch
+losses; the LLM export's tensors, header metadata and per-block errors.
+No temporary file (``*.tmp*``, Orbax's ``*orbax-checkpoint-tmp*``) is left.
+
+Cost: 2 + runs + 4 processes per engine, a few seconds each (JAX's compilation
+cache in the test's folder spares the children the compiling).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import load_file
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import test_vision_interrupt  # noqa: E402  (the tiny MNIST files)
+
+RUNS = int(os.environ.get("SAFE_OPTAX_FAULT_RUNS", "20"))
+FOLDERS = 4
+
+_CHILD = textwrap.dedent("""
+    import sys
+    if sys.argv[1] == "vision":
+      from safe_optax.vision import cli, train  # noqa: F401  (imported before "ready")
+    else:
+      from safe_optax.llm import cli, prune  # noqa: F401
+    print("ready", flush=True)
+    sys.exit(cli.main(sys.argv[2:]))
+""")
+
+
+def _env(tmp_path: pathlib.Path) -> dict[str, str]:
+  return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "JAX_PLATFORMS": "cpu",
+          "HOME": str(tmp_path), "SAFE_OPTAX_CACHE": str(tmp_path / "cache"),
+          "PYTHONWARNINGS": "ignore", "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+          "TF_CPP_MIN_LOG_LEVEL": "3",
+          # Every child compiles the same programs: the first one's, from disk, save seconds.
+          "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache"),
+          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+def _run(engine: str, argv: list[str], env: dict[str, str], log: pathlib.Path,
+         kill_after: float | None = None) -> tuple[int | None, float]:
+  """Runs a child; kills it ``kill_after`` seconds after its imports.
+
+  Returns:
+    ``(exit status or None if killed, seconds from the imports to the end)``.
+  """
+  with open(log, "a", encoding="utf-8") as err:
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, engine, *argv], env=env,
+                             stdout=subprocess.PIPE, stderr=err, text=True)
+    assert child.stdout.readline() == "ready\n", log.read_text()[-3000:]
+    start = time.perf_counter()
+    try:
+      status = child.wait(timeout=kill_after)
+    except subprocess.TimeoutExpired:
+      child.send_signal(signal.SIGKILL)
+      child.wait()
+      status = None
+    child.stdout.close()
+  return status, time.perf_counter() - start
+
+
+def _no_temporary_files(folder: pathlib.Path) -> None:
+  leftovers = [p for p in folder.rglob("*") if ".tmp" in p.name or "checkpoint-tmp" in p.name]
+  assert not leftovers, leftovers
+
+
+def _tensors(path: pathlib.Path) -> dict[str, np.ndarray]:
+  return load_file(str(path))
+
+
+def _assert_same_tensors(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+  assert got.keys() == want.keys()
+  for name in want:
+    np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def _kill_and_resume(engine, argv_for, env, log, check_finished, check_done, seed):
+  """An uninterrupted warm run, the kills (each followed by the finished-output check), then
+  the completing reruns."""
+  status, reference_seconds = _run(engine, argv_for("warm"), env, log)  # compiled: cached
+  assert status == 0, log.read_text()[-3000:]
+  check_done("warm")
+  rng = np.random.default_rng(seed)
+  outcomes = []
+  for i in range(RUNS):
+    folder = i % FOLDERS
+    delay = float(rng.uniform(0.0, reference_seconds))
+    status, _ = _run(engine, argv_for(folder), env, log, kill_after=delay)
+    assert status in (None, 0), log.read_text()[-3000:]
+    outcomes.append("killed" if status is None else "finished")
+    check_finished(folder)
+  # Not vacuous: runs are cut short (a folder's later runs have less left to do, and may finish).
+  assert outcomes.count("killed") >= RUNS // 3, outcomes
+  for folder in range(FOLDERS):
+    status, _ = _run(engine, argv_for(folder), env, log)
+    assert status == 0, log.read_text()[-3000:]
+    check_done(folder)
+
+
+def _vision_argv(data: pathlib.Path, workdir: pathlib.Path) -> list[str]:
+  return ["train", "--preset", "mlp-mnist", "--data-dir", str(data), "--workdir", str(workdir),
+          "--test-only-split", "48", "24", "--epochs", "3", "--batch-size", "16",
+          "--warmup-epochs", "0", "--bnt-samples", "16", "--sparsity", "0.5", "--no-progress"]
+
+
+def _vision_outcome(workdir: pathlib.Path) -> dict:
+  """What must be bit-identical: the last checkpoint's item digests, the export, the numbers."""
+  checkpoints = workdir / "checkpoints"
+  last = max(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
+  layout = json.loads((checkpoints / str(last) / "layout" / "metadata").read_text())
+  results = json.loads((workdir / "results.json").read_text())
+  return {"step": last, "sha256": layout["sha256"], "final": results["final"],
+          "losses": [(r["epoch"], r["train_loss"], r.get("test_accuracy"))
+                     for r in results["history"]]}
+
+
+def test_sigkill_the_vision_trainer_at_random_points(tmp_path):
+  data = tmp_path / "mnist"
+  data.mkdir()
+  test_vision_interrupt._write_tiny_mnist(data)  # pylint: disable=protected-access
+  env, log = _env(tmp_path), tmp_path / "children.log"
+  reference = tmp_path / "reference"
+  status, _ = _run("vision", _vision_argv(data, reference), env, log)
+  assert status == 0, log.read_text()[-3000:]
+  want = _vision_outcome(reference)
+  exports = ("sparse_params.safetensors", "masks.safetensors")
+  want_tensors = {name: _tensors(reference / name) for name in exports}
+  run = lambda folder: tmp_path / f"run{folder}"
+
+  def check_finished(folder):
+    if (run(folder) / "results.json").exists():
+      assert _vision_outcome(run(folder))["final"] == want["final"]
+      for name in exports:
+        _assert_same_tensors(_tensors(run(folder) / name), want_tensors[name])
+
+  def check_done(folder):
+    assert _vision_outcome(run(folder)) == want
+    check_finished(folder)
+    _no_temporary_files(run(folder))
+
+  _kill_and_resume("vision", lambda folder: _vision_argv(data, run(folder)), env, log,
+                   check_finished, check_done, seed=0)
+
+
+def _llm_fixture(tmp_path: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
+  from safe_optax.llm import checkpoints
+  from safe_optax.llm import model as model_lib
+  import test_llm_cli  # noqa: E402  (the byte-level tokenizer)
+  cfg = model_lib.LlamaConfig(vocab_size=256, hidden_size=16, intermediate_size=32,
+                              num_layers=4, num_heads=4, num_kv_heads=2)
+  folder = checkpoints.save_safetensors(tmp_path / "tiny", cfg, model_lib.init_params(cfg),
+                                        test_llm_cli._byte_tokenizer())  # pylint: disable=protected-access
+  text = tmp_path / "calib.txt"
+  text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+  return folder, text
+
+
+def _export(folder: pathlib.Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+  """``model.safetensors``'s tensors and header metadata (whose key order is not fixed)."""
+  with safe_open(str(folder / "model.safetensors"), "np") as f:
+    return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+
+
+def test_sigkill_the_llm_pruner_at_random_points(tmp_path):
+  model, text = _llm_fixture(tmp_path)
+  env, log = _env(tmp_path), tmp_path / "children.log"
+  argv = lambda out: ["prune", "--model", str(model), "--calib", str(text), "--nsamples", "4",
+                      "--seqlen", "16", "--out", str(out), "--quiet", "--method", "safe-plus",
+                      "--epochs", "3", "--batch-size", "2", "--lr", "3e-3", "--dual-every", "2"]
+  reference = tmp_path / "reference"
+  status, _ = _run("llm", argv(reference), env, log)
+  assert status == 0, log.read_text()[-3000:]
+  want_export = _export(reference)
+  want_errors = [b["relative_error"]
+                 for b in json.loads((reference / "report.json").read_text())["blocks"]]
+  out = lambda folder: tmp_path / f"out{folder}"
+
+  def check_finished(folder):
+    if (out(folder) / "report.json").exists():
+      report = json.loads((out(folder) / "report.json").read_text())
+      assert [b["relative_error"] for b in report["blocks"]] == want_errors
+      got = _export(out(folder))
+      assert got[1] == want_export[1]
+      _assert_same_tensors(got[0], want_export[0])
+      for name in ("config.json", "sparsity.json", "tokenizer.json"):
+        json.loads((out(folder) / name).read_text())
+
+  def check_done(folder):
+    check_finished(folder)
+    assert (out(folder) / "report.json").exists()
+    assert not (out(folder) / "prune_state").exists()
+    _no_temporary_files(out(folder))
+
+  _kill_and_resume("llm", lambda folder: argv(out(folder)), env, log, check_finished,
+                   check_done, seed=1)
