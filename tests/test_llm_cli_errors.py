@@ -69,7 +69,7 @@ def test_a_finished_export_is_not_replaced_by_other_settings(tiny, tmp_path, mon
     (["--seqlen", "0"], "argument --seqlen: must be at least 2, got 0"),
     (["--epochs", "-1"], "argument --epochs: must be at least 1, got -1"),
     (["--lr", "nan"], "argument --lr: must be a finite number >= 0, got nan"),
-    (["--eval-tokens", "10", "--eval-seqlen", "32"],
+    (["--eval-protocol", "short", "--eval-tokens", "10", "--eval-seqlen", "32"],
      "--eval-tokens 10 is fewer than --eval-seqlen 32"),
 ])
 def test_bad_numbers_are_refused_by_flag_before_loading(tiny, tmp_path, monkeypatch, capsys,
@@ -86,9 +86,10 @@ def test_ppl_max_tokens_below_seqlen_names_the_flags(tiny, monkeypatch, capsys):
   folder, text = tiny
   _no_model_load(monkeypatch)
   with pytest.raises(SystemExit):
-    cli.main(["ppl", "--model", str(folder), "--text", str(text), "--max-tokens", "10"])
+    cli.main(["ppl", "--model", str(folder), "--text", str(text), "--protocol", "short",
+              "--max-tokens", "10"])
   err = capsys.readouterr().err
-  assert "--max-tokens 10 is fewer than --seqlen 2048" in err
+  assert "--max-tokens 10 is fewer than --seqlen 512" in err
   assert "has 10 tokens" not in err
 
 

@@ -213,7 +213,7 @@ def _prune(args: argparse.Namespace) -> dict[str, Any]:
   calib_text = data.read_text(args.calib)
   for text in args.eval or []:
     data.read_text(text)
-  cfg = prune_lib.PruneConfig(
+  cfg = prune_config.PruneConfig(
       method=args.method, sparsity=args.sparsity, nm=args.nm, grouping=args.grouping,
       epochs=args.epochs,
       batch_size=args.batch_size, learning_rate=args.lr, warmup_epochs=args.warmup_epochs,
@@ -304,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
   sub = parser.add_subparsers(dest="command", required=True)
   p = sub.add_parser("prune", help="prune a checkpoint block by block")
   p.add_argument("--model", required=True, help="safetensors folder or .gguf file")
-  p.add_argument("--method", required=True, choices=prune_lib.METHODS)
+  p.add_argument("--method", required=True, choices=prune_config.METHODS)
   p.add_argument("--sparsity", type=float, default=None,
                  help="fraction pruned (default 0.5); with --nm it is 1 - N/M")
   p.add_argument("--nm", type=parse_nm, default=None, help="N:M along the input dim, e.g. 2:4")
