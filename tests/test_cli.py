@@ -203,3 +203,13 @@ def test_truncated_results_json_is_one_line_in_eval_and_sweeps(tmp_path, capsys)
   from safe_optax.vision import configs  # pylint: disable=import-outside-toplevel
   with pytest.raises(ValueError, match="results.json' cannot be read .*; delete"):
     sweeps.run_or_load(configs.get_config("mlp-mnist"), tmp_path, data=None, data_dir=tmp_path)
+
+
+def test_usage_errors_are_one_line_pointing_at_help(tmp_path, capsys, no_data_loading):
+  for argv, flag in ((["train", "--preset", "nope"], "--preset"),
+                     (["train", "--preset", "mlp-mnist", "--epochs", "x"], "--epochs"),
+                     (["sweep", "--preset", "mlp-mnist", "--methods", "safe", "--sparsities",
+                       "1.5"], "--sparsities")):
+    err = _one_line_error([*argv, "--data-dir", str(tmp_path), "--workdir", str(tmp_path / "o")],
+                          capsys)
+    assert flag in err and f"(see safe-optax-vision {argv[0]} --help)" in err, err

@@ -62,6 +62,13 @@ from safe_optax.vision import workdirs
 _CONFIG_OVERRIDE = "--config."
 
 
+class _Parser(argparse.ArgumentParser):
+  """argparse whose errors are one line, ``PROG: error: MESSAGE (see PROG --help)``."""
+
+  def error(self, message: str) -> NoReturn:
+    self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _add_run_options(parser: argparse.ArgumentParser) -> None:
   """Options shared by ``train`` and ``sweep``: the preset or config file, data and overrides."""
   base = parser.add_mutually_exclusive_group(required=True)
@@ -156,7 +163,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
   """The top-level parser: one subparser (and one function) per subcommand."""
-  parser = argparse.ArgumentParser(
+  parser = _Parser(
       prog="safe-optax-vision",
       description="SAFE and baseline pruning of CIFAR / MNIST models (Flax, optax).")
   sub = parser.add_subparsers(dest="command", required=True)
