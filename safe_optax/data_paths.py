@@ -23,12 +23,14 @@ Examples:
   >>> from safe_optax import data_paths
   >>> root = pathlib.Path(tempfile.mkdtemp())
   >>> (root / "mnist").mkdir()
+  >>> before = os.environ.get("SAFE_OPTAX_DATA")
   >>> os.environ["SAFE_OPTAX_DATA"] = str(root)
   >>> data_paths.find("mnist") == root / "mnist"
   True
   >>> data_paths.find("no-such-set") is None
   True
-  >>> del os.environ["SAFE_OPTAX_DATA"]
+  >>> if before is None: del os.environ["SAFE_OPTAX_DATA"]
+  ... else: os.environ["SAFE_OPTAX_DATA"] = before
 """
 
 from __future__ import annotations
