@@ -38,9 +38,11 @@ Examples:
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import os
+import re
 from collections.abc import Mapping
 from typing import Any, Optional
 
@@ -205,6 +207,29 @@ def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] =
   return jax.process_count()
 
 
+def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+  """``--coordinator``, ``--num-processes`` and ``--process-id`` for a command line."""
+  group = parser.add_argument_group(
+      "multi-process launch", "all three, or none: then the SAFE_OPTAX_COORDINATOR / "
+      "SAFE_OPTAX_NUM_PROCESSES / SAFE_OPTAX_PROCESS_ID variables, or the cluster JAX detects "
+      "(SLURM, Open MPI, Cloud TPU), or one process")
+  group.add_argument("--coordinator", metavar="HOST:PORT",
+                     help="process 0's address and a free port, the same in every process")
+  group.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
+  group.add_argument("--process-id", type=int, metavar="I",
+                     help="this process's index in 0..N-1 (0 writes the outputs)")
+
+
+def initialize_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+  """:func:`initialize` from :func:`add_launch_arguments`' flags; errors name the flags."""
+  try:
+    return initialize(args.coordinator, args.num_processes, args.process_id)
+  except ValueError as err:
+    parser.error(re.sub(r"\b(coordinator|num_processes|process_id)\b",
+                        lambda m: "--" + m.group(1).replace("_", "-"), str(err)))
+    raise  # parser.error exits; this line only tells type checkers so
+
+
 def is_primary() -> bool:
   """True in the process that writes logs, metrics, plots and results (process 0)."""
   return jax.process_index() == 0
@@ -291,3 +316,74 @@ def global_batch(mesh: Mesh, local: Any, size: Optional[int] = None) -> Any:
 def replicated(mesh: Mesh) -> NamedSharding:
   """Every device holds the whole value (parameters, optimizer state, metrics)."""
   return NamedSharding(mesh, PartitionSpec())
+
+
+# ----------------------------------------------------------------------------- fixed-order sums
+# A cross-device all-reduce sums in an order that depends on the device count, so
+# one process and several disagree in the last bits. The functions below sum
+# per-item values (one per calibration window, say) on one fixed binary tree
+# instead: each process sums its contiguous block of items, which is a whole
+# subtree, and the blocks' sums are gathered (a copy, exact) and combined on
+# the same tree. Any power-of-two process count then gives the bits of one.
+
+
+@jax.jit
+def _add(a: Any, b: Any) -> Any:
+  return jax.tree.map(lambda x, y: x + y, a, b)
+
+
+def tree_sum(items: list[Any]) -> Any:
+  """Sum of pytrees on the binary tree that halves ``[0, n)`` at ``n // 2``, recursively.
+
+  Examples:
+    >>> import numpy as np
+    >>> items = [np.float32(v) for v in (1e8, 1.0, -1e8, 1.0)]
+    >>> float(tree_sum(items))  # (1e8 + 1) + (-1e8 + 1); left to right would give 1.0
+    0.0
+  """
+  if not items:
+    raise ValueError("tree_sum needs at least one item.")
+  if len(items) == 1:
+    return items[0]
+  mid = len(items) // 2
+  return _add(tree_sum(items[:mid]), tree_sum(items[mid:]))
+
+
+def process_items(count: int, what: str = "items") -> slice:
+  """This process's contiguous block of ``count`` items for :func:`allgather_sum`.
+
+  Raises:
+    ValueError: the process count is not a power of two, or does not divide
+      ``count`` (the blocks would not be subtrees of :func:`tree_sum`'s tree).
+  """
+  p = jax.process_count()
+  if p & (p - 1) or count % p:
+    raise ValueError(f"{count} {what} cannot be split over {p} processes in a fixed order: "
+                     "the process count must be a power of two that divides it.")
+  size = count // p
+  return slice(jax.process_index() * size, (jax.process_index() + 1) * size)
+
+
+def _allgather(tree: Any, tiled: bool) -> Any:
+  if jax.process_count() == 1:
+    return jax.tree.map(lambda x: np.asarray(x)[None] if not tiled else np.asarray(x), tree)
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  return multihost_utils.process_allgather(tree, tiled=tiled)
+
+
+def allgather_sum(local_sum: Any) -> Any:
+  """The sum over all items, given this process's :func:`tree_sum` of its :func:`process_items`.
+
+  Every process gets the same bits, and so does one process summing all the
+  items with :func:`tree_sum`.
+  """
+  if jax.process_count() == 1:
+    return local_sum
+  stacked = _allgather(local_sum, tiled=False)
+  return tree_sum([jax.tree.map(lambda x, i=i: x[i], stacked)
+                   for i in range(jax.process_count())])
+
+
+def allgather_rows(local: Any) -> Any:
+  """Every process's rows (its :func:`process_items` block), concatenated in process order."""
+  return _allgather(local, tiled=True)

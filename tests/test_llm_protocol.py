@@ -1,4 +1,4 @@
-"""The perplexity protocols: windowing against a plain reference, row joining, what the CLI records."""
+"""Perplexity protocols: windowing against a plain reference, row joining, what the CLI records."""
 
 import json
 

@@ -56,6 +56,7 @@ import jax
 import numpy as np
 
 import safe_optax
+from safe_optax import distributed
 from safe_optax import experiment
 from safe_optax._prunable import path_str
 from safe_optax.llm import checkpoints
@@ -221,15 +222,18 @@ def _prune(args: argparse.Namespace) -> dict[str, Any]:
       seed=args.seed)
   out = pathlib.Path(args.out)
   state_dir = out / STATE_DIR
-  if args.restart:
+  # Several processes share OUT: process 0 alone removes, the others wait for it.
+  if args.restart and distributed.is_primary():
     # The report goes first: a folder without it no longer claims a finished export.
     if (out / "report.json").exists():
       (out / "report.json").unlink()
     if state_dir.exists():
       shutil.rmtree(state_dir)
+  distributed.barrier("safe_optax_llm_restart")
   finished = _finished(args, out)
   if finished is not None:
-    if state_dir.exists():  # a run killed between its report and this removal
+    # A run killed between its report and this removal.
+    if state_dir.exists() and distributed.is_primary():
       shutil.rmtree(state_dir)
     print(f"safe-optax-llm prune: '{out}' already holds this export; nothing to prune "
           "(--restart prunes it again).", file=sys.stderr)
@@ -249,10 +253,14 @@ def _prune(args: argparse.Namespace) -> dict[str, Any]:
   # export's range fails now rather than after hours of pruning (the export checks again).
   export.check_range(export.hf_tensors(config, params)[0], export_dtype, "--export-dtype")
   start = time.perf_counter()
-  pruned, prune_report = prune_lib.prune_model(config, params, calibration, cfg,
-                                               progress=not args.quiet, state_dir=state_dir,
-                                               identity=_identity(args))
+  pruned, prune_report = prune_lib.prune_model(
+      config, params, calibration, cfg, progress=not args.quiet, state_dir=state_dir,
+      identity=_identity(args), fixed_order=True if args.fixed_order else None)
   total = time.perf_counter() - start
+  # Every process holds the same pruned model; process 0 alone writes and evaluates.
+  distributed.barrier("safe_optax_llm_pruned")
+  if not distributed.is_primary():
+    return {"process": jax.process_index(), "seconds_total": total}
   # Only the blocks' matrices are pruned; the embedding (and untied head) stay dense.
   sparsity = safe_optax.sparsity_report(
       pruned, prunable=lambda path, leaf: "layers_" in path_str(path) and leaf.ndim == 2)
@@ -266,6 +274,8 @@ def _prune(args: argparse.Namespace) -> dict[str, Any]:
       "prune_config": dataclasses.asdict(cfg),
       "calibration": {"text": str(args.calib), "nsamples": args.nsamples,
                       "seqlen": args.seqlen, "seed": args.seed},
+      "processes": jax.process_count(),
+      "fixed_order": bool(args.fixed_order or jax.process_count() > 1),
       # Wall time of this process only; a resumed run's earlier blocks are in "blocks".
       "seconds_total": total, "export_dtype": export_dtype, **prune_report,
       "sparsity": {"prunable": sparsity.sparsity, "overall": sparsity.overall_sparsity},
@@ -340,6 +350,10 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--eval-tokens", type=_count(2), default=None,
                  help="tokens scored by the short protocol (default 2048)")
   p.add_argument("--quiet", action="store_true", help="no progress bar")
+  p.add_argument("--fixed-order", action="store_true",
+                 help="sum over calibration windows in the fixed order a multi-process run uses "
+                      "(the default with several processes): one process then gives its bits")
+  distributed.add_launch_arguments(p)
   p.add_argument("--restart", action="store_true",
                  help=f"discard the saved state of an interrupted run in OUT/{STATE_DIR} "
                       "(by default a rerun continues it, and refuses if the arguments differ)")
@@ -402,6 +416,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if args.command == "prune":
     _check_sparsity(parser, args)
   _check_protocol(parser, args)
+  if args.command == "prune":
+    # Before anything touches a device.
+    distributed.initialize_from_args(parser, args)
   args.command_line = " ".join(["safe-optax-llm"] + argv)
   try:
     result = args.func(args)
@@ -416,7 +433,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"safe-optax-llm {args.command}: interrupted; {saved}", file=sys.stderr)
     return 130
   summary = {k: v for k, v in result.items() if k not in ("blocks", "versions", "args")}
-  print(json.dumps(summary, indent=2, default=str))
+  if distributed.is_primary():
+    print(json.dumps(summary, indent=2, default=str))
   return 0
 
 

@@ -28,6 +28,13 @@ optimizer state are replicated, so ``jit`` runs each pass on every device and
 sums the gradients and statistics across them. A batch that does not split
 evenly over the devices runs replicated. One device runs exactly as before.
 
+Several processes (``jax.distributed``, :func:`safe_optax.distributed.initialize`):
+``prune_model(fixed_order=True)``, the default when there is more than one
+process, splits the calibration windows over the processes and sums every
+statistic and gradient over windows on one fixed tree
+(:mod:`safe_optax.llm.fixed_order`), so any power-of-two process count prunes
+bit for bit as one process with ``fixed_order=True`` does.
+
 Structures: unstructured or N:M along the input dimension (``(in, out)``
 kernels, the core's ``NM`` axis ``-2``). Unstructured masks are compared per
 matrix (default for magnitude / SAFE) or per output row (default for Wanda /
@@ -51,6 +58,8 @@ import numpy as np
 import optax
 
 import safe_optax
+from safe_optax import distributed
+from safe_optax.llm import fixed_order as fixed_order_lib
 from safe_optax.llm import model as model_lib
 from safe_optax.llm.block import block_fns
 from safe_optax.llm.block import calibration_mesh
@@ -93,10 +102,13 @@ def prune_block(
     stats: dict[str, Any],
     cfg: PruneConfig,
     mesh: Optional[jax.sharding.Mesh] = None,
+    fixed_order: bool = False,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
   """Prunes one block's seven matrices with ``cfg.method``; returns ``(params, info)``.
 
-  ``mesh`` splits SAFE's minibatches over its devices (:func:`calibration_mesh`).
+  ``mesh`` splits SAFE's minibatches over its devices (:func:`calibration_mesh`);
+  ``fixed_order`` splits them over the processes instead, summing in a fixed
+  order (:func:`safe_optax.llm.fixed_order.safe_block`).
   """
   linears, norms = split_block(block_params)
   num_rows = inputs.shape[0] * inputs.shape[1]
@@ -112,6 +124,10 @@ def prune_block(
         linears[key[0]][key[1]]["kernel"].T, stats[model_lib.LINEAR_INPUTS[key]]["xtx"],
         num_rows, sparsity=cfg.sparsity, nm=cfg.nm, blocksize=cfg.blocksize,
         percdamp=cfg.percdamp).T)
+  elif fixed_order:
+    pruned, info = fixed_order_lib.safe_block(
+        config, block_params, inputs, targets, cfg,
+        input_norms if cfg.method == "safe-plus" else None)
   else:
     pruned, info = safe_block(config, block_params, inputs, targets, cfg,
                               input_norms if cfg.method == "safe-plus" else None, mesh)
@@ -128,6 +144,7 @@ def prune_model(
     state_dir: Optional[os.PathLike] = None,
     identity: Optional[dict[str, Any]] = None,
     on_block: Optional[Callable[[int, dict[str, Any]], None]] = None,
+    fixed_order: Optional[bool] = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
   """Prunes every block in order on the pruned stream (see the module docstring).
 
@@ -150,6 +167,10 @@ def prune_model(
       (the CLI passes its pruning arguments, so errors name its flags).
     on_block: called as ``on_block(index, entry)`` after each block is pruned
       (and saved), e.g. to stop after a given block.
+    fixed_order: split the windows over the processes and sum in a fixed
+      order (:mod:`safe_optax.llm.fixed_order`); ``None``: when
+      ``jax.process_count() > 1``. With several processes each keeps its own
+      state in ``state_dir/process_<i>``.
 
   Returns:
     ``(pruned_params, report)``; the report has, per block, the seconds
@@ -185,7 +206,13 @@ def prune_model(
   # targets. Each window's output depends only on that window, so the pruned
   # block's outputs overwrite its inputs chunk by chunk.
   n = calibration.shape[0]
-  mesh = calibration_mesh()
+  fixed = jax.process_count() > 1 if fixed_order is None else fixed_order
+  if fixed:
+    fixed_order_lib.check_layout(n, cfg)
+    identity = {**(identity or {}), "fixed_order": True}
+    if state_dir is not None and jax.process_count() > 1:
+      state_dir = os.path.join(state_dir, f"process_{jax.process_index()}")
+  mesh = None if fixed else calibration_mesh()
   state = None if state_dir is None else PruneState(
       state_dir, _identity(config, calibration, cfg, identity))
   new_params = dict(params)
@@ -200,22 +227,30 @@ def prune_model(
       x[part] = embed(params, jnp.asarray(calibration[part], jnp.int32))
   targets = np.empty_like(x)
   bar = tqdm(range(len(blocks), config.num_layers), desc=f"prune {cfg.method}", unit="block",
-             disable=not progress, initial=len(blocks), total=config.num_layers)
+             disable=not (progress and distributed.is_primary()), initial=len(blocks),
+             total=config.num_layers)
   for i in bar:
     start = time.perf_counter()
     block_params = replicate(mesh, params[f"layers_{i}"])
     stats = None
-    for part in chunks(n, cfg.chunk):
-      out, st = forward_with_stats(block_params, place(mesh, x[part]))
-      targets[part] = out
-      stats = st if stats is None else optax.tree.add(stats, st)
-    pruned_block, info = prune_block(config, block_params, x, targets, stats, cfg, mesh)
+    if fixed:
+      targets[:], stats = fixed_order_lib.forward_pass(forward_with_stats, block_params, x,
+                                                      with_stats=True)
+    else:
+      for part in chunks(n, cfg.chunk):
+        out, st = forward_with_stats(block_params, place(mesh, x[part]))
+        targets[part] = out
+        stats = st if stats is None else optax.tree.add(stats, st)
+    pruned_block, info = prune_block(config, block_params, x, targets, stats, cfg, mesh,
+                                     fixed_order=fixed)
     jax.block_until_ready(pruned_block)
     seconds = time.perf_counter() - start
+    if fixed:
+      pruned_out, _ = fixed_order_lib.forward_pass(forward, pruned_block, x, with_stats=False)
     sq_error = sq_target = 0.0
     for part in chunks(n, cfg.chunk):
-      out = np.asarray(forward(replicate(mesh, pruned_block), place(mesh, x[part])),
-                       np.float32)
+      out = pruned_out[part] if fixed else np.asarray(
+          forward(replicate(mesh, pruned_block), place(mesh, x[part])), np.float32)
       sq_error += float(np.sum(np.square(out - targets[part]), dtype=np.float64))
       sq_target += float(np.sum(np.square(targets[part]), dtype=np.float64))
       x[part] = out

@@ -120,26 +120,14 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
 
 def _add_launch_options(parser: argparse.ArgumentParser) -> None:
   """Options of a multi-process launch (all three, or none for auto-detection)."""
-  group = parser.add_argument_group(
-      "multi-process launch", "all three, or none: then the SAFE_OPTAX_COORDINATOR / "
-      "SAFE_OPTAX_NUM_PROCESSES / SAFE_OPTAX_PROCESS_ID variables, or the cluster JAX detects "
-      "(SLURM, Open MPI, Cloud TPU), or one process")
-  group.add_argument("--coordinator", metavar="HOST:PORT",
-                     help="process 0's address and a free port, the same in every process")
-  group.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
-  group.add_argument("--process-id", type=int, metavar="I",
-                     help="this process's index in 0..N-1 (0 writes the outputs)")
+  from safe_optax import distributed  # pylint: disable=import-outside-toplevel
+  distributed.add_launch_arguments(parser)
 
 
 def _join_runtime(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
   """Joins JAX's distributed runtime before anything touches a device."""
   from safe_optax import distributed  # pylint: disable=import-outside-toplevel
-  try:
-    distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-  except ValueError as err:
-    # distributed names its arguments; the user typed flags.
-    parser.error(re.sub(r"\b(coordinator|num_processes|process_id)\b",
-                        lambda m: "--" + m.group(1).replace("_", "-"), str(err)))
+  distributed.initialize_from_args(parser, args)
 
 
 def _say(*args: Any, **kwargs: Any) -> None:
