@@ -246,8 +246,7 @@ def test_finish_reuses_the_last_records_test_passes(tmp_path, monkeypatch):
     passes.append(args[1])
     return original(*args, **kwargs)
 
-  monkeypatch.setattr(finish, "evaluate", counting)
-  monkeypatch.setattr(train, "evaluate", counting)
+  monkeypatch.setattr(finish, "evaluate", counting)  # the epoch records' passes and finish's
   out = train.train_and_evaluate(config, tmp_path, data_dir=None, dataset=data)
   # The last record: dense and projected; finish: only the model after BNT.
   assert len(passes) == 3

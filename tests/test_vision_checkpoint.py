@@ -44,6 +44,7 @@ from safetensors.numpy import load_file
 
 import safe_optax
 from safe_optax.vision import checkpoint as checkpoint_lib
+from safe_optax.vision import programs as programs_lib
 from safe_optax.vision import train
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -74,7 +75,7 @@ def bn_run(tmp_path_factory):
   base = tmp_path_factory.mktemp("bn")
   workdir = base / "runs" / "my-run"
   with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(train, "create_model", lambda config, n: BatchNormMLP(n))
+    patch.setattr(programs_lib, "create_model", lambda config, n: BatchNormMLP(n))
     out = train.train_and_evaluate(test_train.tiny_config(**BN_CONFIG), workdir,
                                    data_dir=None, dataset=test_train.tiny_dataset())
   assert list(out.state.model_state) == ["batch_stats"]
