@@ -2,11 +2,12 @@
 
 Layers, bottom up: the sparsity set (``Global``, ``PerLeaf``, ``PerOutput``,
 ``NM``, ``ERK``, ``Projection``), exact top-k projection kernels (``project_topk``),
-optax transforms (``sam_perturb``, ``admm_penalty``, ``decoupled_admm_penalty``,
+saliencies (``snip_saliency``, ``obd_saliency``, ``wanda_saliency``), optax
+transforms (``sam``, ``sam_perturb``, ``admm_penalty``, ``decoupled_admm_penalty``,
 ``add_projected_gradient``), aliases (``safe``, ``safe_plus``, ``admm``,
-``safe_sg``, ``safe_multi``), the baseline pruners (``magnitude_pruning``,
+``safe_sg``), the baseline pruners (``magnitude_pruning``,
 ``polynomial_sparsity``, ``cram``) and the final projection (``finalize``,
-``sparsity_report``).
+``sparsity_report``). XLA:CPU workarounds live in :mod:`safe_optax.experimental`.
 """
 
 from safe_optax._admm import ADMMState
@@ -15,14 +16,10 @@ from safe_optax._admm import admm_penalty
 from safe_optax._admm import constraint_distance
 from safe_optax._admm import decoupled_admm_penalty
 from safe_optax._admm import find_admm_state
-from safe_optax._admm import is_dual_step
-from safe_optax._admm import run_dual_update
 from safe_optax._alias import admm
 from safe_optax._alias import safe
-from safe_optax._alias import safe_multi
 from safe_optax._alias import safe_plus
 from safe_optax._alias import safe_sg
-from safe_optax._conv_layout import canonical_convs
 from safe_optax._cram import CramState
 from safe_optax._cram import cram
 from safe_optax._dual import dual_update
@@ -47,6 +44,7 @@ from safe_optax._scores import hutchinson_diagonal
 from safe_optax._scores import magnitude_scores
 from safe_optax._scores import obd_saliency
 from safe_optax._scores import obd_scores
+from safe_optax._scores import snip_saliency
 from safe_optax._scores import snip_scores
 from safe_optax._scores import wanda_saliency
 from safe_optax._scores import wanda_scores
@@ -58,8 +56,9 @@ from safe_optax._structures import Global
 from safe_optax._structures import PerLeaf
 from safe_optax._structures import PerOutput
 from safe_optax._structures import Projection
+from safe_optax import experimental
 
-__version__ = "0.1.0.dev0"
+__version__ = "0.1.0"
 
 __all__ = (
     "ADMMState",
@@ -80,7 +79,6 @@ __all__ = (
     "add_projected_gradient",
     "admm",
     "admm_penalty",
-    "canonical_convs",
     "constraint_distance",
     "cram",
     "decoupled_admm_penalty",
@@ -90,7 +88,6 @@ __all__ = (
     "finalize",
     "find_admm_state",
     "hutchinson_diagonal",
-    "is_dual_step",
     "magnitude_pruning",
     "magnitude_scores",
     "num_keep",
@@ -99,14 +96,13 @@ __all__ = (
     "penalty_schedule",
     "polynomial_sparsity",
     "project_topk",
-    "run_dual_update",
     "prunable_mask",
     "safe",
-    "safe_multi",
     "safe_plus",
     "safe_sg",
     "sam",
     "sam_perturb",
+    "snip_saliency",
     "snip_scores",
     "sparsity_report",
     "wanda_saliency",

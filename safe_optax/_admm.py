@@ -23,11 +23,13 @@ the base optimizer for that step, so SAFE+'s scores still see the gradient.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
@@ -63,20 +65,20 @@ class ADMMState(NamedTuple):
   keeping ``z`` and ``u``; a ``penalty`` (times the decoupled
   ``learning_rate``) that is negative or not finite counts as 0. An update
   called with ``dual_due=False`` when its dual update was due (and not
-  already run by :func:`run_dual_update`) skips that update and is counted
+  already run by :func:`safe_optax.experimental.run_dual_update`) skips that update and is counted
   too. Check it is 0 after training.
   """
   dual_count: jax.Array
   """The update count at which the dual update last ran (int32; -1 before the first).
 
   It makes the dual update at a count run at most once, so
-  :func:`run_dual_update` followed by a ``dual_due=False`` step equals one
+  :func:`safe_optax.experimental.run_dual_update` followed by a ``dual_due=False`` step equals one
   step that runs it.
   """
 
 
 DUAL_ONLY = "only"
-"""The ``dual_due`` value :func:`run_dual_update` passes: run only the dual update."""
+"""The ``dual_due`` value :func:`safe_optax.experimental.run_dual_update` passes: run only the dual update."""
 
 
 class DecoupledADMMState(NamedTuple):
@@ -104,9 +106,11 @@ def _admm_core(sparsity, penalty, *, dual_every, penalty_schedule, total_steps, 
   adds the penalty ``scale * (x - z + u)`` to the prunable leaves of a tree.
   """
   get_sparsity = _dual.sparsity_fn(sparsity, structure)
+  _prunable.check_prunable(prunable)
   _schedules.check_positive_int(dual_every, "dual_every")
   lam_fn = _schedules.penalty_schedule(penalty, penalty_schedule, total_steps)
-  saliency = _scores.get_saliency(scores)
+  _warn_if_no_dual_update(total_steps, dual_every)
+  saliency = _scores.check_saliency(scores)
   if learning_rate is not None and not callable(learning_rate):
     _schedules.check_nonnegative(learning_rate, "learning_rate")
   if not isinstance(rescale_dual, bool):
@@ -140,7 +144,7 @@ def _admm_core(sparsity, penalty, *, dual_every, penalty_schedule, total_steps, 
     if dual_due == DUAL_ONLY and saliency is not None:
       raise ValueError(
           "run_dual_update runs the dual update without a gradient, but this admm_penalty "
-          f"scores with a saliency (scores={scores!r}) that reads one: run the dual update "
+          "scores with a saliency (`scores` set) that reads one: run the dual update "
           "inside the training step (dual_due=True or None) instead.")
     if params is None:
       raise ValueError("admm_penalty needs `params` in update(updates, state, params).")
@@ -249,6 +253,25 @@ def _admm_core(sparsity, penalty, *, dual_every, penalty_schedule, total_steps, 
   return _Core(init_fn, step)
 
 
+def _warn_if_no_dual_update(total_steps: Any, dual_every: Any) -> None:
+  """Warns when a run of ``total_steps`` never reaches a dual update after the first.
+
+  The dual update runs at counts ``0, K, 2K, ...``; count 0 only sets
+  ``z = Proj(x0)``, so with ``T <= K`` the dual ``u`` never moves. Traced
+  values (``inject_hyperparams``) cannot be compared here.
+  """
+  concrete = all(isinstance(v, (int, np.integer)) or (
+      isinstance(v, (jax.Array, np.ndarray)) and not isinstance(v, jax.core.Tracer))
+                 for v in (total_steps, dual_every))
+  if total_steps is None or not concrete or int(total_steps) > int(dual_every):
+    return
+  warnings.warn(
+      f"total_steps={int(total_steps)} with dual_every={int(dual_every)}: the dual update "
+      f"runs every {int(dual_every)} steps, so after the first step (z = Proj(x0)) no dual "
+      "update happens in this run and u stays 0. Pass dual_every < total_steps.",
+      UserWarning, stacklevel=4)
+
+
 def _valid_or_zero(lam: jax.Array) -> jax.Array:
   """``lam``, or 0 where it is negative or not finite (an invalid penalty counts as 0)."""
   return jnp.where(jnp.isfinite(lam) & (lam >= 0), lam, jnp.zeros_like(lam))
@@ -268,11 +291,10 @@ def admm_penalty(
     penalty_schedule: Optional[str] = "constant",
     total_steps: Optional[int] = None,
     structure: Structure = Global(),
-    scores: Union[None, str, _scores.Saliency] = None,
+    scores: Optional[_scores.Saliency] = None,
     prunable: _prunable.Prunable = None,
     learning_rate: Optional[Union[float, optax.Schedule]] = None,
     seed: int = 0,
-    scope: Optional[str] = None,
     rescale_dual: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Adds SAFE's augmented-Lagrangian penalty and runs its dual update.
@@ -293,8 +315,9 @@ def admm_penalty(
     total_steps: ``T`` for the ramps.
     structure, prunable: the sparsity set, as in :func:`safe_optax.project_topk`
       (default :class:`safe_optax.Global`).
-    scores: SAFE+ saliency: ``None``/``"magnitude"``, ``"snip"``, ``"obd"``,
-      or a callable ``SaliencyInputs -> scores`` (e.g. :func:`wanda_saliency`).
+    scores: SAFE+ saliency: ``None`` (magnitude) or a callable
+      ``SaliencyInputs -> scores`` (:func:`safe_optax.snip_saliency`,
+      :func:`safe_optax.obd_saliency`, :func:`safe_optax.wanda_saliency`).
       It sees the ``updates`` entering this transform as the gradient: placed
       after an optimizer (``learning_rate`` set), that is the optimizer's step,
       not the gradient; :func:`decoupled_admm_penalty` scores with the gradient.
@@ -303,7 +326,6 @@ def admm_penalty(
       (place after the base optimizer).
     seed: seeds SAFE-Multi draws and, independently, the saliency's key
       (Hutchinson probes).
-    scope: deprecated, as in :func:`safe_optax.project_topk`.
     rescale_dual: keep the *unscaled* dual ``lambda * u`` when the penalty
       changes (a ramp or a schedule), as ADMM with a varying penalty parameter
       does (Boyd et al. 2011, §3.4.1): at each dual update ``u`` is multiplied
@@ -318,10 +340,10 @@ def admm_penalty(
   Returns:
     A :class:`optax.GradientTransformationExtraArgs` whose state is
     :class:`ADMMState`. ``update`` needs ``params``; ``grad_fn`` is only used
-    by the ``"obd"`` saliency; ``dual_due`` (a Python bool, see
-    :func:`is_dual_step`) says whether this update's dual update is due, so
+    by :func:`safe_optax.obd_saliency`; ``dual_due`` (a Python bool, see
+    :func:`safe_optax.experimental.is_dual_step`) says whether this update's dual update is due, so
     that a step without it compiles without the projection (``False`` also
-    after :func:`run_dual_update` ran this step's dual update apart); other
+    after :func:`safe_optax.experimental.run_dual_update` ran this step's dual update apart); other
     extra arguments are ignored.
 
   Raises:
@@ -352,7 +374,7 @@ def admm_penalty(
   """
   core = _admm_core(
       sparsity, penalty, dual_every=dual_every, penalty_schedule=penalty_schedule,
-      total_steps=total_steps, structure=_structures.resolve_structure(structure, scope),
+      total_steps=total_steps, structure=_structures.check_structure(structure),
       scores=scores, prunable=prunable, learning_rate=learning_rate, seed=seed,
       rescale_dual=rescale_dual)
 
@@ -374,7 +396,7 @@ def decoupled_admm_penalty(
     penalty_schedule: Optional[str] = "constant",
     total_steps: Optional[int] = None,
     structure: Structure = Global(),
-    scores: Union[None, str, _scores.Saliency] = None,
+    scores: Optional[_scores.Saliency] = None,
     prunable: _prunable.Prunable = None,
     seed: int = 0,
     rescale_dual: bool = False,
@@ -424,7 +446,7 @@ def decoupled_admm_penalty(
   inner = optax.with_extra_args_support(inner)
   core = _admm_core(
       sparsity, penalty, dual_every=dual_every, penalty_schedule=penalty_schedule,
-      total_steps=total_steps, structure=_structures.resolve_structure(structure),
+      total_steps=total_steps, structure=_structures.check_structure(structure),
       scores=scores, prunable=prunable, learning_rate=learning_rate, seed=seed,
       rescale_dual=rescale_dual)
 
@@ -456,7 +478,7 @@ def is_dual_step(count: int, dual_every: int) -> bool:
   ``dual_due=False`` skips that dual update and counts it in
   :attr:`ADMMState.invalid_hyperparams`. With a traced ``dual_every``
   (``optax.inject_hyperparams``) leave ``dual_due`` unset. On XLA:CPU, running
-  the dual update as a program of its own (:func:`run_dual_update`) and the
+  the dual update as a program of its own (:func:`safe_optax.experimental.run_dual_update`) and the
   dual step with ``dual_due=False`` is faster still.
 
   Args:
@@ -472,7 +494,8 @@ def is_dual_step(count: int, dual_every: int) -> bool:
 
   Examples:
     >>> import functools, jax, jax.numpy as jnp, optax
-    >>> from safe_optax import admm_penalty, is_dual_step
+    >>> from safe_optax import admm_penalty
+    >>> from safe_optax.experimental import is_dual_step
     >>> tx = optax.chain(admm_penalty(0.5, penalty=1.0, dual_every=2), optax.sgd(0.1))
     >>> @functools.partial(jax.jit, static_argnames="dual_due")
     ... def step(params, state, *, dual_due):
@@ -545,7 +568,8 @@ def run_dual_update(tx: optax.GradientTransformation, opt_state: Any, params: An
 
   Examples:
     >>> import functools, jax, jax.numpy as jnp, optax
-    >>> from safe_optax import admm_penalty, is_dual_step, run_dual_update
+    >>> from safe_optax import admm_penalty
+    >>> from safe_optax.experimental import is_dual_step, run_dual_update
     >>> tx = optax.chain(admm_penalty(0.5, penalty=1.0, dual_every=2), optax.sgd(0.1))
     >>> dual = jax.jit(functools.partial(run_dual_update, tx))
     >>> @jax.jit

@@ -8,10 +8,11 @@ transforms and optax's SGD, as in the official recipe::
 
 With ``decoupled_penalty=True`` the penalty moves after SGD as the paper's
 plain step ``x -= eta_t * lambda_t * (x - z + u)`` (:func:`decoupled_admm_penalty`).
-The variants only set their own arguments, as optax's ``nadamw`` sets
-``adamw``'s: :func:`safe_plus` (``scores="snip"``), :func:`safe_sg`
-(``sparse_gradient=True``), :func:`admm` (no SAM, constant penalty) and
-:func:`safe_multi` (a set of sparsities). Call ``update`` with ``params`` and
+The variants are written in terms of :func:`safe` with their own explicit
+signatures, as optax's ``nadamw`` is written in terms of ``adamw``:
+:func:`safe_plus` (a saliency, SNIP by default), :func:`safe_sg`
+(``sparse_gradient=True``) and :func:`admm` (no SAM, constant penalty).
+SAFE-Multi is ``safe`` with a sequence of sparsities. Call ``update`` with ``params`` and
 ``grad_fn`` (the SAM aliases need it; ``admm`` does not). ``rho=None`` leaves
 SAM out, for ``sam(wrapper(alias(..., rho=None)), rho)`` with
 ``optax.MultiSteps`` / ``apply_if_finite`` / ``masked`` (see ``_sam.py``).
@@ -19,9 +20,8 @@ SAM out, for ``sam(wrapper(alias(..., rho=None)), rho)`` with
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import optax
 
@@ -51,13 +51,12 @@ def safe(
     weight_decay: float = 0.0,
     structure: Structure = Global(),
     prunable: _prunable.Prunable = None,
-    scores: Union[None, str, _scores.Saliency] = None,
+    scores: Optional[_scores.Saliency] = None,
     sparse_gradient: bool = False,
     adaptive: bool = False,
     max_grad_norm: Optional[float] = None,
     decoupled_penalty: bool = False,
     seed: int = 0,
-    scope: Optional[str] = None,
     rescale_dual: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""SAFE: sharpness-aware ADMM pruning with SGD (Lee et al., ICML 2025).
@@ -70,8 +69,9 @@ def safe(
 
   Args:
     learning_rate: SGD step size (number or optax schedule).
-    sparsity: target fraction of zeros among prunable weights (or a schedule,
-      or a set of choices for SAFE-Multi).
+    sparsity: target fraction of zeros among prunable weights, a schedule, or
+      a non-empty sequence of fractions for SAFE-Multi (one drawn at random at
+      every dual update; finalize at the sparsity you deploy).
     penalty: ``lambda`` (or a schedule).
     penalty_schedule: ``"cosine"`` (vision default), ``"linear"`` or
       ``"constant"``; ``None`` when ``penalty`` is a schedule.
@@ -85,8 +85,9 @@ def safe(
     weight_decay: L2 weight decay added to the gradient (all leaves).
     structure, prunable: the sparsity set (see :func:`project_topk`; default
       :class:`Global`).
-    scores: the projection's saliency (SAFE+, see :func:`safe_plus`); ``None``
-      is magnitude.
+    scores: the projection's saliency, a callable such as
+      :func:`safe_optax.snip_saliency` (SAFE+, see :func:`safe_plus`);
+      ``None`` is magnitude.
     sparse_gradient: add ``grad f(Proj(x))`` to the x-step (SAFE+SG, see
       :func:`safe_sg`).
     adaptive: ASAM perturbation (needs ``rho``).
@@ -98,8 +99,6 @@ def safe(
     decoupled_penalty: apply the penalty as a plain step after SGD (paper)
       instead of through momentum (official code, default).
     seed: seeds SAFE-Multi draws and OBD's Hutchinson probes.
-    scope: deprecated: ``"global"`` / ``"per_leaf"`` mean
-      ``structure=Global()`` / ``PerLeaf()`` (``DeprecationWarning``).
     rescale_dual: keep the unscaled dual ``lambda * u`` when the penalty
       ramps (Boyd et al. 2011, §3.4.1; see :func:`admm_penalty`). Off by
       default, as in the paper; turn it on at extreme sparsity, where the
@@ -136,7 +135,7 @@ def safe(
     Lee, Lee, Chung, Lee, `SAFE: Finding Sparse and Flat Minima to Improve
     Pruning`, ICML 2025.
   """
-  structure = _structures.resolve_structure(structure, scope)
+  structure = _structures.check_structure(structure)
   penalty_args = dict(
       dual_every=dual_every, penalty_schedule=penalty_schedule, total_steps=total_steps,
       structure=structure, scores=scores, prunable=prunable, seed=seed,
@@ -163,30 +162,31 @@ def safe(
   return optax.chain(*head, *body)
 
 
-def _signature_like_safe(*, rename: Optional[dict[str, str]] = None, drop: Sequence[str] = (),
-                         **defaults: Any) -> inspect.Signature:
-  """:func:`safe`'s signature with a variant's own defaults, names and omissions.
-
-  Set as the variant's ``__signature__``: ``optax.inject_hyperparams`` binds
-  the arguments against it (and passes them all by keyword), and Sphinx and
-  ``help`` show it, though the variant forwards ``**kwargs``.
-  """
-  rename = rename or {}
-  parameters = []
-  for param in inspect.signature(safe).parameters.values():
-    if param.name in drop:
-      continue
-    if param.name in defaults:
-      param = param.replace(default=defaults[param.name])
-    parameters.append(param.replace(name=rename.get(param.name, param.name)))
-  return inspect.signature(safe).replace(parameters=parameters)
-
-
-def safe_plus(learning_rate: optax.ScalarOrSchedule, sparsity: SparsityArg,
-              **kwargs: Any) -> optax.GradientTransformationExtraArgs:
+def safe_plus(
+    learning_rate: optax.ScalarOrSchedule,
+    sparsity: SparsityArg,
+    *,
+    penalty: Union[float, optax.Schedule],
+    penalty_schedule: Optional[str] = "cosine",
+    total_steps: Optional[int] = None,
+    rho: Optional[float] = 0.1,
+    dual_every: int = 32,
+    momentum: float = 0.9,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    structure: Structure = Global(),
+    prunable: _prunable.Prunable = None,
+    scores: _scores.Saliency = _scores.snip_saliency(),
+    sparse_gradient: bool = False,
+    adaptive: bool = False,
+    max_grad_norm: Optional[float] = None,
+    decoupled_penalty: bool = False,
+    seed: int = 0,
+    rescale_dual: bool = False,
+) -> optax.GradientTransformationExtraArgs:
   r"""SAFE+: SAFE with the generalized projection ``Proj^P`` (saliency scores).
 
-  :func:`safe` with ``scores="snip"`` by default: the dual update projects
+  :func:`safe` with a saliency (SNIP by default): the dual update projects
   with a diagonal metric ``P``,
 
   .. math::
@@ -197,14 +197,17 @@ def safe_plus(learning_rate: optax.ScalarOrSchedule, sparsity: SparsityArg,
   :math:`\sqrt{P_{ii}}\,|v_i|`. Finalize with the same scores.
 
   Args:
-    learning_rate, sparsity: as in :func:`safe`.
-    **kwargs: every keyword of :func:`safe`; ``scores`` defaults to
-      ``"snip"`` (``|g * v|``, ``g`` the gradient entering the penalty, i.e.
-      the SAM gradient, also with ``decoupled_penalty=True``), or ``"obd"``
-      (Hutchinson Hessian diagonal, one probe per dual update; costs a
-      Hessian-vector product then), ``"magnitude"`` (plain SAFE), or a
-      callable ``SaliencyInputs -> scores`` such as
-      :func:`safe_optax.wanda_saliency`.
+    learning_rate, sparsity, penalty, penalty_schedule, total_steps, rho,
+      dual_every, momentum, nesterov, weight_decay, structure, prunable,
+      sparse_gradient, adaptive, max_grad_norm, decoupled_penalty, seed,
+      rescale_dual: as in :func:`safe`.
+    scores: the saliency: :func:`safe_optax.snip_saliency` (default,
+      ``|g * v|``, ``g`` the gradient entering the penalty, i.e. the SAM
+      gradient, also with ``decoupled_penalty=True``),
+      :func:`safe_optax.obd_saliency` (Hutchinson Hessian diagonal, one probe
+      per dual update; costs a Hessian-vector product then),
+      :func:`safe_optax.wanda_saliency`, or any callable
+      ``SaliencyInputs -> scores``.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs`; ``update`` needs
@@ -214,8 +217,7 @@ def safe_plus(learning_rate: optax.ScalarOrSchedule, sparsity: SparsityArg,
     >>> import jax, jax.numpy as jnp, optax, safe_optax
     >>> loss = lambda p: jnp.sum((p['w'] - jnp.array([[3., 0.1], [0.2, -2.]])) ** 2)
     >>> grad_fn = lambda p, _: jax.grad(loss)(p)
-    >>> tx = safe_optax.safe_plus(0.1, 0.5, penalty=1.0, scores='snip', total_steps=100,
-    ...                           dual_every=4)
+    >>> tx = safe_optax.safe_plus(0.1, 0.5, penalty=1.0, total_steps=100, dual_every=4)
     >>> params = {'w': jnp.zeros((2, 2))}
     >>> @jax.jit
     ... def step(params, state):
@@ -232,14 +234,33 @@ def safe_plus(learning_rate: optax.ScalarOrSchedule, sparsity: SparsityArg,
     Lee, Lee, Chung, Lee, `SAFE: Finding Sparse and Flat Minima to Improve
     Pruning`, ICML 2025 (§3.4, SAFE+).
   """
-  return safe(learning_rate, sparsity, **{"scores": "snip", **kwargs})
+  return safe(
+      learning_rate, sparsity, penalty=penalty, penalty_schedule=penalty_schedule,
+      total_steps=total_steps, rho=rho, dual_every=dual_every, momentum=momentum,
+      nesterov=nesterov, weight_decay=weight_decay, structure=structure, prunable=prunable,
+      scores=scores, sparse_gradient=sparse_gradient, adaptive=adaptive,
+      max_grad_norm=max_grad_norm, decoupled_penalty=decoupled_penalty, seed=seed,
+      rescale_dual=rescale_dual)
 
 
-safe_plus.__signature__ = _signature_like_safe(scores="snip")
-
-
-def admm(learning_rate: optax.ScalarOrSchedule, sparsity: SparsityArg,
-         **kwargs: Any) -> optax.GradientTransformationExtraArgs:
+def admm(
+    learning_rate: optax.ScalarOrSchedule,
+    sparsity: SparsityArg,
+    *,
+    penalty: Union[float, optax.Schedule],
+    penalty_schedule: Optional[str] = "constant",
+    total_steps: Optional[int] = None,
+    dual_every: int = 32,
+    momentum: float = 0.9,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    structure: Structure = Global(),
+    prunable: _prunable.Prunable = None,
+    scores: Optional[_scores.Saliency] = None,
+    decoupled_penalty: bool = False,
+    seed: int = 0,
+    rescale_dual: bool = False,
+) -> optax.GradientTransformationExtraArgs:
   r"""ADMM pruning (Zhang et al., 2018): SAFE without SAM, constant penalty by default.
 
   :func:`safe` with ``rho=None`` and ``penalty_schedule="constant"``. Each
@@ -249,18 +270,16 @@ def admm(learning_rate: optax.ScalarOrSchedule, sparsity: SparsityArg,
   :func:`safe_optax.finalize`.
 
   Args:
-    learning_rate, sparsity: as in :func:`safe`.
-    **kwargs: the keywords of :func:`safe` except the SAM ones (``rho``,
-      ``adaptive``, ``max_grad_norm``, ``sparse_gradient``);
-      ``penalty_schedule`` defaults to ``"constant"``; ``scores`` gives a
-      SAFE+-style saliency, as in :func:`safe_plus` (``None``: magnitude).
+    learning_rate, sparsity, penalty, total_steps, dual_every, momentum,
+      nesterov, weight_decay, structure, prunable, decoupled_penalty, seed,
+      rescale_dual: as in :func:`safe`.
+    penalty_schedule: as in :func:`safe`, but ``"constant"`` by default.
+    scores: a SAFE+-style saliency, as in :func:`safe_plus` (``None``:
+      magnitude).
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs`; ``update`` needs
-    ``params``, and ``grad_fn`` only with ``scores="obd"``.
-
-  Raises:
-    TypeError: a SAM keyword (``rho``, ...).
+    ``params``, and ``grad_fn`` only with :func:`safe_optax.obd_saliency`.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, safe_optax
@@ -282,16 +301,34 @@ def admm(learning_rate: optax.ScalarOrSchedule, sparsity: SparsityArg,
     Zhang et al., `A Systematic DNN Weight Pruning Framework using Alternating
     Direction Method of Multipliers <https://arxiv.org/abs/1804.03294>`_, ECCV 2018.
   """
-  admm.__signature__.bind(learning_rate, sparsity, **kwargs)  # a SAM keyword: TypeError
-  return safe(learning_rate, sparsity, rho=None, **{"penalty_schedule": "constant", **kwargs})
+  return safe(
+      learning_rate, sparsity, penalty=penalty, penalty_schedule=penalty_schedule,
+      total_steps=total_steps, rho=None, dual_every=dual_every, momentum=momentum,
+      nesterov=nesterov, weight_decay=weight_decay, structure=structure, prunable=prunable,
+      scores=scores, decoupled_penalty=decoupled_penalty, seed=seed, rescale_dual=rescale_dual)
 
 
-admm.__signature__ = _signature_like_safe(
-    penalty_schedule="constant", drop=("rho", "adaptive", "max_grad_norm", "sparse_gradient"))
-
-
-def safe_sg(learning_rate: optax.ScalarOrSchedule, sparsity: SparsityArg,
-            **kwargs: Any) -> optax.GradientTransformationExtraArgs:
+def safe_sg(
+    learning_rate: optax.ScalarOrSchedule,
+    sparsity: SparsityArg,
+    *,
+    penalty: Union[float, optax.Schedule],
+    penalty_schedule: Optional[str] = "cosine",
+    total_steps: Optional[int] = None,
+    rho: Optional[float] = 0.1,
+    dual_every: int = 32,
+    momentum: float = 0.9,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    structure: Structure = Global(),
+    prunable: _prunable.Prunable = None,
+    scores: Optional[_scores.Saliency] = None,
+    adaptive: bool = False,
+    max_grad_norm: Optional[float] = None,
+    decoupled_penalty: bool = False,
+    seed: int = 0,
+    rescale_dual: bool = False,
+) -> optax.GradientTransformationExtraArgs:
   r"""SAFE+SG: SAFE whose x-step also adds ``grad f(Proj(x))`` (paper App. D).
 
   :func:`safe` with ``sparse_gradient=True``. The x-step gradient is
@@ -300,9 +337,10 @@ def safe_sg(learning_rate: optax.ScalarOrSchedule, sparsity: SparsityArg,
   Costs a third gradient per step; ``grad_fn`` is called with step 1 for it.
 
   Args:
-    learning_rate: as in :func:`safe`.
+    learning_rate, penalty, penalty_schedule, total_steps, rho, dual_every,
+      momentum, nesterov, weight_decay, structure, prunable, scores, adaptive,
+      max_grad_norm, decoupled_penalty, seed, rescale_dual: as in :func:`safe`.
     sparsity: as in :func:`safe`; a sequence gives SAFE+SG,Multi.
-    **kwargs: every keyword of :func:`safe`.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs`; ``update`` needs
@@ -330,60 +368,9 @@ def safe_sg(learning_rate: optax.ScalarOrSchedule, sparsity: SparsityArg,
     Pruning`, ICML 2025 (App. D); Peste et al., `CrAM: A Compression-Aware
     Minimizer <https://arxiv.org/abs/2207.14200>`_, ICLR 2023.
   """
-  return safe(learning_rate, sparsity, **{"sparse_gradient": True, **kwargs})
-
-
-safe_sg.__signature__ = _signature_like_safe(sparse_gradient=True)
-
-
-def safe_multi(learning_rate: optax.ScalarOrSchedule, sparsity_choices: Sequence[float],
-               **kwargs: Any) -> optax.GradientTransformationExtraArgs:
-  """SAFE-Multi: the target sparsity is drawn from ``sparsity_choices`` at each z-update.
-
-  :func:`safe` with a set of sparsities. Training against a random target
-  from a set makes one run usable at each of those sparsities; finalize at
-  the sparsity you deploy.
-
-  Args:
-    learning_rate: as in :func:`safe`.
-    sparsity_choices: non-empty sequence of target sparsities in ``[0, 1)``;
-      one is drawn uniformly at random at every dual update.
-    **kwargs: every keyword of :func:`safe`; ``seed`` seeds the draws.
-
-  Returns:
-    An :class:`optax.GradientTransformationExtraArgs`; ``update`` needs
-    ``params`` and ``grad_fn(params, step)``.
-
-  Raises:
-    ValueError: ``sparsity_choices`` is empty or not a sequence.
-
-  Examples:
-    >>> import jax, jax.numpy as jnp, optax, safe_optax
-    >>> loss = lambda p: jnp.sum((p['w'] - jnp.array([[3., 0.1], [0.2, -2.]])) ** 2)
-    >>> grad_fn = lambda p, _: jax.grad(loss)(p)
-    >>> tx = safe_optax.safe_multi(0.1, (0.25, 0.5), penalty=1.0, total_steps=100,
-    ...                            dual_every=4)
-    >>> params = {'w': jnp.zeros((2, 2))}
-    >>> @jax.jit
-    ... def step(params, state):
-    ...   updates, state = tx.update(grad_fn(params, 0), state, params, grad_fn=grad_fn)
-    ...   return optax.apply_updates(params, updates), state
-    >>> state = tx.init(params)
-    >>> for _ in range(100):
-    ...   params, state = step(params, state)
-    >>> safe_optax.finalize(params, 0.5)[1]['w']
-    Array([[ True, False],
-           [False,  True]], dtype=bool)
-
-  References:
-    Lee, Lee, Chung, Lee, `SAFE: Finding Sparse and Flat Minima to Improve
-    Pruning`, ICML 2025 (§4.4, App. D).
-  """
-  if isinstance(sparsity_choices, (str, bytes)) or not isinstance(sparsity_choices, Sequence) \
-      or not sparsity_choices:
-    raise ValueError(
-        f"`sparsity_choices` must be a non-empty sequence of sparsities, got {sparsity_choices!r}.")
-  return safe(learning_rate, tuple(sparsity_choices), **kwargs)
-
-
-safe_multi.__signature__ = _signature_like_safe(rename={"sparsity": "sparsity_choices"})
+  return safe(
+      learning_rate, sparsity, penalty=penalty, penalty_schedule=penalty_schedule,
+      total_steps=total_steps, rho=rho, dual_every=dual_every, momentum=momentum,
+      nesterov=nesterov, weight_decay=weight_decay, structure=structure, prunable=prunable,
+      scores=scores, sparse_gradient=True, adaptive=adaptive, max_grad_norm=max_grad_norm,
+      decoupled_penalty=decoupled_penalty, seed=seed, rescale_dual=rescale_dual)

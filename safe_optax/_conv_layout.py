@@ -52,7 +52,7 @@ def canonical_convs(fn: Callable[..., Any]) -> Callable[..., Any]:
   Examples:
     >>> import jax, jax.numpy as jnp
     >>> from jax import lax
-    >>> from safe_optax import canonical_convs
+    >>> from safe_optax.experimental import canonical_convs
     >>> def conv(x, k):  # input NCHW, kernel OIHW: not XLA:CPU's canonical order
     ...   return lax.conv_general_dilated(x, k, (1, 1), "SAME",
     ...                                   dimension_numbers=("NCHW", "OIHW", "NCHW"))

@@ -41,7 +41,6 @@ def cram(
     normalize: bool = True,
     sparse_grad: bool = False,
     seed: int = 0,
-    scope: Optional[str] = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""CrAM / CrAM+: the gradient at the compressed ascent point.
 
@@ -82,7 +81,6 @@ def cram(
     sparse_grad: zero ``\nabla f(\tilde x)`` where ``C`` pruned (official code's
       ``sparse_grad``; the dense ``g`` of CrAM+ is not masked).
     seed: seeds the Multi draws.
-    scope: deprecated, as in :func:`safe_optax.project_topk`.
 
   Returns:
     A :class:`optax.GradientTransformationExtraArgs` with state
@@ -110,8 +108,9 @@ def cram(
   """
   _schedules.check_nonnegative(rho, "rho")
   _schedules.check_nonnegative(eps, "eps")
-  structure = _structures.resolve_structure(structure, scope)
+  structure = _structures.check_structure(structure)
   get_sparsity = _dual.sparsity_fn(sparsity, structure)
+  _prunable.check_prunable(prunable)
   base_key = jax.random.PRNGKey(seed)
 
   def init_fn(params):

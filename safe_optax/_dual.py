@@ -7,7 +7,6 @@ set of choices) into the value used at one dual update.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
@@ -60,13 +59,11 @@ def dual_update(
     params: Any,
     u: Sequence[jax.Array],
     sparsity: Any,
-    *legacy_args: Any,
+    *,
     flags: tuple[bool, ...],
     first: jax.Array,
     structure: Structure = Global(),
     scores: Optional[Any] = None,
-    scope: Optional[str] = None,
-    z: Any = None,
 ) -> tuple[list[jax.Array], list[jax.Array]]:
   r"""One ADMM z/u step on the prunable leaves: ``z = Proj(x + u); u = u + x - z``.
 
@@ -82,14 +79,10 @@ def dual_update(
     params: the full parameter tree ``x``.
     u: list of the prunable leaves' ``u``.
     sparsity: target sparsity (number or traced scalar; ``None`` for ``NM``).
-    *legacy_args: the deprecated call ``dual_update(params, z, u, sparsity, ...)``
-      (``DeprecationWarning``; ``z`` is ignored).
     flags: prunable flags of ``params``' leaves.
     first: True at initialisation, where ``u`` stays 0 (``z0 = Proj(x0)``).
     structure: as in :func:`safe_optax.project_topk`.
     scores: optional list of scores for ``x + u`` (SAFE+).
-    scope: deprecated, as in :func:`safe_optax.project_topk`.
-    z: deprecated and ignored (``DeprecationWarning``).
 
   Returns:
     The new ``(z, u)`` lists.
@@ -112,17 +105,7 @@ def dual_update(
     Alternating Direction Method of Multipliers
     <https://doi.org/10.1561/2200000016>`_, 2011 (scaled form, §3.1.1).
   """
-  if legacy_args or z is not None:
-    if len(legacy_args) > 1:
-      raise TypeError(f"dual_update takes (params, u, sparsity), got {3 + len(legacy_args)} "
-                      "positional arguments.")
-    warnings.warn(
-        "dual_update's `z` argument is deprecated and ignored (the new z is Proj(x + u)); "
-        "call dual_update(params, u, sparsity, flags=..., first=...).",
-        DeprecationWarning, stacklevel=2)
-    if legacy_args:  # the old positional form (params, z, u, sparsity)
-      u, sparsity = sparsity, legacy_args[0]
-  structure = _structures.resolve_structure(structure, scope)
+  structure = _structures.check_structure(structure)
   x = _prunable.prunable_leaves(params, flags)
   v = [xi + ui for xi, ui in zip(x, u)]
   z_new, _ = _projection.project_topk(

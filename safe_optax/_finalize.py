@@ -134,7 +134,6 @@ def finalize(
     structure: Structure = Global(),
     scores: Any = None,
     prunable: _prunable.Prunable = None,
-    scope: Optional[str] = None,
 ) -> tuple[Any, Any]:
   r"""The final hard projection ``x_final = Proj(x_T)`` of SAFE / SAFE+.
 
@@ -158,7 +157,6 @@ def finalize(
       :class:`PerOutput` or :class:`NM`.
     scores: optional score tree (SAFE+, e.g. :func:`snip_scores`).
     prunable: which leaves are pruned, as in :func:`project_topk`.
-    scope: deprecated, as in :func:`project_topk`.
 
   Returns:
     ``(sparse_params, keep_masks)``. Re-estimate BatchNorm statistics next.
@@ -181,7 +179,7 @@ def finalize(
     Pruning`, ICML 2025 (Algorithm 1, final projection).
   """
   sparse, masks = _projection.project_topk(
-      params, sparsity, structure=_structures.resolve_structure(structure, scope),
+      params, sparsity, structure=_structures.check_structure(structure),
       scores=scores, prunable=prunable)
   leaves = jax.tree.leaves(sparse)
   if leaves and not isinstance(leaves[0], jax.core.Tracer):

@@ -24,7 +24,7 @@ backward pass) only in a program's top-level computation
 (``ConvCanonicalization`` walks the entry computation alone), so inside a
 loop body they would fall back to a naive loop nest, 20-60x slower
 (jax-ml/jax#12868). The loop bodies here therefore go through
-:func:`safe_optax.canonical_convs`, which does that rewrite in JAX
+:func:`safe_optax.experimental.canonical_convs`, which does that rewrite in JAX
 (``benchmarks/perf/eval_speed.py`` times both ways).
 """
 
@@ -288,7 +288,7 @@ def max_hessian_eigenvalue(
   calls), reading one scalar per iteration back to decide whether to stop.
   Called inside ``jax.jit`` (``loss_fn`` must then be traceable), the loop
   is one ``lax.while_loop`` (its convolutions through
-  :func:`safe_optax.canonical_convs`, see the module notes); pass
+  :func:`safe_optax.experimental.canonical_convs`, see the module notes); pass
   ``batches`` as an argument of the jitted function rather than closing
   over them (closed-over arrays become constants of the compiled program).
   Both give the same result up to float rounding.

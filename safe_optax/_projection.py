@@ -145,7 +145,6 @@ def project_topk(
     structure: Structure = Global(),
     scores: Any = None,
     prunable: _prunable.Prunable = None,
-    scope: Optional[str] = None,
 ) -> tuple[Any, Any]:
   r"""Projects ``tree`` onto the set of trees with the requested sparsity.
 
@@ -175,8 +174,6 @@ def project_topk(
       prunable entry (higher is kept); other leaves may be ``None``.
     prunable: which leaves are pruned: ``None`` (floating leaves with
       ``ndim >= 2``), a bool pytree, or a callable ``(key_path, leaf) -> bool``.
-    scope: deprecated; ``"global"`` / ``"per_leaf"`` mean
-      ``structure=Global()`` / ``PerLeaf()`` (``DeprecationWarning``).
 
   Returns:
     ``(projected_tree, keep_masks)``: the projected tree (same structure and
@@ -205,7 +202,7 @@ def project_topk(
     Pruning`, ICML 2025 (§3.4, generalized projection).
   """
   structure = _structures.check_config(
-      sparsity, _structures.resolve_structure(structure, scope))
+      sparsity, _structures.check_structure(structure))
   resolved = _prunable.resolve(tree, prunable)
   if scores is None:
     score_leaves = [None] * len(resolved.leaves)

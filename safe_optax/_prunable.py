@@ -13,6 +13,7 @@ from typing import Any, NamedTuple, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 KeyPath = tuple[Any, ...]
@@ -71,6 +72,32 @@ def path_str(path: KeyPath) -> str:
   return "/".join(parts) or "<root>"
 
 
+def check_prunable(prunable: Any) -> Prunable:
+  """Returns ``prunable`` if it is ``None``, a callable or a pytree of bools.
+
+  Checked without the parameters, so the transforms refuse a wrong value at
+  construction rather than read it as "prune everything" (``bool('kernel')``
+  is True).
+
+  Raises:
+    TypeError: anything else, e.g. ``'kernel'`` or ``1``, naming the allowed values.
+  """
+  if prunable is None or callable(prunable):
+    return prunable
+  bad = [leaf for leaf in jax.tree.leaves(prunable)
+         if not isinstance(leaf, (bool, np.bool_))
+         and not (isinstance(leaf, (jax.Array, np.ndarray)) and leaf.dtype == bool
+                  and leaf.ndim == 0)]
+  if bad:
+    raise TypeError(
+        "`prunable` must be None (the default rule: floating leaves with ndim >= 2), a "
+        "callable (key_path, leaf) -> bool, or a pytree of bools shaped like the "
+        f"parameters (or a prefix of them); got {prunable!r}, whose leaf {bad[0]!r} is not "
+        "a bool. To prune kernels only, pass e.g. "
+        "lambda path, leaf: path[-1].key == 'kernel'.")
+  return prunable
+
+
 def _flags_from_tree(prunable: Any, tree: Any) -> list[bool]:
   """Broadcasts a bool pytree (the tree itself or a prefix of it) onto ``tree``'s leaves."""
   try:
@@ -99,10 +126,12 @@ def resolve(tree: Any, prunable: Prunable = None, *, allow_none: bool = False) -
     A :class:`ResolvedLeaves`.
 
   Raises:
-    TypeError: a leaf selected as prunable is not a floating-point array.
+    TypeError: a leaf selected as prunable is not a floating-point array, or
+      ``prunable`` is neither None, a callable nor a pytree of bools.
     ValueError: no leaf is prunable (unless ``allow_none``), or ``prunable``
       does not match ``tree``.
   """
+  check_prunable(prunable)
   with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
   paths = tuple(path_str(p) for p, _ in with_path)
   leaves = [leaf for _, leaf in with_path]

@@ -163,11 +163,10 @@ def magnitude_pruning(
     *,
     update_every: int = 1,
     structure: Structure = Global(),
-    scores: Union[None, str, _scores.Saliency] = None,
+    scores: Optional[_scores.Saliency] = None,
     prunable: _prunable.Prunable = None,
     update_until: Optional[int] = None,
     seed: int = 0,
-    scope: Optional[str] = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Magnitude pruning with a persistent mask, as the last link of an ``optax.chain``.
 
@@ -201,16 +200,15 @@ def magnitude_pruning(
     update_every: :math:`\Delta \ge 1`, steps between mask updates.
     structure, prunable: as in :func:`safe_optax.project_topk` (default
       :class:`safe_optax.Global`).
-    scores: ranking at mask updates: ``None``/``"magnitude"`` (``|x + u|``),
-      ``"snip"``, ``"obd"`` or a callable ``SaliencyInputs -> scores`` as in
+    scores: ranking at mask updates: ``None`` (magnitude, ``|x + u|``) or a
+      saliency callable ``SaliencyInputs -> scores`` as in
       :func:`safe_optax.admm_penalty`. The saliency sees ``values = x + u``
       and ``updates = u``, the *optimizer's* update (a scaled, momentum-averaged
-      gradient placed after SGD); ``"obd"`` needs ``grad_fn``.
+      gradient placed after SGD); :func:`safe_optax.obd_saliency` needs ``grad_fn``.
     update_until: if set, no mask update after this step (the mask of the
       last update before it is kept for good), e.g. GMP's ``end_step``.
-    seed: seeds the saliency's key (Hutchinson probes of ``"obd"``, or a
+    seed: seeds the saliency's key (Hutchinson probes of OBD, or a
       callable that draws); pass the run's seed.
-    scope: deprecated, as in :func:`safe_optax.project_topk`.
 
   Returns:
     A :class:`optax.GradientTransformationExtraArgs` with state
@@ -242,12 +240,13 @@ def magnitude_pruning(
     2017; Na et al., `Train Flat, Then Compress
     <https://arxiv.org/abs/2205.12694>`_, 2022 (IMP+SAM).
   """
-  structure = _structures.resolve_structure(structure, scope)
+  structure = _structures.check_structure(structure)
   get_sparsity = _sparsity_fn(sparsity, structure, "magnitude_pruning")
+  _prunable.check_prunable(prunable)
   _schedules.check_positive_int(update_every, "update_every")
   if update_until is not None:
     _check_step(update_until, "update_until")
-  saliency = _scores.get_saliency(scores)
+  saliency = _scores.check_saliency(scores)
   base_key = jax.random.PRNGKey(seed)
 
   def init_fn(params):

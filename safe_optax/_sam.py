@@ -266,7 +266,6 @@ def add_projected_gradient(
     prunable: _prunable.Prunable = None,
     seed: int = 0,
     axis_name: Optional[str] = None,
-    scope: Optional[str] = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Adds the gradient at the projected point: ``g + grad f(Proj(x))``.
 
@@ -279,7 +278,6 @@ def add_projected_gradient(
     structure, prunable: as in :func:`safe_optax.project_topk`.
     seed: seeds the Multi draws.
     axis_name: optional ``pmean`` axis for the extra gradient (shard_map users).
-    scope: deprecated, as in :func:`safe_optax.project_topk`.
 
   Returns:
     A :class:`optax.GradientTransformationExtraArgs` with state
@@ -307,8 +305,9 @@ def add_projected_gradient(
     Peste et al., `CrAM: A Compression-Aware Minimizer
     <https://arxiv.org/abs/2207.14200>`_, ICLR 2023; SAFE (ICML 2025), App. D.
   """
-  structure = _structures.resolve_structure(structure, scope)
+  structure = _structures.check_structure(structure)
   get_sparsity = _dual.sparsity_fn(sparsity, structure)
+  _prunable.check_prunable(prunable)
   base_key = jax.random.PRNGKey(seed)
 
   def init_fn(params):

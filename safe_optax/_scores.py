@@ -13,15 +13,16 @@ largest :math:`\sqrt{P_{ii}}\,|v_i|`. The builders here give that score for
   activation norms.
 
 The pure functions take and return pytrees. Inside the optax transforms a
-saliency is a callable ``SaliencyInputs -> scores`` (see :func:`get_saliency`),
-evaluated at each dual update on ``v = x + u``.
+saliency is a callable ``SaliencyInputs -> scores`` (:func:`snip_saliency`,
+:func:`obd_saliency`, :func:`wanda_saliency`), evaluated at each dual update on
+``v = x + u``; ``None`` is magnitude.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -199,7 +200,7 @@ def probe_mean(add_probe: Callable[[Any, Any], Any], params: Any, key: jax.Array
     key: PRNG key, split into one key per probe.
     num_probes: how many probes.
     loop: a ``lax.fori_loop`` over the probes (inside ``jit``: memory of one
-      probe; its body goes through :func:`safe_optax.canonical_convs`, since
+      probe; its body goes through :func:`safe_optax.experimental.canonical_convs`, since
       XLA:CPU would run the backward convolutions of a loop body on a naive
       emitter, 20x slower, jax-ml/jax#12868), else a Python loop (outside
       ``jit``: one dispatch of a jitted ``add_probe`` per probe; inside: the
@@ -257,7 +258,7 @@ def hutchinson_diagonal(
   Python loop over one jitted product (compiled once per ``grad_fn``, which
   should then be a function kept between calls); inside ``jit`` up to
   four probes are unrolled into the program and more run in a
-  ``lax.fori_loop`` whose body goes through :func:`safe_optax.canonical_convs`
+  ``lax.fori_loop`` whose body goes through :func:`safe_optax.experimental.canonical_convs`
   (XLA:CPU would run the backward convolutions of a loop body on a naive
   emitter, jax-ml/jax#12868).
 
@@ -298,8 +299,34 @@ def hutchinson_diagonal(
                     loop=False)
 
 
-def _snip(inputs: SaliencyInputs) -> Any:
-  return snip_scores(inputs.values, _prunable.prunable_leaves(inputs.updates, inputs.flags))
+def snip_saliency() -> Saliency:
+  """SNIP saliency for the transforms: :func:`snip_scores` with the step's gradient.
+
+  Scores ``|g * v|``, ``g`` the gradient entering the transform (the SAM
+  gradient in :func:`safe_optax.safe_plus`, also with ``decoupled_penalty``).
+
+  Returns:
+    A saliency callable ``SaliencyInputs -> scores`` for the ``scores``
+    argument of :func:`safe_optax.safe_plus` / :func:`safe_optax.admm_penalty`.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, safe_optax
+    >>> tx = safe_optax.admm(0.1, 0.5, penalty=1.0, scores=safe_optax.snip_saliency())
+    >>> params = {'w': jnp.array([[1., -1.], [2., 1.]])}
+    >>> grads = {'w': jnp.array([[4., 1.], [0.5, 3.]])}
+    >>> _, state = tx.update(grads, tx.init(params), params)
+    >>> safe_optax.find_admm_state(state).z['w']  # |g w| = [[4, 1], [1, 3]]
+    Array([[1., 0.],
+           [0., 1.]], dtype=float32)
+
+  References:
+    Lee, Ajanthan, Torr, `SNIP: Single-shot Network Pruning based on
+    Connection Sensitivity <https://arxiv.org/abs/1810.02340>`_, ICLR 2019.
+  """
+  def saliency(inputs: SaliencyInputs) -> Any:
+    return snip_scores(inputs.values, _prunable.prunable_leaves(inputs.updates, inputs.flags))
+
+  return saliency
 
 
 def obd_saliency(num_probes: int = 1) -> Saliency:
@@ -381,32 +408,23 @@ def wanda_saliency(input_norms: Any, *, axis: int = -2) -> Saliency:
   return saliency
 
 
-SALIENCIES = ("magnitude", "snip", "obd")
-
-
-def get_saliency(scores: Union[None, str, Saliency]) -> Optional[Saliency]:
-  """Resolves the ``scores`` argument of the transforms; ``None`` means magnitude.
+def check_saliency(scores: Optional[Saliency]) -> Optional[Saliency]:
+  """Checks the ``scores`` argument of the transforms; ``None`` means magnitude.
 
   Args:
-    scores: ``None``, ``"magnitude"``, ``"snip"``, ``"obd"`` (one Hutchinson
-      probe), or a callable ``SaliencyInputs -> scores`` such as
-      :func:`wanda_saliency` or :func:`obd_saliency`.
+    scores: ``None`` (magnitude, plain SAFE) or a saliency callable
+      ``SaliencyInputs -> scores``: :func:`snip_saliency`,
+      :func:`obd_saliency`, :func:`wanda_saliency` or your own.
 
   Returns:
-    The saliency callable, or ``None`` for magnitude.
+    ``scores``.
 
   Raises:
-    ValueError: any other ``scores``, naming the allowed values.
+    TypeError: anything else (strings included), naming the allowed values.
   """
-  if scores is None or scores == "magnitude":
-    return None
-  if scores == "snip":
-    return _snip
-  if scores == "obd":
-    return obd_saliency()
-  if callable(scores):
+  if scores is None or callable(scores):
     return scores
-  raise ValueError(
-      f"`scores` must be one of {SALIENCIES}, a callable SaliencyInputs -> scores, "
-      f"or None; got {scores!r}."
-  )
+  raise TypeError(
+      "`scores` must be None (magnitude) or a saliency callable SaliencyInputs -> scores: "
+      "safe_optax.snip_saliency(), safe_optax.obd_saliency(num_probes) or "
+      f"safe_optax.wanda_saliency(input_norms); got {scores!r}.")

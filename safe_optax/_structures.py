@@ -20,7 +20,6 @@ static arguments of ``jax.jit``.
 from __future__ import annotations
 
 import numbers
-import warnings
 from typing import Any, NamedTuple, Union
 
 import jax
@@ -217,8 +216,6 @@ class ERK(_Typed, _ERKFields):
 Structure = Union[Global, PerLeaf, PerOutput, NM, ERK]
 STRUCTURES = (Global, PerLeaf, PerOutput, NM, ERK)
 _ALLOWED = "Global(), PerLeaf(), PerOutput(axis), NM(n, m, axis) or ERK(power_scale)"
-# The deprecated ``scope`` strings and the structures that replace them.
-SCOPES = {"global": Global(), "per_leaf": PerLeaf()}
 
 
 def validate_sparsity(sparsity: Any, name: str = "sparsity") -> None:
@@ -240,46 +237,16 @@ def validate_sparsity(sparsity: Any, name: str = "sparsity") -> None:
   raise TypeError(f"`{name}` must be a real number in [0, 1), got {sparsity!r}.")
 
 
-def resolve_structure(structure: Any, scope: Any = None, *, stacklevel: int = 3) -> Structure:
-  """The typed structure of a call, with the deprecated ``scope=`` / ``structure=None``.
-
-  ``scope="global"`` / ``"per_leaf"`` and ``structure=None`` still work, with a
-  ``DeprecationWarning`` naming the replacement; they go in the next release.
-
-  Args:
-    structure: one of :data:`STRUCTURES` (or ``None``, deprecated).
-    scope: ``None``, or the deprecated ``"global"`` / ``"per_leaf"``.
-    stacklevel: passed to ``warnings.warn`` (3: the caller of the public function).
+def check_structure(structure: Any) -> Structure:
+  """Returns ``structure`` if it is one of :data:`STRUCTURES`.
 
   Raises:
-    TypeError: ``structure`` is not a structure.
-    ValueError: an unknown ``scope``, or a ``scope`` with a structured ``structure``.
+    TypeError: anything else (``None`` and strings included), naming the
+      allowed structures.
   """
-  if structure is None:
-    warnings.warn(
-        "`structure=None` is deprecated; pass structure=safe_optax.Global() (the default) "
-        "or leave `structure` out.", DeprecationWarning, stacklevel=stacklevel)
-    structure = Global()
   if not isinstance(structure, STRUCTURES):
     raise TypeError(f"`structure` must be one of {_ALLOWED}, got {structure!r}.")
-  if scope is None:
-    return structure
-  if not isinstance(scope, str) or scope not in SCOPES:
-    raise ValueError(
-        f"`scope` must be one of {tuple(SCOPES)}, got {scope!r}. `scope` is deprecated: "
-        "pass structure=safe_optax.Global() or structure=safe_optax.PerLeaf() instead.")
-  if isinstance(structure, (NM, PerOutput)):
-    raise ValueError(
-        f"`scope` applies to unstructured sparsity only; got scope={scope!r} with "
-        f"structure={structure!r}. Leave scope=None.")
-  if structure != Global() and structure != SCOPES[scope]:
-    raise ValueError(f"scope={scope!r} contradicts structure={structure!r}; pass only "
-                     "`structure` (`scope` is deprecated).")
-  replacement = SCOPES[scope]
-  warnings.warn(
-      f"`scope={scope!r}` is deprecated; pass structure=safe_optax.{replacement!r} instead.",
-      DeprecationWarning, stacklevel=stacklevel)
-  return replacement
+  return structure
 
 
 def check_config(sparsity: Any, structure: Structure) -> Structure:

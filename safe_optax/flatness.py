@@ -9,7 +9,7 @@ measurable for any model:
   with a relative tolerance and an iteration cap: called outside ``jax.jit``
   a Python loop over one jitted product per batch (one scalar to the host an
   iteration), inside ``jax.jit`` one ``lax.while_loop`` whose convolutions
-  go through :func:`safe_optax.canonical_convs` (XLA:CPU would run a
+  go through :func:`safe_optax.experimental.canonical_convs` (XLA:CPU would run a
   convolution's backward pass 20-60x slower inside a loop body);
 * :func:`hessian_trace`: Hutchinson's estimate :math:`E_z[z^\top H z]`
   (reusing :func:`safe_optax.hutchinson_diagonal`);

@@ -276,18 +276,23 @@ def _safe_alias(alias: Callable[..., Any]) -> Callable[[Hyperparams, Recipe], An
   return build
 
 
+# The config's saliency names and the saliencies they build.
+_SALIENCIES = {"snip": safe_optax.snip_saliency, "obd": safe_optax.obd_saliency}
+
+
 def _safe_plus(config: Hyperparams, recipe: Recipe) -> optax.GradientTransformation:
   return safe_optax.safe_plus(recipe.learning_rate, **projection(config), penalty=penalty(config),
-                              scores=config.saliency, penalty_schedule=config.penalty_schedule,
+                              scores=_SALIENCIES[config.saliency](),
+                              penalty_schedule=config.penalty_schedule,
                               rho=config.rho, **recipe.admm)
 
 
 def _safe_multi(config: Hyperparams, recipe: Recipe) -> optax.GradientTransformation:
   """Draws its sparsity from ``multi_sparsities`` at each dual update (finalizes at the target)."""
-  return safe_optax.safe_multi(recipe.learning_rate, config.multi_sparsities,
-                               **_set_keywords(config), penalty=penalty(config),
-                               penalty_schedule=config.penalty_schedule, rho=config.rho,
-                               **recipe.admm)
+  return safe_optax.safe(recipe.learning_rate, tuple(config.multi_sparsities),
+                         **_set_keywords(config), penalty=penalty(config),
+                         penalty_schedule=config.penalty_schedule, rho=config.rho,
+                         **recipe.admm)
 
 
 def _admm(config: Hyperparams, recipe: Recipe) -> optax.GradientTransformation:
@@ -347,7 +352,7 @@ class Method:
   """Whether ``config.seed`` enters the optimizer (else its programs are shared across seeds)."""
   dual_alone: bool = False
   """Its dual update reads no gradient (magnitude scores), so the trainer runs it as a
-  program of its own on dual steps (:func:`safe_optax.run_dual_update`); SAFE+'s
+  program of its own on dual steps (:func:`safe_optax.experimental.run_dual_update`); SAFE+'s
   saliency reads the step's gradient and runs inside the step."""
 
   @property

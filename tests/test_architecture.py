@@ -22,7 +22,7 @@ LAYERS = {
     "kernels": ("_select", "_prunable", "_structures", "_projection", "_scores", "_schedules",
                 "_conv_layout"),
     "transforms": ("_dual", "_admm", "_sam", "_cram", "_pruners", "_alias", "_finalize",
-                   "__init__"),
+                   "experimental", "__init__"),
     "helpers": ("flax_utils", "_flax_linen", "_flax_nnx", "distributed", "_hessian", "_landscape", "plots", "flatness",
                 "data_paths"),
     "experiment": ("experiment", "methods"),

@@ -10,8 +10,8 @@ parameter trees and data-parallel sharding.
 Cost: every step runs under ``jax.jit``, and each distinct jitted program
 compiles the radix-select projection (2-3 CPU-seconds), which dominates the
 module's run time. So one 70-step training run per construction
-(``_main_run``: ``chain(sam, apply_if_finite(chain(clip, optimizer without
-SAM)))`` with one NaN step; the wrappers refuse to hold SAM itself)
+(``_main_run``: ``sam(apply_if_finite(chain(clip, optimizer without SAM)),
+rho)`` with one NaN step, the documented recipe)
 is shared by the tests that read its trajectory, these runs and the 8-device
 subprocess are started in the background when the module starts, and the
 wrapper tests run on the constructions whose code paths differ for that
@@ -112,15 +112,16 @@ def _alias(fn, sparsity, **fixed):
       kwargs["penalty_schedule"] = penalty_schedule
     if wrap is None:
       return fn(LR, sparsity, **kwargs)
-    # The documented recipe: the gradient passes first, the wrapper around the rest.
-    head = [] if "rho" not in kwargs else [safe_optax.sam_perturb(kwargs["rho"])]
-    if "rho" in kwargs:
-      kwargs["rho"] = None
-    body_fn = fn
+    # The documented recipe: safe_optax.sam around the wrapper around the rest.
+    rho = kwargs.pop("rho", None)
+    head, body_fn = [], fn
     if fn is safe_optax.safe_sg:  # safe_sg = safe + add_projected_gradient after SAM
       head.append(safe_optax.add_projected_gradient(sparsity))
       body_fn = safe_optax.safe
-    return optax.chain(*head, wrap(body_fn(LR, sparsity, **kwargs)))
+    if rho is None:
+      return optax.chain(*head, wrap(body_fn(LR, sparsity, **kwargs)))
+    return safe_optax.sam(optax.chain(*head, wrap(body_fn(LR, sparsity, rho=None, **kwargs))),
+                          rho)
   return make
 
 
@@ -128,14 +129,14 @@ def _custom_chain(*, penalty=1e-2, penalty_schedule=None, momentum=None, dual_ev
                   wrap=None):
   del momentum  # Adam
   wrap = wrap or (lambda body: body)
-  return optax.chain(
-      safe_optax.sam_perturb(0.05),
+  return safe_optax.sam(
       wrap(optax.chain(
           safe_optax.admm_penalty(0.8, penalty, dual_every=dual_every,
                                   penalty_schedule=penalty_schedule or "constant",
                                   total_steps=TOTAL),
           optax.adam(1e-2),
       )),
+      0.05,
   )
 
 
@@ -158,16 +159,16 @@ SPECS = {
     "safe": Spec(_alias(safe_optax.safe, 0.8, rho=0.05), (0.8,), 8, True,
                  safe_optax.safe, _SAFE_INJECT, 32),
     "safe_plus_snip": Spec(
-        _alias(safe_optax.safe_plus, 0.8, rho=0.05, scores="snip"), (0.8,), 8, False,
-        safe_optax.safe_plus, dict(_ALIAS_INJECT, scores="snip"), 4),
+        _alias(safe_optax.safe_plus, 0.8, rho=0.05, scores=safe_optax.snip_saliency()), (0.8,),
+        8, False, safe_optax.safe_plus, _ALIAS_INJECT, 4),
     "admm": Spec(_alias(safe_optax.admm, 0.8), (0.8,), 8, True, safe_optax.admm,
                  dict(learning_rate=LR, sparsity=0.8, penalty=1e-2, dual_every=4), 4),
     "safe_sg": Spec(_alias(safe_optax.safe_sg, 0.8, rho=0.05), (0.8,), 8, True,
                     safe_optax.safe_sg, _ALIAS_INJECT, 4),
-    "safe_multi": Spec(
-        _alias(safe_optax.safe_multi, (0.5, 0.8), rho=0.05), (0.5, 0.8), 8, True,
-        safe_optax.safe_multi,
-        dict(learning_rate=LR, sparsity_choices=(0.5, 0.8), penalty=1e-2,
+    "safe_multi": Spec(  # SAFE-Multi: safe with a sequence of sparsities
+        _alias(safe_optax.safe, (0.5, 0.8), rho=0.05), (0.5, 0.8), 8, True,
+        safe_optax.safe,
+        dict(learning_rate=LR, sparsity=(0.5, 0.8), penalty=1e-2,
              total_steps=TOTAL, dual_every=4, rho=0.05), 4),
     "custom_chain": Spec(_custom_chain, (0.8,), 4, True, custom_chain_factory,
                          dict(sparsity=0.8, penalty=1e-2), 4),
@@ -355,10 +356,10 @@ def test_inject_hyperparams_traced_sparsity_without_recompiling(name):
 
 @pytest.mark.parametrize("name", MULTISTEPS_NAMES)
 def test_multisteps_advances_admm_every_k_micro_steps(name):
-  """chain(sam_perturb, MultiSteps(rest, k)): ADMM counts emitted steps, not micro-batches.
+  """sam(MultiSteps(rest, k), rho): ADMM counts emitted steps, not micro-batches.
 
-  (MultiSteps around SAM itself refuses at init; tests/test_composition.py checks
-  the emitted update against the mean of per-micro-batch SAM gradients.)
+  (tests/test_composition.py checks the emitted update against the mean of
+  per-micro-batch SAM gradients.)
   """
   spec = SPECS[name]
   k = 2
@@ -567,7 +568,7 @@ def test_flax_nnx_state_params():
 
 # --------------------------------------------------------------------------
 # One shared training run per optimizer:
-#   chain(<SAM>, apply_if_finite(chain(clip_by_global_norm, <the rest>))), 70 jitted steps,
+#   sam(apply_if_finite(chain(clip_by_global_norm, <the rest>)), rho), 70 jitted steps,
 #   a NaN gradient injected at NAN_STEP.
 # --------------------------------------------------------------------------
 

@@ -65,7 +65,7 @@ def test_any_convolution_is_unchanged(case, seed):
     return lax.conv_general_dilated(x, w, precision=lax.Precision.HIGHEST, **kwargs)
 
   expected = np.asarray(jax.jit(conv)(x, w))
-  got = np.asarray(jax.jit(safe_optax.canonical_convs(conv))(x, w))
+  got = np.asarray(jax.jit(safe_optax.experimental.canonical_convs(conv))(x, w))
   assert got.shape == expected.shape
   np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
@@ -106,12 +106,12 @@ def test_loop_bodies_get_canonical_convolutions():
                                                          grad(q, x)), p)
 
   before = _conv_labels(jax.jit(loop), params)
-  after = _conv_labels(jax.jit(safe_optax.canonical_convs(loop)), params)
+  after = _conv_labels(jax.jit(safe_optax.experimental.canonical_convs(loop)), params)
   # The backward convolutions inside the loop body are permuted without the rewrite ...
   assert any(label != CANONICAL_LABELS[2] for label in before)
   # ... and every convolution is canonical with it.
   assert after and all(label == CANONICAL_LABELS[2] for label in after)
-  got, expected = jax.jit(safe_optax.canonical_convs(loop))(params), jax.jit(loop)(params)
+  got, expected = jax.jit(safe_optax.experimental.canonical_convs(loop))(params), jax.jit(loop)(params)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
@@ -134,7 +134,7 @@ def test_control_flow_results_are_unchanged(control):
     return lax.cond(loss(p, x) > 0, step, lambda q: q, p)
 
   expected = jax.jit(fn)(params)
-  got = jax.jit(safe_optax.canonical_convs(fn))(params)
+  got = jax.jit(safe_optax.experimental.canonical_convs(fn))(params)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
@@ -148,7 +148,7 @@ def test_custom_derivative_rules_are_kept():
 
   k = jnp.ones((3, 3, 1, 2))
   expected = jax.grad(f)(k)
-  got = jax.grad(safe_optax.canonical_convs(f))(k)
+  got = jax.grad(safe_optax.experimental.canonical_convs(f))(k)
   np.testing.assert_array_equal(got, expected)
 
 
@@ -157,7 +157,7 @@ def test_pytrees_keywords_and_no_convolution():
     return {"s": tree["a"] * scale, "t": (tree["b"].sum(),)}
 
   tree = {"a": jnp.arange(3.0), "b": jnp.ones((2, 2))}
-  got = safe_optax.canonical_convs(fn)(tree, scale=3.0)
+  got = safe_optax.experimental.canonical_convs(fn)(tree, scale=3.0)
   assert jax.tree.structure(got) == jax.tree.structure(fn(tree))
   np.testing.assert_array_equal(got["s"], jnp.arange(3.0) * 3.0)
   assert float(got["t"][0]) == 4.0
@@ -165,7 +165,7 @@ def test_pytrees_keywords_and_no_convolution():
 
 def test_not_callable_is_refused():
   with pytest.raises(TypeError, match="`fn` must be callable"):
-    safe_optax.canonical_convs(3)
+    safe_optax.experimental.canonical_convs(3)
 
 
 def test_power_iteration_inside_jit_matches_outside_and_is_canonical():

@@ -67,13 +67,13 @@ def _step_fn(tx):
 
 def _run(tx, split: bool, separate: bool = False):
   step = jax.jit(_step_fn(tx), static_argnames="dual_due")
-  dual = jax.jit(functools.partial(safe_optax.run_dual_update, tx))
+  dual = jax.jit(functools.partial(safe_optax.experimental.run_dual_update, tx))
   params = _params()
   state = tx.init(params)
   for t in range(STEPS):
-    hint = {"dual_due": safe_optax.is_dual_step(t, K)} if split else {}
+    hint = {"dual_due": safe_optax.experimental.is_dual_step(t, K)} if split else {}
     if separate:
-      if safe_optax.is_dual_step(t, K):
+      if safe_optax.experimental.is_dual_step(t, K):
         state = dual(state, params)
       hint = {"dual_due": False}
     params, state = step(params, state, _batch(t), **hint)
@@ -122,7 +122,7 @@ def test_run_dual_update_changes_only_z_u_and_runs_once_per_count():
   tx = TRANSFORMS["safe"]()
   params = _params()
   step = jax.jit(_step_fn(tx), static_argnames="dual_due")
-  dual = jax.jit(functools.partial(safe_optax.run_dual_update, tx))
+  dual = jax.jit(functools.partial(safe_optax.experimental.run_dual_update, tx))
   state = tx.init(params)
   for t in range(K):  # counts 0 .. K - 1; count K is due next
     params, state = step(params, state, _batch(t))
@@ -152,18 +152,18 @@ def test_run_dual_update_changes_only_z_u_and_runs_once_per_count():
 def test_run_dual_update_refuses_a_saliency_and_a_state_without_admm():
   params = _params()
   tx = TRANSFORMS["safe_plus"]()
-  with pytest.raises(ValueError, match=r"saliency \(scores='snip'\).*dual_due=True"):
-    safe_optax.run_dual_update(tx, tx.init(params), params)
+  with pytest.raises(ValueError, match=r"saliency \(`scores` set\).*dual_due=True"):
+    safe_optax.experimental.run_dual_update(tx, tx.init(params), params)
   sam = optax.chain(safe_optax.sam_perturb(0.05), optax.sgd(0.1))
   with pytest.raises(ValueError, match="ADMMState"):
-    safe_optax.run_dual_update(sam, sam.init(params), params)
+    safe_optax.experimental.run_dual_update(sam, sam.init(params), params)
 
 
 def test_dual_program_holds_no_gradient_pass():
   """The dual program computes only the projection: the SAM and momentum work is removed."""
   w = {"w": jnp.asarray(np.random.default_rng(1).normal(size=(64, 64)), jnp.float32)}
   tx = safe_optax.safe(0.1, 0.9, penalty=1e-3, total_steps=100, dual_every=K)
-  hlo = jax.jit(functools.partial(safe_optax.run_dual_update, tx)).lower(
+  hlo = jax.jit(functools.partial(safe_optax.experimental.run_dual_update, tx)).lower(
       tx.init(w), w).compile().as_text()
   assert "sort" in hlo or "scatter" in hlo or "reduce" in hlo  # the projection is there
   assert " dot(" not in hlo and "convolution" not in hlo
@@ -256,13 +256,13 @@ def test_dual_due_must_be_a_python_bool(bad):
 
 
 def test_is_dual_step():
-  assert [safe_optax.is_dual_step(t, 3) for t in range(7)] == [
+  assert [safe_optax.experimental.is_dual_step(t, 3) for t in range(7)] == [
       True, False, False, True, False, False, True]
-  assert all(safe_optax.is_dual_step(t, 1) for t in range(4))
+  assert all(safe_optax.experimental.is_dual_step(t, 1) for t in range(4))
   with pytest.raises(ValueError, match="dual_every"):
-    safe_optax.is_dual_step(0, 0)
+    safe_optax.experimental.is_dual_step(0, 0)
   with pytest.raises(ValueError, match="count"):
-    safe_optax.is_dual_step(-1, 4)
+    safe_optax.experimental.is_dual_step(-1, 4)
 
 
 def test_llm_block_step_split_equals_cond_program():
@@ -282,7 +282,7 @@ def test_llm_block_step_split_equals_cond_program():
     params = linears
     state = block.safe_transform(cfg, STEPS).init(params)
     for t, (x, y) in enumerate(data):
-      due = safe_optax.is_dual_step(t, K) if split else None
+      due = safe_optax.experimental.is_dual_step(t, K) if split else None
       params, state, _ = step(params, norms, None, None, state, x, y, dual_due=due)
     runs.append((params, state))
   jax.tree.map(np.testing.assert_array_equal, runs[1], runs[0])
@@ -299,13 +299,13 @@ def test_run_dual_update_under_multisteps_equals_the_plain_run():
   def run(separate):
     tx = optax.MultiSteps(inner(), every_k_schedule=every_k)
     step = jax.jit(_step_fn(tx), static_argnames="dual_due")
-    dual = jax.jit(functools.partial(safe_optax.run_dual_update, tx))
+    dual = jax.jit(functools.partial(safe_optax.experimental.run_dual_update, tx))
     params = _params()
     state = tx.init(params)
     for t in range(steps):
       hint = {}
       if separate:
-        if t % every_k == every_k - 1 and safe_optax.is_dual_step(t // every_k, K):
+        if t % every_k == every_k - 1 and safe_optax.experimental.is_dual_step(t // every_k, K):
           state = dual(state, params)
         hint = {"dual_due": False}
       params, state = step(params, state, _batch(t), **hint)

@@ -8,6 +8,8 @@ file compiles almost nothing.
 from __future__ import annotations
 
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,7 +37,7 @@ SPARSITY_CONSTRUCTORS = {
     "safe_plus": lambda s, **kw: safe_optax.safe_plus(0.1, s, penalty=1e-2, total_steps=10, **kw),
     "admm": lambda s, **kw: safe_optax.admm(0.1, s, penalty=1e-2, **kw),
     "safe_sg": lambda s, **kw: safe_optax.safe_sg(0.1, s, penalty=1e-2, total_steps=10, **kw),
-    "safe_multi": lambda s, **kw: safe_optax.safe_multi(
+    "safe_multi": lambda s, **kw: safe_optax.safe(
         0.1, (0.5, s), penalty=1e-2, total_steps=10, **kw),
 }
 # Every constructor that takes penalty / dual_every / penalty_schedule.
@@ -45,7 +47,7 @@ PENALTY_CONSTRUCTORS = {
     "safe_plus": lambda **kw: safe_optax.safe_plus(0.1, 0.5, **kw),
     "admm": lambda **kw: safe_optax.admm(0.1, 0.5, **kw),
     "safe_sg": lambda **kw: safe_optax.safe_sg(0.1, 0.5, **kw),
-    "safe_multi": lambda **kw: safe_optax.safe_multi(0.1, (0.5, 0.7), **kw),
+    "safe_multi": lambda **kw: safe_optax.safe(0.1, (0.5, 0.7), **kw),
 }
 VALID_PENALTY = dict(penalty=1e-2, total_steps=10)
 
@@ -106,15 +108,10 @@ def test_sparsity_choices_checked_one_by_one():
 
 @pytest.mark.parametrize("choices", [(), []])
 def test_empty_sparsity_choices(choices):
-  with pytest.raises(ValueError, match="`sparsity_choices`"):
-    safe_optax.safe_multi(0.1, choices, penalty=1e-2, total_steps=10)
+  with pytest.raises(ValueError, match="`sparsity`.*must not be empty"):
+    safe_optax.safe(0.1, choices, penalty=1e-2, total_steps=10)
   with pytest.raises(ValueError, match="`sparsity`.*must not be empty"):
     safe_optax.admm_penalty(choices, 1e-2)
-
-
-def test_sparsity_choices_not_a_sequence():
-  with pytest.raises(ValueError, match="`sparsity_choices`"):
-    safe_optax.safe_multi(0.1, 0.5, penalty=1e-2, total_steps=10)
 
 
 # --------------------------------------------------------------------------
@@ -152,7 +149,7 @@ def test_integer_scalar_arrays_are_accepted_for_counts():
     lambda rho: safe_optax.safe(0.1, 0.5, penalty=1e-2, total_steps=10, rho=rho),
     lambda rho: safe_optax.safe_plus(0.1, 0.5, penalty=1e-2, total_steps=10, rho=rho),
     lambda rho: safe_optax.safe_sg(0.1, 0.5, penalty=1e-2, total_steps=10, rho=rho),
-    lambda rho: safe_optax.safe_multi(0.1, (0.5,), penalty=1e-2, total_steps=10, rho=rho),
+    lambda rho: safe_optax.safe(0.1, (0.5,), penalty=1e-2, total_steps=10, rho=rho),
 ], ids=["sam_perturb", "safe", "safe_plus", "safe_sg", "safe_multi"])
 def test_negative_rho(make):
   for rho in (-0.05, -1e-9, float("nan"), float("inf")):
@@ -323,21 +320,6 @@ def test_nm_sparsity_mismatch(name):
 
 
 @pytest.mark.parametrize("name", STRUCTURED)
-@pytest.mark.parametrize("scope", ["layer", "Global", "per-leaf", ""])
-def test_unknown_scope(name, scope):
-  with pytest.raises(ValueError, match="`scope` must be one of"):
-    STRUCTURED[name](0.5, scope=scope)
-
-
-@pytest.mark.parametrize("name", STRUCTURED)
-@pytest.mark.parametrize("structure", [NM(2, 4), PerOutput()])
-def test_scope_with_structure(name, structure):
-  sparsity = 0.5
-  with pytest.raises(ValueError, match="`scope` applies to unstructured sparsity only"):
-    STRUCTURED[name](sparsity, scope="per_leaf", structure=structure)
-
-
-@pytest.mark.parametrize("name", STRUCTURED)
 def test_unknown_structure_type(name):
   with pytest.raises(TypeError, match="`structure`"):
     STRUCTURED[name](0.5, structure=(2, 4))
@@ -364,9 +346,20 @@ def test_variant_aliases_reject_unknown_or_missing_keywords():
   with pytest.raises(TypeError, match="dual_evry"):
     safe_optax.safe_sg(0.1, 0.5, penalty=1e-2, total_steps=10, dual_evry=4)
   with pytest.raises(TypeError, match="penalty"):
-    safe_optax.safe_multi(0.1, (0.5,), total_steps=10)
-  with pytest.raises(ValueError, match="`sparsity_choices`"):
-    safe_optax.safe_multi(0.1, 0.5, penalty=1e-2, total_steps=10)
+    safe_optax.safe_plus(0.1, (0.5,), total_steps=10)
+  for sam_keyword in ("rho", "adaptive", "max_grad_norm", "sparse_gradient"):
+    with pytest.raises(TypeError, match=sam_keyword):
+      safe_optax.admm(0.1, 0.5, penalty=1e-2, **{sam_keyword: None})
+
+
+@pytest.mark.parametrize("bad", ["snip", "obd", "magnitude", 1])
+def test_scores_is_a_saliency_callable_or_none(bad):
+  """One protocol: the strings of earlier versions are refused, naming the callables."""
+  with pytest.raises(TypeError, match=r"`scores` must be None \(magnitude\) or a saliency "
+                                      r"callable.*snip_saliency\(\)"):
+    safe_optax.safe_plus(0.1, 0.5, penalty=1e-2, total_steps=10, scores=bad)
+  with pytest.raises(TypeError, match="`scores`"):
+    safe_optax.magnitude_pruning(0.5, scores=bad)
 
 
 # --------------------------------------------------------------------------
@@ -392,7 +385,7 @@ def test_missing_grad_fn_at_update(make, name):
 
 
 def test_obd_scores_need_grad_fn_at_update():
-  tx = safe_optax.admm(0.1, 0.5, penalty=1e-2, scores="obd")
+  tx = safe_optax.admm(0.1, 0.5, penalty=1e-2, scores=safe_optax.obd_saliency())
   state = tx.init(PARAMS)
   with pytest.raises(ValueError, match="OBD scores need `grad_fn`"):
     jax.jit(lambda p, s: tx.update(GRADS, s, p))(PARAMS, state)
@@ -437,8 +430,8 @@ INIT_TRANSFORMS = {
     "admm_penalty": lambda **kw: safe_optax.admm_penalty(0.5, 1e-2, **kw),
     "safe": lambda **kw: safe_optax.safe(0.1, 0.5, penalty=1e-2, total_steps=10, **kw),
     "admm": lambda **kw: safe_optax.admm(0.1, 0.5, penalty=1e-2, **kw),
-    "safe_multi": lambda **kw: safe_optax.safe_multi(0.1, (0.5,), penalty=1e-2,
-                                                     total_steps=10, **kw),
+    "safe_multi": lambda **kw: safe_optax.safe(0.1, (0.5,), penalty=1e-2,
+                                               total_steps=10, **kw),
 }
 
 
@@ -510,3 +503,55 @@ def test_state_of_other_params_is_rejected():
   other = {"w": jnp.ones((3, 4)), "b": jnp.ones(4), "v": jnp.ones((2, 2))}
   with pytest.raises(ValueError, match="does not belong to these parameters"):
     tx.update(jax.tree.map(jnp.zeros_like, other), state, other)
+
+
+# --------------------------------------------------------------------------
+# prunable: None, a callable or a pytree of bools; nothing else.
+# --------------------------------------------------------------------------
+
+PRUNABLE_TAKERS = {
+    "finalize": lambda p: safe_optax.finalize(PARAMS, 0.5, prunable=p),
+    "project_topk": lambda p: safe_optax.project_topk(PARAMS, 0.5, prunable=p),
+    "prunable_mask": lambda p: safe_optax.prunable_mask(PARAMS, p),
+    "safe": lambda p: safe_optax.safe(0.1, 0.5, penalty=1e-2, total_steps=64, prunable=p),
+    "admm_penalty": lambda p: safe_optax.admm_penalty(0.5, 1e-2, prunable=p),
+    "add_projected_gradient": lambda p: safe_optax.add_projected_gradient(0.5, prunable=p),
+    "cram": lambda p: safe_optax.cram(0.1, 0.5, prunable=p),
+    "magnitude_pruning": lambda p: safe_optax.magnitude_pruning(0.5, prunable=p),
+}
+
+
+@pytest.mark.parametrize("name", PRUNABLE_TAKERS)
+@pytest.mark.parametrize("bad", ["kernel", 1, 0.5, {"w": "kernel", "b": False}])
+def test_prunable_that_is_no_bool_tree_nor_callable_is_refused(name, bad):
+  """Read as bool, 'kernel' and 1 meant "prune everything" (norm scales and biases too)."""
+  with pytest.raises(TypeError, match=r"`prunable` must be None.*a callable \(key_path, leaf\) "
+                                      r"-> bool, or a pytree of bools"):
+    PRUNABLE_TAKERS[name](bad)
+
+
+def test_prunable_bool_trees_and_callables_still_work():
+  assert safe_optax.prunable_mask(PARAMS, True) == jax.tree.map(lambda _: True, PARAMS)
+  mask = jax.tree.map(lambda x: x.ndim >= 2, PARAMS)
+  assert safe_optax.prunable_mask(PARAMS, mask) == mask
+  assert safe_optax.prunable_mask(PARAMS, lambda path, leaf: leaf.ndim >= 2) == mask
+
+
+# --------------------------------------------------------------------------
+# A run too short for any dual update after the first is warned about.
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [
+    lambda **kw: safe_optax.safe(0.1, 0.5, penalty=1e-2, **kw),
+    lambda **kw: safe_optax.admm(0.1, 0.5, penalty=1e-2, penalty_schedule="linear", **kw),
+    lambda **kw: safe_optax.admm_penalty(0.5, 1e-2, penalty_schedule="cosine", **kw),
+], ids=["safe", "admm", "admm_penalty"])
+def test_total_steps_not_above_dual_every_warns(make):
+  for total_steps, dual_every in [(5, 10), (10, 10)]:
+    with pytest.warns(UserWarning, match=rf"total_steps={total_steps} with "
+                                         rf"dual_every={dual_every}.*no dual update"):
+      make(total_steps=total_steps, dual_every=dual_every)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    make(total_steps=11, dual_every=10)

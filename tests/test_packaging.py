@@ -147,22 +147,26 @@ def test_fresh_venv_sees_the_packages_of_the_environment_running_the_tests(tmp_p
   assert mark == 42 and pathlib.Path(prefix).resolve() == (tmp_path / "inner").resolve()
 
 
-def test_wheel_installs_and_imports_in_a_fresh_venv(dist, tmp_path):
-  (wheel,) = dist.glob("*.whl")
+@pytest.mark.parametrize("artifact", ["*.whl", "*.tar.gz"], ids=["wheel", "sdist"])
+def test_artifact_installs_and_imports_in_a_fresh_venv(dist, tmp_path, artifact):
+  """The wheel, and the sdist built into a wheel by pip, each install and work."""
+  (archive,) = dist.glob(artifact)
   venv = tmp_path / "venv"
   python = fresh_venv(venv)
   # The outer pip installs into the venv (--python); --no-deps/--no-index: the
-  # dependencies come from the borrowed site-packages, nothing is fetched.
+  # dependencies come from the borrowed site-packages, nothing is fetched; the
+  # sdist builds with this interpreter's setuptools (--no-build-isolation).
   proc = subprocess.run(
       [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
-       "--no-index", "--force-reinstall", "--no-warn-conflicts", str(wheel)],
+       "--no-index", "--no-build-isolation", "--force-reinstall", "--no-warn-conflicts",
+       str(archive)],
       capture_output=True, text=True, timeout=300, check=False,
   )
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   smoke = textwrap.dedent("""
       import importlib.metadata, json, pathlib, sys
       import jax.numpy as jnp
-      import safe_optax
+      import safe_optax, safe_optax.experimental
       sparse, masks = safe_optax.project_topk({'w': jnp.array([[3., -1.], [0.5, -4.]])}, 0.5)
       tx = safe_optax.safe(0.1, 0.5, penalty=1e-3, total_steps=10)
       print(json.dumps({
@@ -181,7 +185,7 @@ def test_wheel_installs_and_imports_in_a_fresh_venv(dist, tmp_path):
   info = json.loads(proc.stdout.strip().splitlines()[-1])
   site = pathlib.Path(info["file"]).resolve()
   assert pathlib.Path(info["prefix"]).resolve() == venv.resolve()
-  assert venv.resolve() in site.parents, f"imported from {site}, not the wheel"
+  assert venv.resolve() in site.parents, f"imported from {site}, not the {artifact}"
   assert ROOT not in site.parents
   assert info["version"] == info["dist_version"] == safe_optax.__version__
   assert info["kept"] == 2 and info["w"] == [[3.0, 0.0], [0.0, -4.0]]

@@ -890,14 +890,7 @@ def test_sparsity_required_for_unstructured():
     project_topk(TREE, structure=PerOutput())
 
 
-def test_bad_scope_and_structure():
-  # Errors come before the deprecation warning of `scope`.
-  with pytest.raises(ValueError, match="scope"):
-    project_topk(TREE, 0.5, scope="layer")
-  with pytest.raises(ValueError, match="scope"):
-    project_topk(TREE, 0.5, scope="per_leaf", structure=PerOutput())
-  with pytest.raises(ValueError, match="scope"):
-    project_topk(TREE, None, scope="global", structure=NM(2, 4))
+def test_bad_structure():
   with pytest.raises(TypeError, match="structure"):
     project_topk(TREE, 0.5, structure="2:4")
 

@@ -415,16 +415,16 @@ def test_schedule_errors(kwargs, match):
     (lambda: safe_optax.magnitude_pruning((0.5, 0.9)), TypeError, "schedule"),
     (lambda: safe_optax.magnitude_pruning(None), ValueError, "required"),
     (lambda: safe_optax.magnitude_pruning(0.5, update_every=0), ValueError, "update_every"),
-    (lambda: safe_optax.magnitude_pruning(0.5, scope="layer"), ValueError, "scope"),
+    (lambda: safe_optax.magnitude_pruning(0.5, scope="layer"), TypeError, "scope"),
     (lambda: safe_optax.magnitude_pruning(0.5, structure="2:4"), TypeError, "structure"),
     (lambda: safe_optax.magnitude_pruning(0.9, structure=NM(2, 4)), ValueError, "contradicts"),
-    (lambda: safe_optax.magnitude_pruning(0.5, scores="wanda"), ValueError, "scores"),
+    (lambda: safe_optax.magnitude_pruning(0.5, scores="wanda"), TypeError, "scores"),
     (lambda: safe_optax.magnitude_pruning(0.5, update_until=-1), ValueError, "update_until"),
     (lambda: safe_optax.cram(-0.1, 0.5), ValueError, "rho"),
     (lambda: safe_optax.cram(0.1, 0.5, eps=-1.0), ValueError, "eps"),
     (lambda: safe_optax.cram(0.1, 1.2), ValueError, r"\[0, 1\)"),
     (lambda: safe_optax.cram(0.1, ()), ValueError, "empty"),
-    (lambda: safe_optax.cram(0.1, 0.5, scope="layer"), ValueError, "scope"),
+    (lambda: safe_optax.cram(0.1, 0.5, scope="layer"), TypeError, "scope"),
 ])
 def test_construction_errors(make, error, match):
   with pytest.raises(error, match=match):

@@ -38,8 +38,6 @@ BUILDERS = {
     "safe_plus": lambda **kw: safe_optax.safe_plus(0.1, 0.5, penalty=1.0, total_steps=10, **kw),
     "admm": lambda **kw: safe_optax.admm(0.1, 0.5, penalty=1.0, **kw),
     "safe_sg": lambda **kw: safe_optax.safe_sg(0.1, 0.5, penalty=1.0, total_steps=10, **kw),
-    "safe_multi": lambda **kw: safe_optax.safe_multi(0.1, (0.5,), penalty=1.0, total_steps=10,
-                                                     **kw),
 }
 PUBLIC = {name: getattr(safe_optax, name) for name in BUILDERS}
 
@@ -122,7 +120,7 @@ def test_one_default_everywhere(name):
   params = inspect.signature(PUBLIC[name]).parameters
   assert params["structure"].default == Global()
   assert type(params["structure"].default) is Global
-  assert params["scope"].default is None
+  assert "scope" not in params  # removed before 0.1.0: one way to name a structure
 
 
 @pytest.mark.parametrize("name", BUILDERS)
@@ -135,43 +133,18 @@ def test_bad_structure_raises_at_construction_naming_allowed_values(name, bad, e
     BUILDERS[name](structure=bad)
 
 
-# ---------------------------------------------------------------------------- deprecations
+@pytest.mark.parametrize("name", BUILDERS)
+@pytest.mark.parametrize("bad", [None, "global", "per_leaf"])
+def test_the_removed_forms_of_structure_are_refused(name, bad):
+  """``structure=None`` and the strings of the removed ``scope=`` are not structures."""
+  with pytest.raises(TypeError, match=r"`structure` must be one of Global\(\), PerLeaf\(\)"):
+    BUILDERS[name](structure=bad)
 
 
 @pytest.mark.parametrize("name", BUILDERS)
-@pytest.mark.parametrize("scope, structure", [("per_leaf", PerLeaf()), ("global", Global())])
-def test_scope_is_deprecated_and_means_its_structure(name, scope, structure):
-  with pytest.warns(DeprecationWarning,
-                    match=rf"`scope='{scope}'` is deprecated; pass "
-                          rf"structure=safe_optax.{type(structure).__name__}\(\) instead"):
-    old = BUILDERS[name](scope=scope)
-  with warnings.catch_warnings():
-    warnings.simplefilter("error", DeprecationWarning)
-    new = BUILDERS[name](structure=structure)
-  old_masks, new_masks = _masks(old), _masks(new)
-  assert jax.tree.all(jax.tree.map(np.array_equal, old_masks, new_masks))
-
-
-@pytest.mark.parametrize("name", BUILDERS)
-def test_structure_none_is_deprecated_and_means_global(name):
-  with pytest.warns(DeprecationWarning, match=r"`structure=None` is deprecated; pass "
-                                              r"structure=safe_optax.Global\(\)"):
-    old = BUILDERS[name](structure=None)
-  new = BUILDERS[name]()
-  assert jax.tree.all(jax.tree.map(np.array_equal, _masks(old), _masks(new)))
-
-
-@given(st.lists(st.floats(-4, 4, allow_subnormal=False), min_size=10, max_size=10),
-       st.sampled_from([0.0, 0.1, 0.3, 0.5, 0.9]), st.sampled_from(["global", "per_leaf"]))
-def test_deprecated_scope_equals_its_structure_property(values, sparsity, scope):
-  """On any values, ties included: the old keyword and the new structure agree exactly."""
-  tree = {"a": jnp.asarray(values[:4], jnp.float32).reshape(2, 2),
-          "b": jnp.asarray(values[4:], jnp.float32).reshape(2, 3)}
-  with pytest.warns(DeprecationWarning):
-    old, old_masks = safe_optax.project_topk(tree, sparsity, scope=scope)
-  new, new_masks = safe_optax.project_topk(tree, sparsity, structure=_structures.SCOPES[scope])
-  for a, b in zip(jax.tree.leaves((old, old_masks)), jax.tree.leaves((new, new_masks))):
-    np.testing.assert_array_equal(a, b)
+def test_scope_keyword_is_gone(name):
+  with pytest.raises(TypeError, match="scope"):
+    BUILDERS[name](scope="global")
 
 
 def test_per_leaf_and_global_differ_on_this_tree():
@@ -193,12 +166,7 @@ def test_every_builder_takes_erk_and_keeps_its_counts(name):
   assert [int(np.sum(global_masks["w1"])), int(np.sum(global_masks["w2"]))] != counts
 
 
-def test_scope_contradicting_structure_raises():
-  with pytest.raises(ValueError, match="contradicts"):
-    safe_optax.project_topk(PARAMS, 0.5, scope="global", structure=PerLeaf())
-
-
-def test_no_warning_without_the_deprecated_keywords():
+def test_no_deprecation_warning_anywhere():
   with warnings.catch_warnings():
     warnings.simplefilter("error", DeprecationWarning)
     for build in BUILDERS.values():

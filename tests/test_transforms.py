@@ -135,7 +135,7 @@ def test_matches_reference_for_120_steps(variant):
   if variant == "admm":
     tx = safe_optax.admm(cfg["lr"], cfg["sparsity"], **common)
   elif variant in ("safe_plus_snip", "decoupled_snip"):
-    tx = safe_optax.safe_plus(cfg["lr"], cfg["sparsity"], scores="snip", rho=cfg["rho"],
+    tx = safe_optax.safe_plus(cfg["lr"], cfg["sparsity"], rho=cfg["rho"],
                               decoupled_penalty=variant == "decoupled_snip", **common)
   else:
     tx = safe_optax.safe(cfg["lr"], cfg["sparsity"], rho=cfg["rho"],
@@ -268,7 +268,7 @@ def test_wanda_saliency_in_transform_uses_input_norms_per_output():
 
 def test_obd_saliency_needs_grad_fn():
   params = init_params(5)
-  tx = safe_optax.admm_penalty(0.5, 1.0, scores="obd")
+  tx = safe_optax.admm_penalty(0.5, 1.0, scores=safe_optax.obd_saliency())
   state = tx.init(params)
   with pytest.raises(ValueError, match="grad_fn"):
     tx.update(jax.tree.map(jnp.zeros_like, params), state, params)
@@ -345,23 +345,16 @@ def test_safe_multi_draw_and_saliency_key_are_independent():
   assert len({tuple(jax.random.key_data(k).tolist()) for k in keys}) == len(keys)
 
 
-def test_dual_update_without_z_and_the_deprecated_z():
+def test_dual_update_takes_params_u_sparsity_and_keywords_only():
   params = {"b": jnp.ones(2), "w": jnp.array([[4., -3.], [0.2, 0.1]])}
   u = [jnp.array([[0., 0.], [1., 0.]])]
   new = safe_optax.dual_update(params, u, 0.5, flags=(False, True), first=jnp.array(False))
-  with pytest.warns(DeprecationWarning, match="`z` argument is deprecated and ignored"):
-    old = safe_optax.dual_update(params, [jnp.full((2, 2), 7.)], u, 0.5, flags=(False, True),
-                                 first=jnp.array(False))
-  with pytest.warns(DeprecationWarning, match="`z` argument is deprecated"):
-    keyword = safe_optax.dual_update(params, u, 0.5, z=[jnp.zeros((2, 2))], flags=(False, True),
-                                     first=jnp.array(False))
-  for result in (old, keyword):
-    for a, b in zip(jax.tree.leaves(result), jax.tree.leaves(new)):
-      np.testing.assert_array_equal(a, b)
   np.testing.assert_array_equal(new[0][0], [[4., -3.], [0., 0.]])  # top 2 of |x + u|
   np.testing.assert_allclose(new[1][0], [[0., 0.], [1.2, 0.1]])  # u + x - z
-  with pytest.raises(TypeError, match="positional"):
-    safe_optax.dual_update(params, u, u, 0.5, 0.5, flags=(False, True), first=True)
+  with pytest.raises(TypeError, match="positional"):  # the removed (params, z, u, sparsity)
+    safe_optax.dual_update(params, u, u, 0.5, flags=(False, True), first=True)
+  with pytest.raises(TypeError, match="'z'"):
+    safe_optax.dual_update(params, u, 0.5, z=u, flags=(False, True), first=True)
 
 
 # ---------------------------------------------------------------------------- aliases
@@ -383,12 +376,12 @@ def test_safe_is_the_documented_chain():
 
 @pytest.mark.parametrize("variant, same_as", [
     (lambda **kw: safe_optax.safe_plus(0.05, 0.7, **kw),
-     lambda **kw: safe_optax.safe(0.05, 0.7, scores="snip", **kw)),
+     lambda **kw: safe_optax.safe(0.05, 0.7, scores=safe_optax.snip_saliency(), **kw)),
     (lambda **kw: safe_optax.safe_sg(0.05, 0.7, **kw),
      lambda **kw: safe_optax.safe(0.05, 0.7, sparse_gradient=True, **kw)),
     (lambda **kw: safe_optax.admm(0.05, 0.7, **kw),
      lambda **kw: safe_optax.safe(0.05, 0.7, rho=None, penalty_schedule="constant", **kw)),
-    (lambda **kw: safe_optax.safe_multi(0.05, [0.5, 0.7], **kw),
+    (lambda **kw: safe_optax.safe(0.05, [0.5, 0.7], **kw),  # SAFE-Multi: a list or a tuple
      lambda **kw: safe_optax.safe(0.05, (0.5, 0.7), **kw)),
 ], ids=["safe_plus", "safe_sg", "admm", "safe_multi"])
 def test_variants_are_safe_with_their_own_arguments(variant, same_as):
@@ -403,17 +396,23 @@ def test_variants_are_safe_with_their_own_arguments(variant, same_as):
 
 
 def test_variant_signatures_are_safes_with_their_defaults():
+  """Explicit signatures (no __signature__ rewriting): safe's keywords, own defaults."""
   import inspect  # pylint: disable=import-outside-toplevel
 
   safe_params = inspect.signature(safe_optax.safe).parameters
+  for variant in (safe_optax.safe_plus, safe_optax.safe_sg, safe_optax.admm):
+    assert "__signature__" not in vars(variant)
+    params = inspect.signature(variant).parameters
+    assert set(params) <= set(safe_params)
+    for name, param in params.items():
+      assert param.kind == safe_params[name].kind
   plus = inspect.signature(safe_optax.safe_plus).parameters
-  assert list(plus) == list(safe_params) and plus["scores"].default == "snip"
-  assert inspect.signature(safe_optax.safe_sg).parameters["sparse_gradient"].default is True
+  assert list(plus) == list(safe_params) and callable(plus["scores"].default)
+  assert "sparse_gradient" not in inspect.signature(safe_optax.safe_sg).parameters
   admm = inspect.signature(safe_optax.admm).parameters
   assert admm["penalty_schedule"].default == "constant"
   assert not {"rho", "adaptive", "max_grad_norm", "sparse_gradient"} & set(admm)
-  multi = list(inspect.signature(safe_optax.safe_multi).parameters)
-  assert multi[:2] == ["learning_rate", "sparsity_choices"] and multi[2:] == list(safe_params)[2:]
+  assert not hasattr(safe_optax, "safe_multi")  # safe(sparsity=(...)) is SAFE-Multi
 
 
 def test_alias_argument_errors():
@@ -421,15 +420,15 @@ def test_alias_argument_errors():
     safe_optax.admm(0.1, 0.5, penalty=1.0, rho=0.1)
   with pytest.raises(ValueError, match="`adaptive=True` .* needs a SAM radius `rho`"):
     safe_optax.safe(0.1, 0.5, penalty=1.0, total_steps=5, rho=None, adaptive=True)
-  with pytest.raises(ValueError, match="`sparsity_choices` must be a non-empty sequence"):
-    safe_optax.safe_multi(0.1, (), penalty=1.0, total_steps=5)
+  with pytest.raises(ValueError, match="`sparsity`.*must not be empty"):
+    safe_optax.safe(0.1, (), penalty=1.0, total_steps=5)
 
 
 def test_inject_hyperparams_sees_the_variants_keywords():
   for factory, kwargs in [
       (safe_optax.safe_plus, dict(sparsity=0.5)),
       (safe_optax.admm, dict(sparsity=0.5)),
-      (safe_optax.safe_multi, dict(sparsity_choices=(0.5, 0.7))),
+      (safe_optax.safe, dict(sparsity=(0.5, 0.7))),
   ]:
     tx = optax.inject_hyperparams(factory)(learning_rate=0.1, penalty=1e-2, dual_every=4,
                                            total_steps=10, **kwargs)

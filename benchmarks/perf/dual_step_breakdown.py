@@ -16,7 +16,7 @@ dual period and all in one process:
 * ``plain_after``: the plain program on a copy, right after those;
 * ``dual_update``: the dual update alone (``safe_optax.dual_update`` on the
   MLP's kernels, jitted), right after a plain step;
-* ``dual_program``: ``safe_optax.run_dual_update`` jitted (the program the
+* ``dual_program``: ``safe_optax.experimental.run_dual_update`` jitted (the program the
   vision trainer runs before a dual step) on the optimizer state the plain
   step before it returned (its count is not due: the projection runs and is
   not selected, so the state keeps its values); ``dual_program_donated`` the
@@ -107,8 +107,8 @@ def main() -> None:
     return safe_optax.dual_update(p, u, 0.9, flags=flags, first=jnp.bool_(False))
 
   us = [0.01 * jnp.ones_like(k) for k in kernels]
-  dual_program = jax.jit(functools.partial(safe_optax.run_dual_update, tx))
-  dual_donated = jax.jit(functools.partial(safe_optax.run_dual_update, tx), donate_argnums=0)
+  dual_program = jax.jit(functools.partial(safe_optax.experimental.run_dual_update, tx))
+  dual_donated = jax.jit(functools.partial(safe_optax.experimental.run_dual_update, tx), donate_argnums=0)
   temps = {"plain": temp_mb(programs[False], *state, batch),
            "dual": temp_mb(programs[True], *state, batch),
            "dual_update": temp_mb(dual_only, params, us),

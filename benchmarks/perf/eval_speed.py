@@ -27,7 +27,7 @@ images and labels (the cost does not depend on the values):
 * ``trace_jit`` / ``trace``: one probe of :func:`safe_optax.flatness.hessian_trace`
   inside ``jax.jit`` / called outside it (slope between 1 and 3 probes);
   inside ``jax.jit`` the loops' convolutions go through
-  :func:`safe_optax.canonical_convs` (``eval_speed_before_canonical.json`` is
+  :func:`safe_optax.experimental.canonical_convs` (``eval_speed_before_canonical.json`` is
   the run before it: ``lambda_max_jit`` at 13.5x);
 * ``loss_line`` / ``loss``: :func:`safe_optax.flatness.loss_line` at 4 points
   against one plain jitted loss over the same batches;

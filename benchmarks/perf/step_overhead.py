@@ -23,7 +23,7 @@ picked by the host's step counter (``update(..., dual_due=is_dual_step(t,
 run a program that holds no projection, so their temporary buffer is SAM's.
 ``safe_alone`` is ``safe`` run as the vision trainer runs it: on a dual step
 the dual update first runs as a program of its own
-(``safe_optax.run_dual_update``), then the step without the projection
+(``safe_optax.experimental.run_dual_update``), then the step without the projection
 (``dual_due=False``); both are timed as that step.
 
 Diagnostics (``--methods``): ``admm`` (SAFE without SAM, ``safe_optax.admm``
@@ -166,11 +166,12 @@ def bench_model(name: str, methods: list[str], steps: int, block: int, warmup: i
       plain_step = variants[False]
     elif method == "safe_alone":
       # As the vision trainer runs SAFE: on a dual step the dual update runs first as a
-      # program of its own (``safe_optax.run_dual_update``), then the step without it.
+      # program of its own (``safe_optax.experimental.run_dual_update``), then the step
+      # without it.
       plain_step = make_step(model.apply, tx, needs_grad_fn, dual_due=False)
       # Not donated: on XLA:CPU a donated dual program took 4-5 ms in most calls against
       # 0.7-1.3 ms undonated (the same program, interleaved; docs/performance.md, "Step overhead").
-      dual = jax.jit(functools.partial(safe_optax.run_dual_update, tx))
+      dual = jax.jit(functools.partial(safe_optax.experimental.run_dual_update, tx))
       dual_temp_mb = temp_mb(dual, state[2], state[0])
 
       def step(count, params, model_state, opt_state, batch, f=plain_step, dual=dual):

@@ -225,7 +225,8 @@ def safe_block(
       params, opt_state, loss = step(
           params, norms, input_norms, scales, opt_state,
           *place(mesh, (inputs[idx], targets[idx])),
-          dual_due=safe_optax.is_dual_step(epoch * steps_per_epoch + b, cfg.dual_every))
+          dual_due=safe_optax.experimental.is_dual_step(epoch * steps_per_epoch + b,
+                                                        cfg.dual_every))
     losses.append(float(loss))
   final_scores = None
   if input_norms is not None:

@@ -190,7 +190,7 @@ class StepLogger:
       log: the epoch's :class:`StepLog`.
       step: the steps taken before this one.
       old_opt_state, opt_state: before and after the dual update (a whole step,
-        or :func:`safe_optax.run_dual_update` alone).
+        or :func:`safe_optax.experimental.run_dual_update` alone).
     """
     position = step % self.steps_per_epoch
     old, new = (safe_optax.find_admm_state(s) for s in (old_opt_state, opt_state))

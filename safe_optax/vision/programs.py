@@ -158,7 +158,7 @@ def dual_due(config: Config, step: int) -> Optional[bool]:
   """
   if not methods.get(config.method).has_admm_state:
     return None
-  return safe_optax.is_dual_step(step, config.dual_every)
+  return safe_optax.experimental.is_dual_step(step, config.dual_every)
 
 
 def plan(programs: Programs, config: Config, step: int) -> tuple[bool, Optional[bool]]:

@@ -45,7 +45,7 @@ def train_step(state: TrainState, images: jax.Array, labels: jax.Array,
     step_logger: writes this step's scalars into ``state.metrics.log`` when due
       (``None``: the log is left as it is).
     dual_due: for the ADMM-based methods, whether this step runs the dual
-      update, known on the host (``safe_optax.is_dual_step``); a static
+      update, known on the host (``safe_optax.experimental.is_dual_step``); a static
       argument, so the ``K - 1`` steps without one run a program without the
       projection (``None``: one program that decides inside). ``False`` on a
       dual step whose update :func:`dual_step` ran just before (see
@@ -84,7 +84,7 @@ def dual_step(state: TrainState, *, tx: optax.GradientTransformation,
               ) -> tuple[list[safe_optax.ADMMState], metrics_lib.StepLog]:
   """The dual update due at ``state.step``, alone (pure; jit it with the keywords bound).
 
-  :func:`safe_optax.run_dual_update` on the state's optimizer state, its mask
+  :func:`safe_optax.experimental.run_dual_update` on the state's optimizer state, its mask
   churn logged; the :func:`train_step` that follows takes ``dual_due=False``.
   Only for the methods whose dual update reads no gradient
   (:attr:`~safe_optax.methods.Method.dual_alone`).
@@ -94,7 +94,7 @@ def dual_step(state: TrainState, *, tx: optax.GradientTransformation,
     tree order, and the epoch's log: only what changed, so that the undonated
     program copies no parameters (:func:`with_dual_step` puts them back).
   """
-  opt_state = safe_optax.run_dual_update(tx, state.opt_state, state.params)
+  opt_state = safe_optax.experimental.run_dual_update(tx, state.opt_state, state.params)
   log = state.metrics.log
   if step_logger is not None and step_logger.penalty is not None:
     log = step_logger.record_dual(log, state.step, state.opt_state, opt_state)
