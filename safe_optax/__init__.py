@@ -10,12 +10,12 @@ transforms (``sam``, ``sam_perturb``, ``admm_penalty``, ``decoupled_admm_penalty
 ``sparsity_report``). XLA:CPU workarounds live in :mod:`safe_optax.experimental`.
 """
 
-from safe_optax._admm import ADMMState
-from safe_optax._admm import DecoupledADMMState
 from safe_optax._admm import admm_penalty
-from safe_optax._admm import constraint_distance
 from safe_optax._admm import decoupled_admm_penalty
-from safe_optax._admm import find_admm_state
+from safe_optax._admm_state import ADMMState
+from safe_optax._admm_state import DecoupledADMMState
+from safe_optax._admm_state import constraint_distance
+from safe_optax._admm_state import find_admm_state
 from safe_optax._alias import admm
 from safe_optax._alias import safe
 from safe_optax._alias import safe_plus
@@ -39,6 +39,7 @@ from safe_optax._sam import add_projected_gradient
 from safe_optax._sam import sam
 from safe_optax._sam import sam_perturb
 from safe_optax._schedules import penalty_schedule
+from safe_optax._scores import Saliency
 from safe_optax._scores import SaliencyInputs
 from safe_optax._scores import hutchinson_diagonal
 from safe_optax._scores import magnitude_scores
@@ -48,8 +49,8 @@ from safe_optax._scores import snip_saliency
 from safe_optax._scores import snip_scores
 from safe_optax._scores import wanda_saliency
 from safe_optax._scores import wanda_scores
-from safe_optax._select import erk_keep_counts
-from safe_optax._select import num_keep
+from safe_optax._counts import erk_keep_counts
+from safe_optax._counts import num_keep
 from safe_optax._structures import ERK
 from safe_optax._structures import NM
 from safe_optax._structures import Global
@@ -74,6 +75,7 @@ __all__ = (
     "PerOutput",
     "Projection",
     "SAMState",
+    "Saliency",
     "SaliencyInputs",
     "SparsityReport",
     "add_projected_gradient",

@@ -206,8 +206,7 @@ def safe_plus(
       gradient, also with ``decoupled_penalty=True``),
       :func:`safe_optax.obd_saliency` (Hutchinson Hessian diagonal, one probe
       per dual update; costs a Hessian-vector product then),
-      :func:`safe_optax.wanda_saliency`, or any callable
-      ``SaliencyInputs -> scores``.
+      :func:`safe_optax.wanda_saliency`, or ``safe_optax.Saliency(fn)``.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs`; ``update`` needs

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from safe_optax import _counts
 from safe_optax import _prunable
 from safe_optax import _select
 from safe_optax import _structures
@@ -90,13 +91,13 @@ def _keep_counts(shapes, sparsity, structure):
     return [jnp.int32(structure.n)] * len(shapes)
   if isinstance(structure, ERK):
     return [jnp.asarray(k, jnp.int32)
-            for k in _select.erk_keep_counts(shapes, sparsity, structure.power_scale)]
+            for k in _counts.erk_keep_counts(shapes, sparsity, structure.power_scale)]
   sizes = [int(np.prod(shape)) for shape in shapes]
   if isinstance(structure, Global):
     sizes = [sum(sizes)]
   elif isinstance(structure, PerOutput):
     sizes = [size // shape[structure.axis] for size, shape in zip(sizes, shapes)]
-  return [jnp.asarray(_select.num_keep(size, sparsity), jnp.int32) for size in sizes]
+  return [jnp.asarray(_counts.num_keep(size, sparsity), jnp.int32) for size in sizes]
 
 
 @functools.partial(jax.jit, static_argnames=("structure",))

@@ -201,7 +201,7 @@ def magnitude_pruning(
     structure, prunable: as in :func:`safe_optax.project_topk` (default
       :class:`safe_optax.Global`).
     scores: ranking at mask updates: ``None`` (magnitude, ``|x + u|``) or a
-      saliency callable ``SaliencyInputs -> scores`` as in
+      :class:`safe_optax.Saliency` as in
       :func:`safe_optax.admm_penalty`. The saliency sees ``values = x + u``
       and ``updates = u``, the *optimizer's* update (a scaled, momentum-averaged
       gradient placed after SGD); :func:`safe_optax.obd_saliency` needs ``grad_fn``.

@@ -1,4 +1,4 @@
-"""Penalty schedules ``lambda_t`` for the ADMM penalty.
+"""Penalty schedules ``lambda_t`` for the ADMM penalty, and the checks of its hyperparameters.
 
 SAFE ramps the penalty from 0 to its target on a cosine curve for vision
 (``lambda * 0.5 * (1 - cos(pi * t / T))``), linearly, or keeps it constant
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from typing import Any, Optional, Union
 
 import jax
@@ -102,3 +103,33 @@ def penalty_schedule(
     return penalty * 0.5 * (1.0 - jnp.cos(jnp.pi * progress))
 
   return ramp
+
+
+def warn_if_no_dual_update(total_steps: Any, dual_every: Any) -> None:
+  """Warns when a run of ``total_steps`` never reaches a dual update after the first.
+
+  The dual update runs at counts ``0, K, 2K, ...``; count 0 only sets
+  ``z = Proj(x0)``, so with ``T <= K`` the dual ``u`` never moves. Traced
+  values (``inject_hyperparams``) cannot be compared here.
+  """
+  concrete = all(isinstance(v, (int, np.integer)) or (
+      isinstance(v, (jax.Array, np.ndarray)) and not isinstance(v, jax.core.Tracer))
+                 for v in (total_steps, dual_every))
+  if total_steps is None or not concrete or int(total_steps) > int(dual_every):
+    return
+  warnings.warn(
+      f"total_steps={int(total_steps)} with dual_every={int(dual_every)}: the dual update "
+      f"runs every {int(dual_every)} steps, so after the first step (z = Proj(x0)) no dual "
+      "update happens in this run and u stays 0. Pass dual_every < total_steps.",
+      UserWarning, stacklevel=4)
+
+
+def valid_or_zero(lam: jax.Array) -> jax.Array:
+  """``lam``, or 0 where it is negative or not finite (an invalid penalty counts as 0)."""
+  return jnp.where(jnp.isfinite(lam) & (lam >= 0), lam, jnp.zeros_like(lam))
+
+
+def penalty_ratio(previous: jax.Array, current: jax.Array) -> jax.Array:
+  """``previous / current``, 0 where ``current`` is 0 or either is not a valid penalty."""
+  valid = jnp.isfinite(previous) & jnp.isfinite(current) & (previous >= 0) & (current > 0)
+  return jnp.where(valid, previous / jnp.where(valid, current, 1.0), 0.0)

@@ -13,13 +13,14 @@ largest :math:`\sqrt{P_{ii}}\,|v_i|`. The builders here give that score for
   activation norms.
 
 The pure functions take and return pytrees. Inside the optax transforms a
-saliency is a callable ``SaliencyInputs -> scores`` (:func:`snip_saliency`,
-:func:`obd_saliency`, :func:`wanda_saliency`), evaluated at each dual update on
-``v = x + u``; ``None`` is magnitude.
+saliency is a :class:`Saliency` wrapping ``SaliencyInputs -> scores``
+(:func:`snip_saliency`, :func:`obd_saliency`, :func:`wanda_saliency`),
+evaluated at each dual update on ``v = x + u``; ``None`` is magnitude.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple, Optional
@@ -53,7 +54,18 @@ class SaliencyInputs(NamedTuple):
   """Prunable flags of ``params``' leaves, in flatten order."""
 
 
-Saliency = Callable[[SaliencyInputs], Any]
+@dataclasses.dataclass(frozen=True)
+class Saliency:
+  """A SAFE+ saliency for the transforms' ``scores=``: ``fn(SaliencyInputs) -> scores``.
+
+  :func:`snip_saliency`, :func:`obd_saliency` and :func:`wanda_saliency`
+  build one; wrap your own function as ``Saliency(fn)``. It is not itself
+  callable, so ``optax.inject_hyperparams`` keeps it as a static argument
+  (it would call a bare function as a schedule).
+  """
+
+  fn: Callable[[SaliencyInputs], Any]
+  """Returns the list of scores of ``inputs.values`` (higher is kept)."""
 
 
 def magnitude_scores(values: Any) -> Any:
@@ -306,7 +318,7 @@ def snip_saliency() -> Saliency:
   gradient in :func:`safe_optax.safe_plus`, also with ``decoupled_penalty``).
 
   Returns:
-    A saliency callable ``SaliencyInputs -> scores`` for the ``scores``
+    A :class:`Saliency` for the ``scores``
     argument of :func:`safe_optax.safe_plus` / :func:`safe_optax.admm_penalty`.
 
   Examples:
@@ -326,7 +338,7 @@ def snip_saliency() -> Saliency:
   def saliency(inputs: SaliencyInputs) -> Any:
     return snip_scores(inputs.values, _prunable.prunable_leaves(inputs.updates, inputs.flags))
 
-  return saliency
+  return Saliency(saliency)
 
 
 def obd_saliency(num_probes: int = 1) -> Saliency:
@@ -339,7 +351,7 @@ def obd_saliency(num_probes: int = 1) -> Saliency:
     num_probes: Rademacher probes per estimate of the Hessian diagonal.
 
   Returns:
-    A saliency callable ``SaliencyInputs -> scores`` for the ``scores``
+    A :class:`Saliency` for the ``scores``
     argument of :func:`safe_optax.safe_plus` / :func:`safe_optax.admm_penalty`.
 
   Raises:
@@ -367,7 +379,7 @@ def obd_saliency(num_probes: int = 1) -> Saliency:
     diag = hutchinson_diagonal(inputs.grad_fn, inputs.params, inputs.key, num_probes)
     return obd_scores(inputs.values, _prunable.prunable_leaves(diag, inputs.flags))
 
-  return saliency
+  return Saliency(saliency)
 
 
 def wanda_saliency(input_norms: Any, *, axis: int = -2) -> Saliency:
@@ -379,7 +391,7 @@ def wanda_saliency(input_norms: Any, *, axis: int = -2) -> Saliency:
     axis: the input-feature axis of each weight.
 
   Returns:
-    A saliency callable ``SaliencyInputs -> scores`` for the ``scores``
+    A :class:`Saliency` for the ``scores``
     argument of :func:`safe_optax.safe_plus` / :func:`safe_optax.admm_penalty`
     (one threshold per group of the structure: combine with
     ``structure=PerOutput()`` for Wanda's per-row comparison).
@@ -405,26 +417,31 @@ def wanda_saliency(input_norms: Any, *, axis: int = -2) -> Saliency:
         inputs.values, [n for n, f in zip(norms, inputs.flags) if f], axis=axis
     )
 
-  return saliency
+  return Saliency(saliency)
 
 
-def check_saliency(scores: Optional[Saliency]) -> Optional[Saliency]:
-  """Checks the ``scores`` argument of the transforms; ``None`` means magnitude.
+def check_saliency(scores: Optional[Saliency]) -> Optional[Callable[[SaliencyInputs], Any]]:
+  """Checks the ``scores`` argument of the transforms; returns its function, or ``None``.
 
   Args:
-    scores: ``None`` (magnitude, plain SAFE) or a saliency callable
-      ``SaliencyInputs -> scores``: :func:`snip_saliency`,
-      :func:`obd_saliency`, :func:`wanda_saliency` or your own.
+    scores: ``None`` (magnitude, plain SAFE) or a :class:`Saliency`:
+      :func:`snip_saliency`, :func:`obd_saliency`, :func:`wanda_saliency` or
+      ``Saliency(fn)``.
 
   Returns:
-    ``scores``.
+    The saliency's function ``SaliencyInputs -> scores``, or ``None``.
 
   Raises:
-    TypeError: anything else (strings included), naming the allowed values.
+    TypeError: anything else (strings and bare functions included), naming
+      the allowed values.
   """
-  if scores is None or callable(scores):
-    return scores
+  if scores is None:
+    return None
+  if isinstance(scores, Saliency):
+    return scores.fn
+  hint = " (wrap a function as safe_optax.Saliency(fn))" if callable(scores) else ""
   raise TypeError(
-      "`scores` must be None (magnitude) or a saliency callable SaliencyInputs -> scores: "
-      "safe_optax.snip_saliency(), safe_optax.obd_saliency(num_probes) or "
-      f"safe_optax.wanda_saliency(input_norms); got {scores!r}.")
+      "`scores` must be None (magnitude) or a safe_optax.Saliency: "
+      "safe_optax.snip_saliency(), safe_optax.obd_saliency(num_probes), "
+      f"safe_optax.wanda_saliency(input_norms) or safe_optax.Saliency(fn){hint}; "
+      f"got {scores!r}.")

@@ -19,9 +19,9 @@ PACKAGE = ROOT / "safe_optax"
 
 # Bottom to top, as docs/architecture.md draws them.
 LAYERS = {
-    "kernels": ("_select", "_prunable", "_structures", "_projection", "_scores", "_schedules",
+    "kernels": ("_select", "_counts", "_prunable", "_structures", "_projection", "_scores", "_schedules",
                 "_conv_layout"),
-    "transforms": ("_dual", "_admm", "_sam", "_cram", "_pruners", "_alias", "_finalize",
+    "transforms": ("_dual", "_admm", "_admm_state", "_sam", "_cram", "_pruners", "_alias", "_finalize",
                    "experimental", "__init__"),
     "helpers": ("flax_utils", "_flax_linen", "_flax_nnx", "distributed", "_hessian", "_landscape", "plots", "flatness",
                 "data_paths"),

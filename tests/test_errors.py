@@ -330,10 +330,11 @@ def test_unknown_structure_type(name):
     lambda scores: safe_optax.safe_plus(0.1, 0.5, penalty=1e-2, total_steps=10, scores=scores),
     lambda scores: safe_optax.admm(0.1, 0.5, penalty=1e-2, scores=scores),
 ], ids=["admm_penalty", "safe_plus", "admm"])
-@pytest.mark.parametrize("scores", ["snip", "obd", "magnitude", "wanda", "", 0.5])
-def test_scores_that_are_not_saliency_callables(make, scores):
-  with pytest.raises(TypeError, match=r"`scores` must be None \(magnitude\) or a saliency "
-                                      r"callable.*snip_saliency\(\)"):
+@pytest.mark.parametrize("scores", ["snip", "obd", "magnitude", "wanda", "", 0.5,
+                                    lambda inputs: inputs.values])
+def test_scores_that_are_not_saliencies(make, scores):
+  with pytest.raises(TypeError, match=r"`scores` must be None \(magnitude\) or a "
+                                      r"safe_optax.Saliency.*snip_saliency\(\)"):
     make(scores)
 
 

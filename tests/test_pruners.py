@@ -291,8 +291,8 @@ def test_nm_structure_and_custom_scores():
   groups = np.moveaxis(pruned, 2, -1).reshape(-1, 4)  # groups of 4 along the input axis
   assert np.all(np.count_nonzero(groups, axis=1) == 2)
   # A saliency that prefers small magnitudes keeps exactly the smallest half.
-  smallest = safe_optax.magnitude_pruning(0.5, scores=lambda inputs: [-jnp.abs(v) for v in
-                                                                       inputs.values])
+  smallest = safe_optax.magnitude_pruning(
+      0.5, scores=safe_optax.Saliency(lambda inputs: [-jnp.abs(v) for v in inputs.values]))
   updates, _ = smallest.update(zero, smallest.init(params), params)
   kept = np.asarray(optax.apply_updates(params, updates)["k"]) != 0
   magnitudes = np.abs(np.asarray(params["k"]))
@@ -448,7 +448,8 @@ def test_update_errors():
 def test_magnitude_pruning_seed_drives_the_saliency_key():
   """The saliency key came from PRNGKey(0) whatever the run's seed."""
   params = {"w": jnp.ones((8, 8))}
-  random_scores = lambda inputs: [jax.random.uniform(inputs.key, v.shape) for v in inputs.values]
+  random_scores = safe_optax.Saliency(
+      lambda inputs: [jax.random.uniform(inputs.key, v.shape) for v in inputs.values])
 
   def masks(**kwargs):
     tx = safe_optax.magnitude_pruning(0.5, scores=random_scores, **kwargs)

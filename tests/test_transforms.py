@@ -330,7 +330,8 @@ def test_safe_multi_draw_and_saliency_key_are_independent():
     keys.append(inputs.key)
     return [jnp.abs(v) for v in inputs.values]
 
-  tx = safe_optax.admm_penalty(choices, 0.1, dual_every=1, scores=recording_magnitude, seed=2)
+  tx = safe_optax.admm_penalty(choices, 0.1, dual_every=1,
+                               scores=safe_optax.Saliency(recording_magnitude), seed=2)
   state = tx.init(params)
   n = sum(params[k].size for k in PRUNABLE)
   drawn = []
@@ -407,7 +408,8 @@ def test_variant_signatures_are_safes_with_their_defaults():
     for name, param in params.items():
       assert param.kind == safe_params[name].kind
   plus = inspect.signature(safe_optax.safe_plus).parameters
-  assert list(plus) == list(safe_params) and callable(plus["scores"].default)
+  assert list(plus) == list(safe_params)
+  assert isinstance(plus["scores"].default, safe_optax.Saliency)
   assert "sparse_gradient" not in inspect.signature(safe_optax.safe_sg).parameters
   admm = inspect.signature(safe_optax.admm).parameters
   assert admm["penalty_schedule"].default == "constant"
