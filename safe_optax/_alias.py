@@ -197,10 +197,7 @@ def safe_plus(
   :math:`\sqrt{P_{ii}}\,|v_i|`. Finalize with the same scores.
 
   Args:
-    learning_rate, sparsity, penalty, penalty_schedule, total_steps, rho,
-      dual_every, momentum, nesterov, weight_decay, structure, prunable,
-      sparse_gradient, adaptive, max_grad_norm, decoupled_penalty, seed,
-      rescale_dual: as in :func:`safe`.
+    learning_rate: as in :func:`safe`, like every argument not listed here.
     scores: the saliency: :func:`safe_optax.snip_saliency` (default,
       ``|g * v|``, ``g`` the gradient entering the penalty, i.e. the SAM
       gradient, also with ``decoupled_penalty=True``),
@@ -269,9 +266,7 @@ def admm(
   :func:`safe_optax.finalize`.
 
   Args:
-    learning_rate, sparsity, penalty, total_steps, dual_every, momentum,
-      nesterov, weight_decay, structure, prunable, decoupled_penalty, seed,
-      rescale_dual: as in :func:`safe`.
+    learning_rate: as in :func:`safe`, like every argument not listed here.
     penalty_schedule: as in :func:`safe`, but ``"constant"`` by default.
     scores: a SAFE+-style saliency, as in :func:`safe_plus` (``None``:
       magnitude).
@@ -336,9 +331,7 @@ def safe_sg(
   Costs a third gradient per step; ``grad_fn`` is called with step 1 for it.
 
   Args:
-    learning_rate, penalty, penalty_schedule, total_steps, rho, dual_every,
-      momentum, nesterov, weight_decay, structure, prunable, scores, adaptive,
-      max_grad_norm, decoupled_penalty, seed, rescale_dual: as in :func:`safe`.
+    learning_rate: as in :func:`safe`, like every argument not listed here.
     sparsity: as in :func:`safe`; a sequence gives SAFE+SG,Multi.
 
   Returns:

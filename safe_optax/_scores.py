@@ -317,6 +317,9 @@ def snip_saliency() -> Saliency:
   Scores ``|g * v|``, ``g`` the gradient entering the transform (the SAM
   gradient in :func:`safe_optax.safe_plus`, also with ``decoupled_penalty``).
 
+  Args:
+    (none): the gradient comes from the transform at each dual update.
+
   Returns:
     A :class:`Saliency` for the ``scores``
     argument of :func:`safe_optax.safe_plus` / :func:`safe_optax.admm_penalty`.
