@@ -117,7 +117,8 @@ def safe_block(
       loss, grads = loss_and_grad(params)
       updates, opt_state = tx.update(
           grads, opt_state, params, grad_fn=lambda p, _, f=loss_and_grad: f(p)[1],
-          dual_due=safe_optax.is_dual_step(epoch * steps_per_epoch + b, cfg.dual_every))
+          dual_due=safe_optax.experimental.is_dual_step(epoch * steps_per_epoch + b,
+                                                        cfg.dual_every))
       params = optax.apply_updates(params, updates)
     losses.append(float(loss))
   final_scores = None
