@@ -32,7 +32,7 @@ def _rngs(rng: Rng) -> Optional[dict[str, jax.Array]]:
   return {"dropout": rng}
 
 
-def _split_batch(batch: Any) -> tuple[Any, Any]:
+def split_batch(batch: Any) -> tuple[Any, Any]:
   if not isinstance(batch, (tuple, list)) or len(batch) != 2:
     raise TypeError(
         "`batch` must be a pair (inputs, targets): inputs go to apply_fn, targets to "
@@ -45,7 +45,7 @@ def _split_batch(batch: Any) -> tuple[Any, Any]:
 
 def _train_loss(apply_fn, model_state, batch, loss_fn, rng, mutable):
   """``params -> (loss, (logits, new_model_state))`` in training mode."""
-  inputs, targets = _split_batch(batch)
+  inputs, targets = split_batch(batch)
   rngs = _rngs(rng)
   mutable = list(mutable)
 
@@ -209,7 +209,7 @@ def _batch_moments(apply_fn: ApplyFn, variables: Any, inputs: Any,
   return {path: calls for path, calls in found.items()}
 
 
-def _add_moments(totals: dict[Any, list[Any]], key: Any, count: int, mean: Any,
+def add_moments(totals: dict[Any, list[Any]], key: Any, count: int, mean: Any,
                  var: Any) -> None:
   """Folds one batch's per-channel ``(count, mean, biased var)`` into ``totals[key]``.
 
@@ -327,7 +327,7 @@ def recalibrate_batch_stats(
   for found in jax.device_get(per_batch):
     for path, calls in found.items():
       for count, mean, var in calls:
-        _add_moments(totals, path, count, mean, var)
+        add_moments(totals, path, count, mean, var)
   if not totals:
     raise ValueError("`batches` is empty, or the model has no BatchNorm layer in training mode.")
 

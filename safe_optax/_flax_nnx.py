@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from safe_optax._flax_linen import GradFn, LossFn, _add_moments, _split_batch
+from safe_optax._flax_linen import GradFn, LossFn, add_moments, split_batch
 
 def nnx_sam_grad_fn(
     model: nnx.Module,
@@ -67,7 +67,7 @@ def nnx_sam_grad_fn(
   # Pure arrays: a copy merged from them belongs to the gradient's trace, so its
   # BatchNorm may update (and then drop) statistics; the model's own Variables may not.
   rest = nnx.as_pure(rest)
-  inputs, targets = _split_batch(batch)
+  inputs, targets = split_batch(batch)
 
   def loss_at(params):
     return loss_fn(nnx.merge(graphdef, params, rest)(inputs), targets)
@@ -125,7 +125,7 @@ def nnx_loss_and_grad(
     >>> losses[-1] < losses[0]
     True
   """
-  inputs, targets = _split_batch(batch)
+  inputs, targets = split_batch(batch)
 
   def loss(m):
     outputs = m(inputs)
@@ -190,7 +190,7 @@ def nnx_recalibrate_batch_stats(model: nnx.Module, batches: Iterable[Any]) -> No
     for inputs in batches:
       count = jax.tree.leaves(inputs)[0].shape[0]
       for i, (mean, var) in enumerate(jax.device_get(moments(model, inputs))):
-        _add_moments(totals, i, count, mean, var)
+        add_moments(totals, i, count, mean, var)
   finally:
     for m, (momentum, use_running_average) in zip(norms, saved):
       m.momentum, m.use_running_average = momentum, use_running_average

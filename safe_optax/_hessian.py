@@ -109,7 +109,7 @@ def support_mask(params: Any, keep_masks: Any = None, prunable: _prunable.Prunab
   return jax.tree.unflatten(resolved.treedef, masks)
 
 
-def _apply_support(tree: Any, support: Any) -> Any:
+def apply_support(tree: Any, support: Any) -> Any:
   if support is None:
     return tree
   return jax.tree.map(lambda x, m: jnp.where(m, x, jnp.zeros_like(x)), tree, support)
@@ -210,7 +210,7 @@ def hessian_vector_product(loss_fn: LossFn, params: Any, batches: Sequence[Any],
     >>> hessian_vector_product(loss_fn, jnp.array([1., 2.]), [jnp.ones(2)], jnp.ones(2))
     Array([ 6., 12.], dtype=float32)
   """
-  vector = _apply_support(vector, support)
+  vector = apply_support(vector, support)
   if _scores.is_traced(params, batches, vector, support):
     mean_grad = _mean_grad_fn(loss_fn, params, batches, support)
     return jax.jvp(mean_grad, (params,), (vector,))[1]
@@ -256,7 +256,7 @@ def _start_vector(key: jax.Array, params: Any, support: Any) -> Any:
   keys = jax.random.split(key, len(leaves))
   start = jax.tree.unflatten(treedef, [
       jax.random.normal(k, jnp.shape(x), jnp.result_type(x)) for k, x in zip(keys, leaves)])
-  return _normalize(_apply_support(start, support))
+  return _normalize(apply_support(start, support))
 
 
 def max_hessian_eigenvalue(
@@ -412,7 +412,7 @@ def hessian_trace(
     diagonal = _eager_hutchinson_diagonal(loss_fn, params, batches, key, num_probes, support)
   # Off the support the restricted Hessian has zero rows, so its diagonal
   # estimate is already 0 there; the mask only guards against -0/NaN noise.
-  diagonal = _apply_support(diagonal, support)
+  diagonal = apply_support(diagonal, support)
   return sum(jnp.sum(d).astype(jnp.float32) for d in jax.tree.leaves(diagonal))
 
 

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from safe_optax._hessian import LossFn, _apply_support, mean_loss
+from safe_optax._hessian import LossFn, apply_support, mean_loss
 
 BIAS_MODES = ("zero", "weights")
 
@@ -79,12 +79,12 @@ def filter_normalized_direction(
     theta = jnp.asarray(theta)
     if theta.ndim <= 1:
       d = theta if vectors == "weights" else jnp.zeros_like(theta)
-      out.append(_apply_support(d, mask))
+      out.append(apply_support(d, mask))
       continue
-    d = _apply_support(jax.random.normal(k, theta.shape, theta.dtype), mask)
+    d = apply_support(jax.random.normal(k, theta.shape, theta.dtype), mask)
     axes = tuple(range(theta.ndim - 1))
     d_norm = jnp.sqrt(jnp.sum(d * d, axis=axes, keepdims=True))
-    theta_norm = jnp.sqrt(jnp.sum(_apply_support(theta, mask) ** 2, axis=axes, keepdims=True))
+    theta_norm = jnp.sqrt(jnp.sum(apply_support(theta, mask) ** 2, axis=axes, keepdims=True))
     scale = jnp.where(d_norm > 0, theta_norm / jnp.where(d_norm > 0, d_norm, 1.0), 0.0)
     out.append(d * scale)
   return jax.tree.unflatten(treedef, out)

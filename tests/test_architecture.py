@@ -112,3 +112,16 @@ def test_every_module_is_in_the_architecture_page():
     if module in ("safe_optax", "safe_optax.vision", "safe_optax.llm"):
       continue
     assert f"`{module.split('.', 1)[1].replace('.', '/')}" in page, module
+
+
+def test_no_private_name_is_imported_across_modules():
+  """A leading underscore means "this module only": no `from safe_optax.m import _name`."""
+  offenders = []
+  for path in sorted(PACKAGE.rglob("*.py")):
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+      if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("safe_optax"):
+        base = PACKAGE.parent / node.module.replace(".", "/")
+        offenders += [f"{_name(path)}: {node.module}.{a.name}" for a in node.names
+                      if a.name.startswith("_") and a.name != "__version__"
+                      and not (base / f"{a.name}.py").exists()]  # a private module is fine
+  assert not offenders, offenders
