@@ -115,6 +115,11 @@ def extrapolate(result: dict, windows: int, seqlen: int) -> dict:
             "ratio_to_paper": [block / PAPER["sparsegpt_s"]] * 2}
   (a, ta), (b, tb) = [(r["steps"], r["block_s"]) for r in runs[:2]]
   step = (tb - ta) / (b - a)
+  if step <= 0:
+    # The B-step run was not slower: the steps are lost in the run-to-run noise.
+    return {"step_s": None, "paper_budget_block_s": None, "paper_s": PAPER["safe_s"],
+            "note": f"the {b}-step run took {tb:.1f} s, the {a}-step run {ta:.1f} s: the "
+                    "difference is noise, not a step; rerun with more steps (--steps)"}
   fixed = ta - a * step
   paper_step = step * PAPER["batch"] * PAPER["seqlen"] / tokens
   steps_s = paper_steps * paper_step
@@ -173,8 +178,12 @@ def _table(report: dict) -> None:
         f"{'paper s':>8s}")
   for method, result in report["methods"].items():
     ex = result["extrapolation"]
-    (low, high), step = ex["paper_budget_block_s"], ex.get("step_s")
-    block = f"{low:.0f}" if low == high else f"{low:.0f}-{high:.0f}"
+    step = ex.get("step_s")
+    if ex["paper_budget_block_s"] is None:
+      block = "n/a (noise)"
+    else:
+      low, high = ex["paper_budget_block_s"]
+      block = f"{low:.0f}" if low == high else f"{low:.0f}-{high:.0f}"
     print(f"{method:10s} {result['peak_rss_mib']:9.0f} "
           f"{'-' if step is None else f'{step:.2f}':>8s} {block:>24s} {ex['paper_s']:8.1f}")
 
