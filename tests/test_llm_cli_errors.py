@@ -54,6 +54,10 @@ def test_a_finished_export_is_not_replaced_by_other_settings(tiny, tmp_path, mon
   assert f"--out '{out}' holds a finished export" in err
   assert "--sparsity: saved 0.5, now 0.6" in err and "--restart" in err
   assert {p.name: p.read_bytes() for p in out.iterdir()} == files
+  # The fixed summation order changes the pruned weights' rounding: it is a pruning argument.
+  assert cli.main(_prune_argv(folder, text, out, "--method", "wanda", "--fixed-order")) == 2
+  assert "--fixed-order: saved False, now True" in _one_line(capsys.readouterr().err)
+  assert {p.name: p.read_bytes() for p in out.iterdir()} == files
   # The same arguments: nothing to prune, the export is left as it is.
   assert cli.main(_prune_argv(folder, text, out, "--method", "wanda")) == 0
   assert "already holds this export" in capsys.readouterr().err

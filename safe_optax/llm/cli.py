@@ -170,10 +170,16 @@ PRUNING_ARGS = ("model", "method", "sparsity", "nm", "grouping", "calib", "nsamp
 STATE_DIR = "prune_state"
 
 
+def _fixed_order(args: argparse.Namespace) -> bool:
+  # Several processes always sum in the fixed order; it changes the pruned weights' rounding.
+  return bool(args.fixed_order or (args.num_processes or 1) > 1)
+
+
 def _identity(args: argparse.Namespace) -> dict[str, Any]:
   """The pruning arguments by flag, as JSON has them (a finished report stores its args)."""
-  return json.loads(json.dumps({"--" + k.replace("_", "-"): getattr(args, k)
-                                for k in PRUNING_ARGS}))
+  identity = {"--" + k.replace("_", "-"): getattr(args, k) for k in PRUNING_ARGS}
+  identity["--fixed-order"] = _fixed_order(args)
+  return json.loads(json.dumps(identity))
 
 
 def _make_folder(path: pathlib.Path, flag: str) -> None:
@@ -197,6 +203,7 @@ def _finished(args: argparse.Namespace, out: pathlib.Path) -> Optional[dict[str,
   try:
     saved = json.loads(report_file.read_text())
     old = {"--" + k.replace("_", "-"): saved["args"].get(k) for k in PRUNING_ARGS}
+    old["--fixed-order"] = bool(saved.get("fixed_order", False))
   except (ValueError, KeyError, TypeError, AttributeError) as err:
     raise ValueError(f"--out '{out}' holds a report.json that does not parse ({err}); rerun "
                      "with --restart to replace that export, or give another --out.") from err
@@ -275,7 +282,7 @@ def _prune(args: argparse.Namespace) -> dict[str, Any]:
       "calibration": {"text": str(args.calib), "nsamples": args.nsamples,
                       "seqlen": args.seqlen, "seed": args.seed},
       "processes": jax.process_count(),
-      "fixed_order": bool(args.fixed_order or jax.process_count() > 1),
+      "fixed_order": _fixed_order(args),
       # Wall time of this process only; a resumed run's earlier blocks are in "blocks".
       "seconds_total": total, "export_dtype": export_dtype, **prune_report,
       "sparsity": {"prunable": sparsity.sparsity, "overall": sparsity.overall_sparsity},
