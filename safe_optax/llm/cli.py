@@ -170,6 +170,19 @@ PRUNING_ARGS = ("model", "method", "sparsity", "nm", "grouping", "calib", "nsamp
 STATE_DIR = "prune_state"
 
 
+def _add_protocol_arguments(parser: argparse.ArgumentParser, protocol: str, seqlen: str,
+                            tokens: str) -> None:
+  """The perplexity protocol's three flags (``prune --eval-*`` and ``ppl`` name them apart)."""
+  parser.add_argument(protocol, choices=data.PROTOCOLS, default="standard",
+                      help="'standard': the whole text in windows of min(context, 2048) tokens, "
+                           f"as SparseGPT and Wanda; 'short': its first {tokens} (default 2048) "
+                           "in 512-token windows, for quick checks")
+  parser.add_argument(seqlen, type=_count(2), default=None,
+                      help="evaluation window (default: the protocol's)")
+  parser.add_argument(tokens, type=_count(2), default=None,
+                      help="tokens scored by the short protocol (default 2048)")
+
+
 def _fixed_order(args: argparse.Namespace) -> bool:
   # Several processes always sum in the fixed order; it changes the pruned weights' rounding.
   return bool(args.fixed_order or (args.num_processes or 1) > 1)
@@ -348,14 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="precision of the written safetensors (default: the source's; a "
                       "quantised GGUF counts as float16)")
   p.add_argument("--eval", action="append", help="text to report perplexity on (repeatable)")
-  p.add_argument("--eval-protocol", choices=data.PROTOCOLS, default="standard",
-                 help="'standard': the whole text in windows of min(context, 2048) tokens, "
-                      "as SparseGPT and Wanda; 'short': its first --eval-tokens (default 2048) "
-                      "in 512-token windows, for quick checks")
-  p.add_argument("--eval-seqlen", type=_count(2), default=None,
-                 help="evaluation window (default: the protocol's)")
-  p.add_argument("--eval-tokens", type=_count(2), default=None,
-                 help="tokens scored by the short protocol (default 2048)")
+  _add_protocol_arguments(p, "--eval-protocol", "--eval-seqlen", "--eval-tokens")
   p.add_argument("--quiet", action="store_true", help="no progress bar")
   p.add_argument("--fixed-order", action="store_true",
                  help="sum over calibration windows in the fixed order a multi-process run uses "
@@ -368,14 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
   q = sub.add_parser("ppl", help="perplexity of a checkpoint on a text")
   q.add_argument("--model", required=True)
   q.add_argument("--text", required=True)
-  q.add_argument("--protocol", choices=data.PROTOCOLS, default="standard",
-                 help="'standard': the whole text in windows of min(context, 2048) tokens, "
-                      "as SparseGPT and Wanda; 'short': its first --max-tokens (default 2048) "
-                      "in 512-token windows, for quick checks")
-  q.add_argument("--seqlen", type=_count(2), default=None,
-                 help="window (default: the protocol's)")
-  q.add_argument("--max-tokens", type=_count(2), default=None,
-                 help="tokens scored by the short protocol (default 2048)")
+  _add_protocol_arguments(q, "--protocol", "--seqlen", "--max-tokens")
   q.add_argument("--dtype", choices=tuple(model_lib.DTYPES), default=None)
   q.add_argument("--json", default=None, help="also write the result here")
   q.set_defaults(func=_ppl)
