@@ -42,16 +42,22 @@ ONE_DEVICE = {"XLA_FLAGS": process_launcher.forced_devices_flags(1)}
 
 
 def _record_writes(workdir: pathlib.Path, written: set[str]) -> None:
-  """Adds every file under ``workdir`` that this process opens for writing to ``written``."""
+  """Adds every file under ``workdir`` that this process writes to ``written``.
+
+  A file written atomically (a temporary name, then ``os.replace``) counts
+  under its final name, the rename's destination.
+  """
   root = os.path.abspath(workdir)
 
   def hook(event, args):
-    if event != "open" or not isinstance(args[0], (str, os.PathLike)):
+    if event == "os.rename" and isinstance(args[1], (str, os.PathLike)):
+      path, writes = os.path.abspath(os.fspath(args[1])), True
+    elif event == "open" and isinstance(args[0], (str, os.PathLike)):
+      path, mode, flags = os.path.abspath(os.fspath(args[0])), args[1], args[2]
+      writes = (any(c in mode for c in "wax+") if isinstance(mode, str)
+                else bool(flags & (os.O_WRONLY | os.O_RDWR)))
+    else:
       return
-    path = os.path.abspath(os.fspath(args[0]))
-    mode, flags = args[1], args[2]
-    writes = (any(c in mode for c in "wax+") if isinstance(mode, str)
-              else bool(flags & (os.O_WRONLY | os.O_RDWR)))
     if writes and path.startswith(root + os.sep):
       written.add(os.path.relpath(path, root))
 
