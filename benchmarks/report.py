@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import report_sources  # noqa: E402  pylint: disable=wrong-import-position
+from claims import tuning  # noqa: E402  pylint: disable=wrong-import-position
 from report_sources import Arm, Row  # noqa: E402  pylint: disable=wrong-import-position
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -143,6 +144,22 @@ def _hyper(arm: Arm) -> str:
   return f"{arm.name}: {text}"
 
 
+def fewer_values(arm: Arm, other: Arm) -> list[str]:
+  """Why ``arm``'s main hyperparameter had a smaller grid than ``other``'s (empty: not smaller).
+
+  Examples:
+    >>> safe, gmp = Arm("SAFE", {}, "", effort=3), Arm("GMP", {}, "", effort=0)
+    >>> fewer_values(gmp, safe), fewer_values(safe, gmp)
+    (['GMP not tuned'], [])
+  """
+  if arm.effort is None or other.effort is None or arm.effort >= other.effort:
+    return []  # None: a one-shot method, nothing to tune
+  if arm.effort == 0:
+    return [f"{arm.name} not tuned"]
+  return [f"{arm.name}'s {tuning.MAIN[arm.name]} from {arm.effort} values, {other.name}'s "
+          f"{tuning.MAIN[other.name]} from {other.effort}"]
+
+
 @dataclasses.dataclass
 class Line:
   row: Row
@@ -161,10 +178,15 @@ def lines(row: Row) -> list[Line]:
   for base in row.baselines:
     diffs = [sign * d for d in paired(row.ours.values, base.values)]
     v = verdict(diffs)
+    base_less = fewer_values(base, row.ours) + base.unfinished
+    ours_less = fewer_values(row.ours, base) + row.ours.unfinished
+    # A win over a method tuned with less effort (or a loss to one tuned with more) is not evidence.
+    if (v == "holds" and base_less) or (v == "reversed" and ours_less):
+      v = "unequal tuning"
     both = row.ours.flags | base.flags
-    flags = [f for f, on in (("untuned baseline", base.untuned), ("edge pick", "edge" in both),
-                             ("a setting not chosen", "unchosen" in both),
-                             (f"NOT EVIDENCE: {row.note}", bool(row.note))) if on]
+    flags = list(dict.fromkeys(base_less + ours_less)) + [
+        f for f, on in (("a setting not chosen", "unchosen" in both),
+                        (f"NOT EVIDENCE: {row.note}", bool(row.note))) if on]
     if flags:
       v += " (" + ", ".join(flags) + ")"
     out.append(Line(row, base, stat(diffs), sum(1 for d in diffs if d > 0), v, status))
@@ -195,11 +217,16 @@ def rules_text() -> str:
       f"ADMM-type iterate ({', '.join(ADMM_TYPE)}) ends within `||x − z||` ≤ "
       f"{SPARSE_SET_DISTANCE:g} of its sparse set. Otherwise the column says what is missing.",
       "- Methods in a row share one budget: the generator refuses a row that mixes budgets.",
-      "- Hyperparameters: `λ 0.01 ∈ {0.003, 0.01} (file)` was chosen on the validation split "
-      "recorded in that file's `selection`, from that grid; AT GRID EDGE marks a choice at either "
-      "end of its grid, NOT CHOSEN a value given without a choice (a grid of one value or the "
-      "paper's value), NOT TUNED a baseline run with its defaults. The verdict names each of "
-      "these after it; 〃 repeats the line above. A row marked NOT EVIDENCE (a pipeline "
+      "- **unequal tuning**: the difference would hold, but the baseline was tuned with less "
+      "effort than ours by the rule declared in `benchmarks/claims/tuning.py` (or it would be "
+      "reversed, and ours was tuned with less): " + tuning.EQUAL_EFFORT + " The edge rule: "
+      + tuning.EDGE_RULE + " The reasons follow the verdict; a level or failed row names them too.",
+      "- Hyperparameters: `λ 0.01 ∈ {0.003, 0.01} on validation (file)` was chosen on the "
+      "validation split recorded in that file's `selection`, from that grid (every grid is "
+      "checked against its declaration in `benchmarks/claims/tuning.py`); AT GRID EDGE marks a "
+      "choice at either end of its grid, NOT CHOSEN a value given without a choice (a grid of one "
+      "value or the paper's value), NOT TUNED a baseline run with its defaults. The verdict names "
+      "each of these after it; 〃 repeats the line above. A row marked NOT EVIDENCE (a pipeline "
       "check, a grid informed by the test set) is shown for completeness only.",
   ])
 
@@ -227,14 +254,15 @@ def claim_section(folder: pathlib.Path, claim: report_sources.Claim) -> tuple[st
         f"{base.name} {_mean_se(base.values, row.digits)}", diff,
         f"{line.won} of {d.n}", row.ours.budget if first else "〃", hyper,
         line.convergence if first else "〃", f"**{line.verdict}** |"]))
-  if claim.caveats:
-    out += [""] + [f"- {c}" for c in claim.caveats]
+  out += ["", f"- Tuning declared in `benchmarks/claims/tuning.py`, "
+          f"{tuning.DECLARED[folder.name]['when']}."]
+  out += [f"- {c}" for c in claim.caveats]
   return "\n".join(out), all_lines
 
 
 def summary_line(claim: report_sources.Claim, all_lines: list[Line]) -> str:
   """One line per claim: how many rows each verdict got against each baseline."""
-  kinds = ("holds", "level", "reversed", "fails", "no verdict")
+  kinds = ("holds", "level", "reversed", "fails", "unequal tuning", "no verdict")
   parts = []
   for name in dict.fromkeys(line.baseline.name for line in all_lines):
     verdicts = [line.verdict for line in all_lines if line.baseline.name == name]

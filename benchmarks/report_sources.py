@@ -2,7 +2,8 @@
 
 ``claim.json`` names what is compared (methods, sparsities, files) and the
 paper's numbers; it holds none of our results. Every value, budget and
-hyperparameter in a row is read here from the run files the benchmarks wrote.
+hyperparameter in a row is read here from the run files the benchmarks wrote,
+and checked against the tuning declared in ``benchmarks/claims/tuning.py``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import dataclasses
 import json
 import pathlib
 from typing import Any, Callable, Optional
+
+from claims import tuning
 
 NAMES = {"safe": "SAFE", "safe-plus": "SAFE+", "admm": "ADMM", "gmp": "GMP", "cram": "CrAM",
          "magnitude": "magnitude", "wanda": "Wanda", "sparsegpt": "SparseGPT",
@@ -25,8 +28,10 @@ class Arm:
   values: dict[int, Optional[float]]  # None: the run diverged
   budget: str
   hyper: list[str] = dataclasses.field(default_factory=list)
-  untuned: bool = False
-  flags: set[str] = dataclasses.field(default_factory=set)  # "edge", "unchosen"
+  flags: set[str] = dataclasses.field(default_factory=set)  # "unchosen": a value given without a choice
+  grids: dict[str, tuple[float, list[float]]] = dataclasses.field(default_factory=dict)
+  effort: Optional[int] = None  # values tried for the main hyperparameter; None: nothing to tune
+  unfinished: list[str] = dataclasses.field(default_factory=list)  # picks the edge rule would extend
   distance: Optional[float] = None  # mean ||x - z|| at the end (ADMM-type methods)
   shorter: Optional["Arm"] = None   # the same method at a shorter budget
   shorter_same_hyper: bool = True
@@ -71,20 +76,21 @@ def _percent(accuracy: Optional[float]) -> Optional[float]:
   return None if accuracy is None else 100 * accuracy
 
 
-def _grid_note(arm: Arm, name: str, value: float, grid: list[float], where: str) -> None:
+def _grid_note(arm: Arm, name: str, value: float, grid: list[float], where: str,
+               on: str = "validation") -> None:
   """Record how a value was picked from its grid: inside it, at an edge, or not chosen at all."""
   grid = sorted(set(grid))
   if value not in grid:
     raise ValueError(f"{name} {value:g} is not in its selection grid {grid} ({where})")
+  arm.grids[name] = (value, grid)
   if len(grid) == 1:
     arm.flags.add("unchosen")
     arm.hyper.append(f"{name} {value:g}, NOT CHOSEN ({where})")
     return
   edge = value in (grid[0], grid[-1])
-  if edge:
-    arm.flags.add("edge")
   shown = "{" + ", ".join(f"{g:g}" for g in grid) + "}"
-  arm.hyper.append(f"{name} {value:g} ∈ {shown} ({where})" + (" AT GRID EDGE" if edge else ""))
+  arm.hyper.append(f"{name} {value:g} ∈ {shown} on {on} ({where})"
+                   + (" AT GRID EDGE" if edge else ""))
 
 
 def _only(values: set, what: str) -> Any:
@@ -131,16 +137,19 @@ def _sweep_arm(folder: pathlib.Path, name: str, method: str, sparsity: float, fi
     if runs[0].get("rescale_dual"):
       arm.hyper.append("`rescale_dual`")
   if method == "gmp":
-    end, every = config["gmp_end_fraction"], config["gmp_update_every"]
+    end = _only({r.get("gmp_end_fraction", config["gmp_end_fraction"]) for r in runs}, "GMP's end")
+    every = config["gmp_update_every"]
     arm.settings.update(end=end, every=every)
     sel = sweep.get("selection") or {}
     if sel.get("fields", {}).get("gmp") == "gmp_end_fraction":  # benchmarks/claims/gmp_selection.py
       if abs(sel["chosen"][f"gmp@{sparsity:g}"] - end) > 1e-12:
         raise ValueError(f"{file}: GMP ran with end {end:g}, its selection chose another")
-      _grid_note(arm, "schedule end", end, [g["value"] for g in sel["grid"]], f"`{file}`")
+      at = f", chosen at {sel['epochs']} epochs" if sel.get("epochs", config["epochs"]) != config["epochs"] else ""
+      _grid_note(arm, "schedule end", end, [g["value"] for g in sel["grid"]
+                                            if abs(g.get("sparsity", sparsity) - sparsity) < 1e-9],
+                 f"`{file}`{at}")
       arm.hyper.append(f"update every {every} steps: fixed, not tuned")
     else:
-      arm.untuned = True
       arm.hyper.append(f"schedule end {end:g}, update every {every} steps: defaults, NOT TUNED")
   if method in PENALIZED:
     arm.distance = _mean([r["constraint_distance"] for r in runs if r.get("constraint_distance") is not None])
@@ -155,7 +164,8 @@ def _sweep_row(folder: pathlib.Path, r: dict) -> Row:
     arm = _sweep_arm(folder, names.get(name, NAMES.get(name, name)), method, r["sparsity"],
                      r.get("files", {}).get(name, r["file"]), r.get("selection", {}).get(name))
     if "shorter" in r:
-      arm.shorter = _sweep_arm(folder, arm.name, method, r["sparsity"], r["shorter"],
+      arm.shorter = _sweep_arm(folder, arm.name, method, r["sparsity"],
+                               r.get("shorter_files", {}).get(name, r["shorter"]),
                                r.get("shorter_selection", {}).get(name))
       arm.shorter_same_hyper = arm.shorter.settings == arm.settings
     arms.append(arm)
@@ -249,9 +259,10 @@ def _block_study_notes(arm: Arm, folder: pathlib.Path, method: str, structure: s
     arm.hyper.append(f"lr {lr:g}, λ {penalty:g}: NOT CHOSEN at {n} calibration windows")
     return
   grid_steps = max(counts, key=lambda k: (counts[k], -k))
-  where = f"block-0 error at {grid_steps} steps, `block_selection_block0.json`"
+  where = f"at {grid_steps} steps, `block_selection_block0.json`"
   for symbol, key, value in (("lr", "lr", lr), ("λ", "penalty", penalty)):
-    _grid_note(arm, symbol, value, [x[key] for x in tried if x["steps"] == grid_steps], where)
+    _grid_note(arm, symbol, value, [x[key] for x in tried if x["steps"] == grid_steps], where,
+               on="held-out block-0 error")
 
 
 def _llm_row(folder: pathlib.Path, r: dict) -> Row:
@@ -305,7 +316,6 @@ def _cifar_row(folder: pathlib.Path, r: dict) -> Row:
               f"{epochs} epochs")
     config = _load(folder / "runs" / f"{method}-s0.9-seed0" / "config.json")
     if method == "gmp":
-      arm.untuned = True
       arm.hyper.append(f"schedule end {config['gmp_end_fraction']:g}, update every "
                        f"{config['gmp_update_every']} steps: defaults, NOT TUNED")
     elif method in PENALIZED:
@@ -347,6 +357,48 @@ def _robustness_row(folder: pathlib.Path, r: dict) -> Row:
              3 if lower else 2)
 
 
+# --- the declared tuning effort (benchmarks/claims/tuning.py) ---------------------------------------
+
+def _declared_grid(where: str, spec: dict, value: float, grid: list[float]) -> list[str]:
+  """Check a recorded grid against its declaration; the ends the edge rule would still extend."""
+  values = spec["values"]
+  below = [g for g in grid if g < values[0]]
+  above = [g for g in grid if g > values[-1]]
+  if not set(values) <= set(grid) or len(below) > 2 or len(above) > 2 or (
+      len(grid) != len(values) + len(below) + len(above)):
+    raise ValueError(f"{where}: the run's grid {grid} is not the declared {values} extended by "
+                     "the edge rule")
+  ends = []
+  if value == grid[0] and value != spec["lower"]:
+    ends.append("lower")
+  if value == grid[-1] and value != spec["upper"]:
+    ends.append("upper")
+  return ends
+
+
+def apply_tuning(claim: str, row: Row, declaration: Callable[[str, str, str], dict]) -> None:
+  """Each arm's recorded grids checked against the declaration; its effort and unfinished picks."""
+  for arm in (row.ours, *row.baselines):
+    specs = declaration(claim, row.label, arm.name)
+    where = f"{claim}, row {row.label!r}, {arm.name}"
+    for symbol, (value, grid) in arm.grids.items():
+      spec = specs.get(symbol)
+      if spec is None:
+        raise ValueError(f"{where}: {symbol} is not declared in benchmarks/claims/tuning.py")
+      if spec["kind"] == "grid":
+        ends = _declared_grid(f"{where}, {symbol}", spec, value, grid)
+        arm.unfinished += [f"{arm.name}'s {symbol} at the {end} end of its grid" for end in ends]
+      elif len(grid) != 1 or spec["kind"] != "fixed" or spec["value"] not in (None, value):
+        raise ValueError(f"{where}: {symbol} is declared {spec['kind']} {spec.get('value')}, "
+                         f"the run records {value:g} from {grid}")
+    for symbol, spec in specs.items():
+      if spec["kind"] == "grid" and symbol not in arm.grids:
+        raise ValueError(f"{where}: {symbol} is declared a grid, the run records no choice")
+    main = tuning.MAIN.get(arm.name)
+    if main in specs:
+      arm.effort = len(arm.grids[main][1]) if specs[main]["kind"] == "grid" else 0
+
+
 READERS: dict[str, Callable[[pathlib.Path, dict], Row]] = {
     "robustness": _robustness_row,
     "sweep": _sweep_row, "label_noise": _noise_row, "flatness": _flatness_row,
@@ -354,8 +406,13 @@ READERS: dict[str, Callable[[pathlib.Path, dict], Row]] = {
 CLAIM_KEYS = ("order", "title", "short", "paper", "metric", "rows", "caveats", "higher_is_better")
 
 
-def load_claim(folder: pathlib.Path) -> Claim:
-  """A claim's rows: each row of ``claim.json`` read with the claim's defaults (source, file, methods)."""
+def load_claim(folder: pathlib.Path,
+               declaration: Callable[[str, str, str], dict] = tuning.declared) -> Claim:
+  """A claim's rows: each row of ``claim.json`` read with the claim's defaults (source, file, methods).
+
+  ``declaration(claim folder, row label, method name)`` gives the declared
+  tuning of each method (``benchmarks/claims/tuning.py`` unless a test passes another).
+  """
   spec = _load(folder / "claim.json")
   defaults = {k: v for k, v in spec.items() if k not in CLAIM_KEYS}
   rows = []
@@ -365,6 +422,7 @@ def load_claim(folder: pathlib.Path) -> Claim:
       raise ValueError(f"{folder}/claim.json: source {r['source']!r} is not one of {sorted(READERS)}")
     row = READERS[r["source"]](folder, r)
     row.note = r.get("not_evidence", "")
+    apply_tuning(folder.name, row, declaration)
     rows.append(row)
   return Claim(spec["order"], spec["title"], spec["short"], spec["paper"], spec["metric"],
                spec.get("higher_is_better", True), rows, spec.get("caveats", []))

@@ -83,13 +83,30 @@ def test_a_row_that_mixes_budgets_is_refused():
     report.lines(row)
 
 
-def test_untuned_baselines_and_edge_picks_are_named_in_the_verdict():
+def test_a_win_over_a_less_tuned_baseline_is_not_a_hold():
   ours = _arm("SAFE", [91.0, 91.1, 91.2])
-  ours.flags.add("edge")
+  ours.effort = 3
   gmp = _arm("GMP", [89.0, 89.1, 89.0])
-  gmp.untuned = True
+  gmp.effort = 0
   line, = report.lines(Row("90 %", "", ours, [gmp], True, True, 2))
-  assert line.verdict == "holds (untuned baseline, edge pick)"
+  assert line.verdict == "unequal tuning (GMP not tuned)"
+  gmp.effort = 3
+  assert report.lines(Row("90 %", "", ours, [gmp], True, True, 2))[0].verdict == "holds"
+  gmp.unfinished = ["GMP's schedule end at the lower end of its grid"]
+  line, = report.lines(Row("90 %", "", ours, [gmp], True, True, 2))
+  assert line.verdict == "unequal tuning (GMP's schedule end at the lower end of its grid)"
+
+
+def test_a_loss_to_a_better_tuned_baseline_is_not_reversed_but_a_loss_to_a_worse_one_is():
+  ours = _arm("SAFE", [89.0, 89.1, 89.0])
+  ours.effort = 2
+  admm = _arm("ADMM", [91.0, 91.1, 91.2])
+  admm.effort = 4
+  line, = report.lines(Row("99 %", "", ours, [admm], True, True, 2))
+  assert line.verdict == "unequal tuning (SAFE's λ from 2 values, ADMM's λ from 4)"
+  ours.effort, admm.effort = 4, 2  # SAFE tuned more and still behind: reversed, reason named
+  line, = report.lines(Row("99 %", "", ours, [admm], True, True, 2))
+  assert line.verdict == "reversed (ADMM's λ from 2 values, SAFE's λ from 4)"
 
 
 def test_lower_is_better_metrics_flip_the_sign():
@@ -130,18 +147,23 @@ def _write(path, data):
   path.write_text(json.dumps(data), encoding="utf-8")
 
 
-def test_a_claim_folder_is_read_with_its_provenance(tmp_path):
-  """A hand-made folder: SAFE's lambda chosen inside its grid, GMP's end chosen at an edge."""
-  import report_sources  # pylint: disable=import-outside-toplevel
+def _declaration(safe_grid=(0.01, 0.1, 1)):
+  from claims import tuning  # pylint: disable=import-outside-toplevel
+  specs = {"SAFE": {"λ": tuning.grid(*safe_grid), "ρ": tuning.PAPER_RHO},
+           "GMP": {"schedule end": tuning.GMP_END, "update every": tuning.GMP_EVERY}}
+  return lambda claim, row, method: specs[method]
+
+
+def _folder(tmp_path, safe_grid=(0.01, 0.1, 1), chosen=0.1):
   config = {"epochs": 4, "train_subset": None, "rho": 0.1, "gmp_end_fraction": 0.75,
             "gmp_update_every": 100}
   run = lambda m, seed, acc, **kw: {"method": m, "sparsity": 0.9, "seed": seed, "accuracy": acc,
                                     "constraint_distance": 0.5 if m == "safe" else None, **kw}
   _write(tmp_path / "sweep.json", {
       "config": config,
-      "runs": [run("safe", s, a, penalty=0.1, rho=0.1) for s, a in ((0, 0.91), (1, 0.92))],
-      "selection": {"grid": [{"method": "safe", "sparsity": 0.9, "value": v} for v in (0.01, 0.1, 1)],
-                    "chosen": {"safe@0.9": 0.1}}})
+      "runs": [run("safe", s, a, penalty=chosen, rho=0.1) for s, a in ((0, 0.91), (1, 0.92))],
+      "selection": {"grid": [{"method": "safe", "sparsity": 0.9, "value": v} for v in safe_grid],
+                    "chosen": {"safe@0.9": chosen}}})
   _write(tmp_path / "gmp.json", {
       "config": {**config, "gmp_end_fraction": 0.9},
       "runs": [run("gmp", s, a) for s, a in ((0, 0.90), (1, 0.905))],
@@ -152,10 +174,30 @@ def test_a_claim_folder_is_read_with_its_provenance(tmp_path):
       "source": "sweep", "ours": "safe", "baselines": ["gmp"],
       "rows": [{"label": "90 %", "sparsity": 0.9, "file": "sweep.json",
                 "files": {"gmp": "gmp.json"}}]})
-  row, = report_sources.load_claim(tmp_path).rows
+  return tmp_path
+
+
+def test_a_claim_folder_is_read_with_its_provenance(tmp_path):
+  """A hand-made folder: SAFE's lambda chosen inside its grid, GMP's end at its range's bound."""
+  import report_sources  # pylint: disable=import-outside-toplevel
+  row, = report_sources.load_claim(_folder(tmp_path), _declaration()).rows
   assert row.ours.values == {0: pytest.approx(91.0), 1: pytest.approx(92.0)}
-  assert row.ours.flags == set() and "λ 0.1 ∈ {0.01, 0.1, 1}" in row.ours.hyper[0]
+  assert "λ 0.1 ∈ {0.01, 0.1, 1} on validation" in row.ours.hyper[0]
   gmp, = row.baselines
-  assert not gmp.untuned and gmp.flags == {"edge"} and "AT GRID EDGE" in gmp.hyper[0]
+  assert (gmp.effort, row.ours.effort) == (3, 3) and "AT GRID EDGE" in gmp.hyper[0]
+  assert gmp.unfinished == []  # 0.9 is the declared upper bound: the edge rule stops there
   line, = report.lines(row)
-  assert line.verdict == "holds (edge pick)" and line.won == 2
+  assert line.verdict == "holds" and line.won == 2
+
+
+def test_a_grid_other_than_the_declared_one_is_refused_and_an_extension_is_accepted(tmp_path):
+  import report_sources  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ValueError, match="not the declared"):
+    report_sources.load_claim(_folder(tmp_path, safe_grid=(0.03, 0.1, 1)), _declaration())
+  # 0.01 picked at the declared grid's lower end, extended once below by the edge rule
+  row, = report_sources.load_claim(_folder(tmp_path, (0.001, 0.01, 0.1, 1), chosen=0.01),
+                                   _declaration()).rows
+  assert row.ours.effort == 4 and row.ours.unfinished == []
+  row, = report_sources.load_claim(_folder(tmp_path, (0.001, 0.01, 0.1, 1), chosen=0.001),
+                                   _declaration()).rows
+  assert row.ours.unfinished == ["SAFE's λ at the lower end of its grid"]
