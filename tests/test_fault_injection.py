@@ -3,7 +3,7 @@
 For each engine (``safe-optax-vision train`` on a tiny MNIST, and
 ``safe-optax-llm prune`` with SAFE+ on a tiny 4-block model), one
 uninterrupted run gives the reference. Then ``SAFE_OPTAX_FAULT_RUNS`` child
-processes (default 20) each run the same command in one of four slots of
+processes (default 8; 20 or more for a thorough run) each run the same command in one of four slots of
 output folders and are killed with SIGKILL after a delay drawn by a seeded RNG,
 uniform over the reference's working time (from the end of the imports to
 the exit, measured on a run that finds the compiled programs in JAX's cache
@@ -45,7 +45,7 @@ from safetensors.numpy import load_file
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_vision_interrupt  # noqa: E402  (the tiny MNIST files)
 
-RUNS = int(os.environ.get("SAFE_OPTAX_FAULT_RUNS", "20"))
+RUNS = int(os.environ.get("SAFE_OPTAX_FAULT_RUNS", "8"))
 FOLDERS = 4
 
 _CHILD = textwrap.dedent("""
