@@ -178,6 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
   sweep_parser.add_argument("--methods", nargs="+", choices=configs.METHODS, required=True)
   sweep_parser.add_argument("--sparsities", nargs="+", type=float, required=True)
   sweep_parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+  sweep_parser.add_argument("--pack", type=int, default=1, metavar="N",
+                            help="train up to N runs that differ only in the seed as one "
+                            "vmapped program (one process)")
+  sweep_parser.add_argument("--checkpoint-seconds", type=float, default=None, metavar="S",
+                            help="packs also checkpoint every S seconds (a lease cut short "
+                            "loses at most about S)")
   _add_launch_options(sweep_parser)
   sweep_parser.set_defaults(func=sweep, parser=sweep_parser)
 
@@ -352,6 +358,10 @@ def sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
   for s in args.sparsities:
     if not 0.0 < s < 1.0:
       parser.error(f"--sparsities must lie in (0, 1), got {s}")
+  if args.pack < 1:
+    parser.error(f"--pack must be a positive integer, got {args.pack}")
+  if args.checkpoint_seconds is not None and args.checkpoint_seconds <= 0:
+    parser.error(f"--checkpoint-seconds must be positive, got {args.checkpoint_seconds}")
   base = _config(parser, args)
   try:
     workdirs.check_creatable(args.workdir)
@@ -362,7 +372,8 @@ def sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
   try:
     markdown = sweeps.sweep(base, args.methods, args.sparsities, args.seeds, args.workdir,
                             data=data, data_dir=args.data_dir, source=source,
-                            progress=not args.no_progress)
+                            progress=not args.no_progress, pack=args.pack,
+                            checkpoint_seconds=args.checkpoint_seconds)
   except KeyboardInterrupt as err:
     _interrupted(parser, err)
   except ValueError as err:

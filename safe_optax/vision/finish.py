@@ -305,7 +305,7 @@ def finish(programs: Any, config: configs.Config, params: Any, model_state: Any,
     return evaluate(programs.eval, params, model_state, data.test_images, data.test_labels,
                     config.eval_batch_size, mesh=programs.mesh)
 
-  # The last epoch's record (train.py's _epoch_record) evaluated these very params on this
+  # The last epoch's record (train.py's epoch_record) evaluated these very params on this
   # split, and Proj(params) with the same statistics: its numbers, not two more passes.
   last = history[-1] if history else {}
   recorded = (last.get("step") == config.epochs * input_pipeline.num_batches(

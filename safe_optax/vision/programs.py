@@ -49,9 +49,15 @@ class Programs(NamedTuple):
   """Replicated over ``mesh`` (parameters, optimizer state, metrics)."""
   init: Callable[..., Any]
   """``init(key) -> TrainState``."""
+  train_step: Callable[..., Any]
+  """:func:`~safe_optax.vision.steps.train_step` with the configuration bound, not jitted
+  (:mod:`~safe_optax.vision.packing` maps it over a pack of runs)."""
   train: Callable[..., Any]
-  """:func:`~safe_optax.vision.steps.train_step`, the state donated; ``dual_due`` static
+  """:attr:`train_step` jitted, the state donated; ``dual_due`` static
   (two programs for the ADMM-based methods, one without the projection)."""
+  dual_step: Optional[Callable[..., Any]]
+  """:func:`~safe_optax.vision.steps.dual_step` with the configuration bound, not jitted,
+  for the methods whose dual update runs alone, else ``None``."""
   dual: Optional[Callable[..., Any]]
   """:func:`~safe_optax.vision.steps.dual_step` (the state not donated;
   :func:`~safe_optax.vision.steps.with_dual_step` applies its output),
@@ -113,17 +119,20 @@ def _cached_programs(config: Config, num_train: int, num_classes: int,
       augment=config.augment, mean=mean, std=std, step_logger=step_logger)
   evaluate_batch = functools.partial(steps_lib.eval_step, apply_fn=model.apply, mean=mean, std=std)
   prepare = functools.partial(prepare_images, mean=mean, std=std)
+  dual = (functools.partial(steps_lib.dual_step, tx=tx, step_logger=step_logger)
+          if method.dual_alone else None)
   projection = methods.projection(config) if config.sparsity > 0 else None
   return Programs(
       model=model, tx=tx, mesh=mesh, replicated=replicated,
       init=jax.jit(init, out_shardings=replicated),
+      train_step=step,
       train=jax.jit(step, donate_argnums=0, out_shardings=replicated,
                     static_argnames="dual_due"),
+      dual_step=dual,
       # Not donated: on XLA:CPU the donated dual program ran 4-5 ms in most calls, the
       # undonated one 0.7-1.3 ms (benchmarks/perf/dual_step_breakdown.py); only z and u are
       # new buffers.
-      dual=jax.jit(functools.partial(steps_lib.dual_step, tx=tx, step_logger=step_logger),
-                   out_shardings=replicated) if method.dual_alone else None,
+      dual=jax.jit(dual, out_shardings=replicated) if dual is not None else None,
       eval=jax.jit(evaluate_batch, out_shardings=replicated),
       distance=jax.jit(functools.partial(steps_lib.distance_to_projection, **projection))
       if projection else None,

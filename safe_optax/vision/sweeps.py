@@ -11,7 +11,8 @@ The pieces that the ``sweep`` command and the evidence benchmarks
 * :func:`convergence` says whether a finished run converged: the training
   loss's change over the last 10 % of epochs, ``||x - z||`` and the accuracy
   that the final projection costs;
-* :func:`sweep` runs the ``sweep`` command's grid and writes its table
+* :func:`sweep` runs the ``sweep`` command's grid (runs that share a
+  program in packs, :func:`train_packs`) and writes its table
   (:func:`summarize`).
 
 Choosing lambda on a validation split is :mod:`~safe_optax.vision.selection`.
@@ -19,13 +20,14 @@ Choosing lambda on a validation split is :mod:`~safe_optax.vision.selection`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import pathlib
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -248,9 +250,51 @@ def summarize(runs: Sequence[dict[str, Any]], sparsities: Sequence[float]) -> di
   return {"markdown": "\n".join(lines), "rows": rows}
 
 
+def train_packs(jobs: Sequence[tuple[configs.Config, pathlib.Path]], pack: int, *, data: Any,
+                checkpoint_seconds: Optional[float] = None, progress: bool = True) -> None:
+  """Trains the unfinished runs of ``jobs`` (config, folder) in packs of at most ``pack``.
+
+  Runs are packed when they share every setting but the seed
+  (:func:`~safe_optax.vision.packing.pack_key`) and their checkpoints are at
+  one step; the others form packs of their own. A folder with a
+  ``results.json`` is left to :func:`run_or_load`.
+  """
+  from safe_optax.vision import packing  # pylint: disable=import-outside-toplevel
+  todo = [(c, d) for c, d in jobs if not (d / "results.json").exists()]
+  steps = [checkpoint_step(d) for _, d in todo]
+  # One step per pack: the seed slot of the key carries the checkpoint step.
+  keys = [dataclasses.replace(packing.pack_key(c), seed=-1 if s is None else s)
+          for (c, _), s in zip(todo, steps)]
+  groups: dict[configs.Config, list[int]] = {}
+  for i, key in enumerate(keys):
+    groups.setdefault(key, []).append(i)
+  for members in groups.values():
+    for j in range(0, len(members), pack):
+      chosen = [todo[i] for i in members[j:j + pack]]
+      if distributed.is_primary():
+        print(f"  training a pack of {len(chosen)}: "
+              + ", ".join(d.name for _, d in chosen), file=sys.stderr, flush=True)
+      packing.train_packed([c for c, _ in chosen], [d for _, d in chosen], data=data,
+                           checkpoint_seconds=checkpoint_seconds, progress=progress)
+
+
+def checkpoint_step(workdir: os.PathLike) -> Optional[int]:
+  """The step of the newest checkpoint in ``workdir/checkpoints``, or ``None``."""
+  from safe_optax.vision import checkpoint as checkpoint_lib  # pylint: disable=import-outside-toplevel
+  folder = pathlib.Path(workdir) / "checkpoints"
+  if not folder.is_dir():
+    return None
+  ckpt = checkpoint_lib.Checkpointer(folder)
+  try:
+    return ckpt.latest_step()
+  finally:
+    ckpt.close()
+
+
 def sweep(base: configs.Config, methods_: Sequence[str], sparsities: Sequence[float],
           seeds: Sequence[int], workdir: os.PathLike, *, data: Any, data_dir: os.PathLike,
-          source: str, progress: bool = True) -> str:
+          source: str, progress: bool = True, pack: int = 1,
+          checkpoint_seconds: Optional[float] = None) -> str:
   """The ``sweep`` command: every (method, sparsity, seed) of ``base`` in its own folder.
 
   Runs ``workdir/<method>-s<sparsity>-seed<seed>`` through :func:`run_or_load`
@@ -264,17 +308,24 @@ def sweep(base: configs.Config, methods_: Sequence[str], sparsities: Sequence[fl
     data, data_dir: the loaded data set and where it came from.
     source: how ``base`` was given, for the table's caption.
     progress: tqdm bars.
+    pack: train up to this many runs that share a program (every setting but
+      the seed) as one vmapped program (:func:`train_packs`) first.
+    checkpoint_seconds: packs also checkpoint after this many seconds.
 
   Returns:
     The markdown table with its caption.
   """
   workdir = pathlib.Path(workdir)
-  jobs = [(method, s, seed) for method in methods_
+  methods.check_positive_int(pack, "pack")
+  jobs = [(base.replace(method=method, sparsity=s, seed=seed),
+           workdir / f"{method}-s{s:g}-seed{seed}") for method in methods_
           for s in ([0.0] if method == "dense" else sparsities) for seed in seeds]
+  if pack > 1:
+    train_packs(jobs, pack, data=data, checkpoint_seconds=checkpoint_seconds,
+                progress=progress)
   runs = []
-  for i, (method, s, seed) in enumerate(jobs):
-    config = base.replace(method=method, sparsity=s, seed=seed)
-    folder = workdir / f"{method}-s{s:g}-seed{seed}"
+  for i, (config, folder) in enumerate(jobs):
+    method, s, seed = config.method, config.sparsity, config.seed
     if distributed.is_primary():
       print(f"[{i + 1}/{len(jobs)}] {method} sparsity {s:g} seed {seed}", file=sys.stderr,
             flush=True)

@@ -185,7 +185,7 @@ def train_and_evaluate(config: Config, workdir: os.PathLike, *, data_dir: os.Pat
           on_step(epoch * spe + position)
       state = jax.block_until_ready(state)
       epoch_seconds = time.perf_counter() - epoch_start
-      record = _epoch_record(programs, config, state, data, epoch, epoch_seconds,
+      record = epoch_record(programs, config, state, data, epoch, epoch_seconds,
                              trained=sum(len(b) for b in batches[position_start:]),
                              includes_compile=epochs_run == 0)
       epochs_run += 1
@@ -207,7 +207,7 @@ def train_and_evaluate(config: Config, workdir: os.PathLike, *, data_dir: os.Pat
   except KeyboardInterrupt:
     # An interrupt held back by ckpt.save arrives after that save committed
     # (before last_saved was updated): the checkpoint is already there.
-    if (_alive(state) and int(state.step) != last_saved
+    if (alive(state) and int(state.step) != last_saved
         and ckpt.latest_step() != int(state.step)):
       ckpt.save(int(state.step), state)
     saved = ckpt.latest_step()
@@ -229,15 +229,17 @@ def train_and_evaluate(config: Config, workdir: os.PathLike, *, data_dir: os.Pat
   return Outcome(state, sparse_params, model_state, results)
 
 
-def _alive(state: TrainState) -> bool:
+def alive(state: TrainState) -> bool:
   """Whether no buffer of ``state`` was donated away (a deleted state cannot be saved)."""
   return not any(leaf.is_deleted() for leaf in jax.tree.leaves(state)
                  if isinstance(leaf, jax.Array))
 
 
-def _epoch_record(programs: programs_lib.Programs, config: Config, state: TrainState,
+def epoch_record(programs: programs_lib.Programs, config: Config, state: TrainState,
                   data: input_pipeline.Dataset, epoch: int, seconds: float, *, trained: int,
                   includes_compile: bool) -> dict[str, Any]:
+  """The ``metrics.jsonl`` record of epoch ``epoch``: the state's running sums and step log,
+  sparsity, distances and, when due, the test accuracy (dense and projected)."""
   metrics = jax.device_get(state.metrics)
   steps, dual_updates = programs.step_logger.rows(metrics.log)
   record: dict[str, Any] = {
