@@ -131,6 +131,8 @@ def _num(x: Optional[float], digits: int) -> str:
 
 
 def _mean_se(values: dict[int, Optional[float]], digits: int) -> str:
+  if not values:
+    return "pending"
   s = stat(list(scored(values).values()))
   diverged = sum(1 for v in values.values() if v is None)
   note = f" ({diverged} of {s.n} diverged)" if diverged else ""
@@ -164,7 +166,7 @@ def fewer_values(arm: Arm, other: Arm) -> list[str]:
 class Line:
   row: Row
   baseline: Arm
-  diff: Stat
+  diff: Optional[Stat]  # None while the row is pending
   won: int
   verdict: str
   convergence: str
@@ -172,6 +174,11 @@ class Line:
 
 def lines(row: Row) -> list[Line]:
   check_budgets(row)
+  missing = [arm.name for arm in (row.ours, *row.baselines) if not arm.values]
+  if missing:
+    # A row whose runs are not all done yet shows as pending, never as a partial comparison.
+    return [Line(row, base, None, 0, "pending: " + ", ".join(missing) + " not run yet", "pending")
+            for base in row.baselines]
   sign = 1.0 if row.higher_is_better else -1.0
   status = convergence([row.ours, *row.baselines], row.points)
   out = []
@@ -208,7 +215,8 @@ def rules_text() -> str:
       f"- **reversed**: the difference is below −{HOLD_SE:g} s.e. with the same seed rule "
       "(the baseline is better); **fails**: beyond "
       f"{HOLD_SE:g} s.e. but more than {SEEDS_AGAINST} seed disagrees.",
-      "- With one seed there is no standard error and no verdict.",
+      "- With one seed there is no standard error and no verdict. A row with a method not yet "
+      "run is **pending**: none of its numbers is compared.",
       f"- A run that diverged scores {DIVERGED:g} % (chance on these 10-class tasks) and is "
       "counted as diverged beside the mean.",
       f"- **converged**: every compared method has a run at a shorter budget with the same "
@@ -246,13 +254,14 @@ def claim_section(folder: pathlib.Path, claim: report_sources.Claim) -> tuple[st
     row, base, d = line.row, line.baseline, line.diff
     first = row is not previous
     previous = row
-    diff = f"{d.mean:+.{row.digits}f}" + ("" if d.se is None else f" ± {d.se:.{row.digits}f}")
+    diff = "–" if d is None else (
+        f"{d.mean:+.{row.digits}f}" + ("" if d.se is None else f" ± {d.se:.{row.digits}f}"))
     hyper = (f"{_hyper(row.ours)}. " if first else "") + _hyper(base)
     out.append(" | ".join([
         f"| {row.label if first else '〃'}", (row.paper or "–") if first else "〃",
         f"{row.ours.name} {_mean_se(row.ours.values, row.digits)}" if first else "〃",
         f"{base.name} {_mean_se(base.values, row.digits)}", diff,
-        f"{line.won} of {d.n}", row.ours.budget if first else "〃", hyper,
+        "–" if d is None else f"{line.won} of {d.n}", row.ours.budget if first else "〃", hyper,
         line.convergence if first else "〃", f"**{line.verdict}** |"]))
   out += ["", f"- Tuning declared in `benchmarks/claims/tuning.py`, "
           f"{tuning.DECLARED[folder.name]['when']}."]
@@ -262,7 +271,7 @@ def claim_section(folder: pathlib.Path, claim: report_sources.Claim) -> tuple[st
 
 def summary_line(claim: report_sources.Claim, all_lines: list[Line]) -> str:
   """One line per claim: how many rows each verdict got against each baseline."""
-  kinds = ("holds", "level", "reversed", "fails", "unequal tuning", "no verdict")
+  kinds = ("holds", "level", "reversed", "fails", "unequal tuning", "no verdict", "pending")
   parts = []
   for name in dict.fromkeys(line.baseline.name for line in all_lines):
     verdicts = [line.verdict for line in all_lines if line.baseline.name == name]

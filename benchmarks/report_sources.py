@@ -304,6 +304,44 @@ def _block_row(folder: pathlib.Path, r: dict) -> Row:
   return Row(r["label"], r.get("paper", ""), arms[0], arms[1:], False, False, 4)
 
 
+def _standard_row(folder: pathlib.Path, r: dict) -> Row:
+  """``llm_standard.py``'s pieces: one perplexity per method and calibration seed; missing: pending."""
+  files = folder / r["dir"]
+  size = r["calibration"]
+  done = sorted(files.glob("*.ppl.json"))
+  budget = f"{size.replace('x', ' x ')} calibration tokens, standard protocol"
+  if done:
+    first = _load(done[0])
+    budget += f" ({first['tokens']} tokens in {first['window']}-token windows)"
+  arms = []
+  for method in [r["ours"], *r["baselines"]]:
+    # Magnitude pruning reads no calibration data: its one run stands in every seed.
+    names = ({s: "magnitude_50pct" for s in r["seeds"]} if method == "magnitude" else
+             {s: f"{method}_50pct_{size}_seed{s}" for s in r["seeds"]})
+    values = {s: _load(files / f"{n}.ppl.json")["perplexity"] for s, n in names.items()
+              if (files / f"{n}.ppl.json").exists()}
+    arm = Arm(NAMES[method], values, budget)
+    prune = files / f"{names[r['seeds'][0]]}.prune.json"
+    if method in PENALIZED and prune.exists():
+      p = _load(prune)["prune_config"]
+      calib = _load(prune)["calibration"]
+      steps = p["epochs"] * (calib["nsamples"] // p["batch_size"])
+      pick = _load(folder / r["selection"])["selected"][method]
+      where = f"held-out block-0 error, `{r['selection']}`"
+      for symbol, value, grid in (("lr", p["learning_rate"], pick["lr_grid"]),
+                                  ("λ", p["penalty"], pick["penalty_grid"]),
+                                  ("steps", pick["steps"], pick["steps_grid"])):
+        _grid_note(arm, symbol, value, grid, where)
+      arm.hyper.append(f"{steps} steps per block")
+    elif method in PENALIZED:
+      arm.hyper.append("not run yet")
+    else:
+      arm.hyper.append("one-shot" + (", no calibration: one run for every seed"
+                                     if method == "magnitude" else ""))
+    arms.append(arm)
+  return Row(r["label"], r.get("paper", ""), arms[0], arms[1:], False, False, 2)
+
+
 # --- cifar_gpu.py ----------------------------------------------------------------------------------------
 
 def _cifar_row(folder: pathlib.Path, r: dict) -> Row:
@@ -379,6 +417,8 @@ def _declared_grid(where: str, spec: dict, value: float, grid: list[float]) -> l
 def apply_tuning(claim: str, row: Row, declaration: Callable[[str, str, str], dict]) -> None:
   """Each arm's recorded grids checked against the declaration; its effort and unfinished picks."""
   for arm in (row.ours, *row.baselines):
+    if not arm.values:
+      continue  # not run yet: no choice recorded to check (the row shows as pending)
     specs = declaration(claim, row.label, arm.name)
     where = f"{claim}, row {row.label!r}, {arm.name}"
     for symbol, (value, grid) in arm.grids.items():
@@ -402,7 +442,8 @@ def apply_tuning(claim: str, row: Row, declaration: Callable[[str, str, str], di
 READERS: dict[str, Callable[[pathlib.Path, dict], Row]] = {
     "robustness": _robustness_row,
     "sweep": _sweep_row, "label_noise": _noise_row, "flatness": _flatness_row,
-    "dual_rescaling": _dual_row, "llm": _llm_row, "llm_block": _block_row, "cifar": _cifar_row}
+    "dual_rescaling": _dual_row, "llm": _llm_row, "llm_block": _block_row,
+    "llm_standard": _standard_row, "cifar": _cifar_row}
 CLAIM_KEYS = ("order", "title", "short", "paper", "metric", "rows", "caveats", "higher_is_better")
 
 

@@ -123,6 +123,13 @@ def test_a_diverged_run_scores_chance():
   assert line.diff.mean == pytest.approx(((22.0 - report.DIVERGED) + (24.0 - 12.0)) / 2)
 
 
+def test_a_row_with_a_method_not_run_is_pending_and_compares_nothing():
+  ours = Arm("SAFE+", {}, "64 x 512")
+  wanda = Arm("Wanda", {0: 60.0, 1: 61.0}, "64 x 512")
+  line, = report.lines(Row("50 %", "", ours, [wanda], False, False, 2))
+  assert line.diff is None and line.verdict == "pending: SAFE+ not run yet"
+
+
 def test_the_committed_report_is_what_the_json_gives():
   """The CI check: ``python benchmarks/report.py --check`` on this checkout."""
   out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "report.py"), "--check"],

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -63,25 +64,36 @@ BASELINES = ("magnitude", "wanda", "sparsegpt")
 STRUCTURES = {"50%": None, "2:4": (2, 4)}
 
 
-def windows(calib_windows: int = CALIB_WINDOWS):
-  """``(calibration, held_out)`` token windows from disjoint parts of WikiText-2 validation."""
+@functools.lru_cache(maxsize=1)
+def _validation_tokens() -> np.ndarray:
   tokenizer = checkpoints.load_tokenizer(run_results.gguf_path())
-  tokens = data.tokenize(tokenizer, data.read_text(run_results.CALIB))
+  return data.tokenize(tokenizer, data.read_text(run_results.CALIB))
+
+
+def windows(calib_windows: int = CALIB_WINDOWS, seqlen: int = SEQLEN, seed: int = CALIB_SEED,
+            held_out: tuple[int, int] = (HELDOUT_WINDOWS, SEQLEN)):
+  """``(calibration, held_out)`` token windows from disjoint parts of WikiText-2 validation.
+
+  ``held_out`` is ``(windows, seqlen)``, always drawn with ``HELDOUT_SEED``, so
+  studies that vary the calibration windows or their seed score on one set.
+  """
+  tokens = _validation_tokens()
   cut = int(SPLIT * len(tokens))
-  calib = data.calibration_windows(tokens[:cut], calib_windows, SEQLEN, CALIB_SEED)
-  held = data.calibration_windows(tokens[cut:], HELDOUT_WINDOWS, SEQLEN, HELDOUT_SEED)
+  calib = data.calibration_windows(tokens[:cut], calib_windows, seqlen, seed)
+  held = data.calibration_windows(tokens[cut:], *held_out, HELDOUT_SEED)
   return calib, held
 
 
 def safe_config(method: str, nm, steps: int, lr: float, penalty: float, n: int,
-                lr_scale: str = "none") -> prune.PruneConfig:
+                lr_scale: str = "none", grouping=None, seed: int = 0) -> prune.PruneConfig:
   """SAFE / SAFE+ with ``steps`` minibatch steps of 8 windows (whole epochs over ``n``)."""
   steps_per_epoch = n // 8
   epochs = max(1, round(steps / steps_per_epoch))
   # Warm-up ~7 % of the run, as the paper's 2 of 30 epochs.
   return prune.PruneConfig(method, sparsity=0.5, nm=nm, epochs=epochs,
                            warmup_epochs=max(1, round(epochs / 15)), learning_rate=lr,
-                           penalty=penalty, dual_every=32, lr_scale=lr_scale, seed=0)
+                           penalty=penalty, dual_every=32, lr_scale=lr_scale,
+                           grouping=grouping, seed=seed)
 
 
 class Block:

@@ -27,6 +27,7 @@ import time
 
 import numpy as np
 
+from safe_optax import data_paths
 from safe_optax.llm import checkpoints
 from safe_optax.llm import cli
 from safe_optax.llm import data
@@ -34,9 +35,15 @@ from safe_optax.llm import prune
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 HERE = ROOT / "results" / "llm_pruning"  # where the runs and the table go
-SHARED = ROOT.parent / "shared" / "data"
-CALIB = SHARED / "wikitext-2" / "valid.txt"
-EVALS = {"wikitext2": SHARED / "wikitext-2-raw" / "wiki.test.raw", "austen": SHARED / "austen"}
+
+
+def _data(name: str) -> pathlib.Path:
+  # Found through safe_optax.data_paths; the checkout's ../shared/data otherwise, so an error names it.
+  return data_paths.find(name) or ROOT.parent / "shared" / "data" / name
+
+
+CALIB = _data("wikitext-2/valid.txt")
+EVALS = {"wikitext2": _data("wikitext-2-raw/wiki.test.raw"), "austen": _data("austen")}
 # CPU budget (2 shared cores): 16 x 128-token calibration windows for every method.
 # SAFE / SAFE+: the paper's step (batch 8, Adam 0.9/0.95, lr 2e-4, rho 2e-4, lambda 1e-3,
 # K = 32) for 5 epochs = 10 steps per block, which keeps one run near 8 minutes here

@@ -142,7 +142,13 @@ DECLARED: dict[str, dict[str, Any]] = {
         "rows": {**{label: {"SAFE+": {"lr": fixed(0.003, "the 50 % choice"),
                                       "λ": fixed(0.001, "the 50 % choice")}}
                     for label in ("2:4, WikiText-2", "2:4, Austen",
-                                  "block 0 held-out error, 8 x 32 tokens")}}},
+                                  "block 0 held-out error, 8 x 32 tokens")},
+                 # Declared before the standard-protocol runs: llm_block_studies.py select.
+                 **{label: {name: {"lr": grid(0.001, 0.003, 0.01),
+                                   "λ": grid(0.0001, 0.001, 0.01),
+                                   "steps": grid(60, 120, 250)} for name in ("SAFE+", "SAFE")}
+                    for label in ("50 %, WikiText-2, standard protocol",
+                                  "50 %, WikiText-2, standard protocol, SAFE")}}},
     "cifar10_resnet20x2": {
         "when": AFTER,
         "methods": {"SAFE": {"λ": fixed(0.001, "the paper's value")},

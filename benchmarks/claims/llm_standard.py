@@ -1,0 +1,110 @@
+"""Table 2's 50 % rows on the standard protocol, one resumable piece at a time.
+
+Every piece is one ``safe-optax-llm`` command (run in this process through
+:func:`safe_optax.llm.cli.main`): ``dense.ppl.json`` (perplexity of the dense
+model), and per method and calibration seed ``<name>.prune.json`` (the
+prune's ``report.json``; the export stays in ``--work``) then
+``<name>.ppl.json`` (the export's perplexity). A piece whose JSON is in
+``results/llm_pruning/standard/`` is skipped, and an interrupted prune
+continues from its next block, so rerunning the same command resumes.
+
+Perplexity: the standard protocol (the whole WikiText-2 test text, rows joined
+as SparseGPT and Wanda join them, non-overlapping windows of the model's
+context up to 2,048 tokens). Calibration: ``--nsamples`` x ``--seqlen`` tokens
+of WikiText-2 validation at each ``--seeds`` seed. Magnitude uses no
+calibration, so it runs once. SAFE / SAFE+ take lr, lambda and steps from
+the held-out selection study (``--selection``, written by
+``llm_block_studies.py select``).
+
+  python benchmarks/claims/llm_standard.py --list          # what is done and what is pending
+  python benchmarks/claims/llm_standard.py --pieces 1      # run the next pending piece
+  python benchmarks/claims/llm_standard.py                 # run every pending piece
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import shutil
+import sys
+from typing import Optional
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import llm_results as run_results  # pylint: disable=wrong-import-position
+
+from safe_optax.llm import cli  # pylint: disable=wrong-import-position
+
+OUT = run_results.HERE / "standard"
+METHODS = ("magnitude", "wanda", "sparsegpt", "safe", "safe-plus")
+SELECTION = run_results.HERE / "selection_block0_64x128.json"
+
+
+def safe_arguments(method: str, selection: pathlib.Path, nsamples: int,
+                   batch_size: int = 8) -> list[str]:
+  """``--epochs --warmup-epochs --lr --penalty`` for SAFE / SAFE+ from the selection's picks."""
+  if not selection.exists():
+    raise SystemExit(f"{selection} is missing: run llm_block_studies.py select first")
+  pick = json.loads(selection.read_text()).get("selected", {}).get(method)
+  if pick is None:
+    raise SystemExit(f"{selection} has no pick for {method}")
+  # The study's step count is kept: whole epochs of nsamples / batch_size steps.
+  epochs = max(1, round(pick["steps"] / (nsamples // batch_size)))
+  return ["--epochs", str(epochs), "--warmup-epochs", str(max(1, round(epochs / 15))),
+          "--batch-size", str(batch_size), "--lr", f"{pick['lr']:g}",
+          "--penalty", f"{pick['penalty']:g}", "--dual-every", "32"]
+
+
+def pieces(args) -> list[tuple[str, list[str], Optional[pathlib.Path]]]:
+  """``(json name, safe-optax-llm arguments, export folder to copy report.json from)``."""
+  model, text = str(run_results.gguf_path()), str(run_results.EVALS["wikitext2"])
+  todo = [("dense.ppl.json", ["ppl", "--model", model, "--text", text], None)]
+  for method in args.methods:
+    for seed in ([0] if method == "magnitude" else args.seeds):
+      name = (f"{method}_50pct" if method == "magnitude" else
+              f"{method}_50pct_{args.nsamples}x{args.seqlen}_seed{seed}")
+      folder = args.work / name
+      prune = ["prune", "--model", model, "--method", method, "--sparsity", "0.5",
+               "--calib", str(run_results.CALIB), "--nsamples", str(args.nsamples),
+               "--seqlen", str(args.seqlen), "--seed", str(seed), "--out", str(folder),
+               "--export-dtype", "float32", "--quiet"]
+      if method.startswith("safe"):
+        prune += safe_arguments(method, args.selection, args.nsamples)
+      todo.append((f"{name}.prune.json", prune, folder))
+      todo.append((f"{name}.ppl.json", ["ppl", "--model", str(folder), "--text", text], None))
+  return todo
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+  parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+  parser.add_argument("--nsamples", type=int, default=64)
+  parser.add_argument("--seqlen", type=int, default=512)
+  parser.add_argument("--selection", type=pathlib.Path, default=SELECTION)
+  parser.add_argument("--work", type=pathlib.Path,
+                      default=pathlib.Path("/tmp/safe_optax_evidence/llm_standard"),
+                      help="where the exports (and a prune's resumable state) go")
+  parser.add_argument("--pieces", type=int, default=None, help="stop after this many pieces")
+  parser.add_argument("--list", action="store_true", help="only say what is done and pending")
+  args = parser.parse_args()
+  OUT.mkdir(parents=True, exist_ok=True)
+  ran = 0
+  for name, argv, folder in pieces(args):
+    done = (OUT / name).exists()
+    if args.list or done:
+      print(f"{'done   ' if done else 'pending'} {name}: safe-optax-llm {' '.join(argv)}")
+      continue
+    if args.pieces is not None and ran >= args.pieces:
+      break
+    if argv[0] == "ppl":
+      argv = argv + ["--json", str(OUT / name)]
+    if cli.main(argv) != 0:
+      raise SystemExit(f"{name}: safe-optax-llm {' '.join(argv)} failed")
+    if folder is not None:
+      shutil.copyfile(folder / "report.json", OUT / name)
+    ran += 1
+
+
+if __name__ == "__main__":
+  main()
