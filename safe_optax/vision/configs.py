@@ -36,6 +36,10 @@ MODELS = ("resnet8", "resnet20", "resnet32", "vgg19", "mlp", "lenet5")
 
 DATASETS = ("cifar10", "cifar100", "mnist", "fashion_mnist")
 SALIENCIES = methods.SALIENCIES
+DTYPES = ("float32", "bfloat16")
+"""Compute dtypes of :attr:`Config.dtype`."""
+MATMUL_PRECISIONS = ("default", "high", "highest")
+"""Values of :attr:`Config.matmul_precision` (``jax.lax.Precision``'s names)."""
 STRUCTURES = tuple(methods.STRUCTURES)
 """Sparsity sets of :attr:`Config.structure`: one top-k over all prunable leaves
 (:class:`~safe_optax.Global`), the same fraction in each (:class:`~safe_optax.PerLeaf`) or
@@ -53,6 +57,14 @@ class Config(methods.Hyperparams):
 
   model: str = "resnet20"
   width: int = 1
+  dtype: str = "float32"
+  """The model's compute dtype: ``"bfloat16"`` runs convolutions, Dense layers and BatchNorm
+  in bfloat16, while the parameters (the master weights), the optimizer state, the BatchNorm
+  statistics, the projection's scores and the loss stay float32."""
+  matmul_precision: str = "default"
+  """``precision`` of every convolution and Dense layer (``jax.lax.Precision``): ``default``
+  is TF32 for float32 on recent NVIDIA GPUs and one bfloat16 pass for bfloat16 (both
+  accumulating in float32), full float32 on CPU; ``highest`` is full float32 everywhere."""
   mlp_features: tuple[int, ...] = (300, 100)
   dataset: str = "cifar10"
   batch_size: int = 128
@@ -94,6 +106,8 @@ def validate(config: Config) -> Config:
   """
   methods.check_one_of(config.model, "model", MODELS)
   methods.check_one_of(config.dataset, "dataset", DATASETS)
+  methods.check_one_of(config.dtype, "dtype", DTYPES)
+  methods.check_one_of(config.matmul_precision, "matmul_precision", MATMUL_PRECISIONS)
   methods.validate(config)
   if not isinstance(config.augment, bool):
     raise ValueError(f"`augment` must be True or False, got {config.augment!r}.")

@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Optional
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 if TYPE_CHECKING:
@@ -99,7 +100,8 @@ class ResNet(nn.Module):
     blocks_per_stage: basic blocks per stage (3 for ResNet-20, 5 for ResNet-32).
     num_classes: outputs of the final Dense layer.
     width: channel multiplier (1: 16/32/64, 2: 32/64/128).
-    dtype: computation dtype.
+    dtype: computation dtype (parameters and BatchNorm statistics stay float32).
+    precision: ``precision`` of every convolution and Dense layer (a ``jax.lax.Precision``).
     bn_axis_name: ``axis_name`` for cross-replica BatchNorm (``pmap`` users).
   """
 
@@ -107,12 +109,13 @@ class ResNet(nn.Module):
   num_classes: int = 10
   width: int = 1
   dtype: Any = jnp.float32
+  precision: Any = None
   bn_axis_name: Optional[str] = None
 
   @nn.compact
   def __call__(self, x, train: bool):
     conv = functools.partial(nn.Conv, use_bias=False, padding="SAME", dtype=self.dtype,
-                             kernel_init=conv_init)
+                             precision=self.precision, kernel_init=conv_init)
     norm = _norm(train, self.dtype, self.bn_axis_name)
     widths = (16 * self.width, 32 * self.width, 64 * self.width)
     x = conv(widths[0], (3, 3), name="conv_init")(x)
@@ -123,7 +126,7 @@ class ResNet(nn.Module):
         strides = (2, 2) if stage > 0 and block == 0 else (1, 1)
         x = ResNetBlock(filters, conv=conv, norm=norm, strides=strides)(x)
     x = jnp.mean(x, axis=(1, 2))
-    x = nn.Dense(self.num_classes, dtype=self.dtype)(x)
+    x = nn.Dense(self.num_classes, dtype=self.dtype, precision=self.precision)(x)
     return jnp.asarray(x, jnp.float32)
 
 
@@ -152,7 +155,8 @@ class VGG(nn.Module):
     stages: output channels of the convs, one tuple per stage.
     num_classes: outputs of the final Dense layer.
     hidden: width of the two hidden Dense layers.
-    dtype: computation dtype.
+    dtype: computation dtype (parameters and BatchNorm statistics stay float32).
+    precision: ``precision`` of every convolution and Dense layer (a ``jax.lax.Precision``).
     bn_axis_name: ``axis_name`` for cross-replica BatchNorm.
   """
 
@@ -160,21 +164,22 @@ class VGG(nn.Module):
   num_classes: int = 10
   hidden: int = 512
   dtype: Any = jnp.float32
+  precision: Any = None
   bn_axis_name: Optional[str] = None
 
   @nn.compact
   def __call__(self, x, train: bool):
     conv = functools.partial(nn.Conv, kernel_size=(3, 3), use_bias=False, padding="SAME",
-                             dtype=self.dtype, kernel_init=conv_init)
+                             dtype=self.dtype, precision=self.precision, kernel_init=conv_init)
     norm = _norm(train, self.dtype, self.bn_axis_name)
     for stage in self.stages:
       for filters in stage:
         x = nn.relu(norm()(conv(filters)(x)))
       x = nn.max_pool(x, (2, 2), strides=(2, 2), padding="SAME")
     x = x.reshape((x.shape[0], -1))
-    x = nn.relu(nn.Dense(self.hidden, dtype=self.dtype)(x))
-    x = nn.relu(nn.Dense(self.hidden, dtype=self.dtype)(x))
-    x = nn.Dense(self.num_classes, dtype=self.dtype)(x)
+    x = nn.relu(nn.Dense(self.hidden, dtype=self.dtype, precision=self.precision)(x))
+    x = nn.relu(nn.Dense(self.hidden, dtype=self.dtype, precision=self.precision)(x))
+    x = nn.Dense(self.num_classes, dtype=self.dtype, precision=self.precision)(x)
     return jnp.asarray(x, jnp.float32)
 
 
@@ -196,14 +201,15 @@ class MLP(nn.Module):
   features: Sequence[int] = (300, 100)
   num_classes: int = 10
   dtype: Any = jnp.float32
+  precision: Any = None
 
   @nn.compact
   def __call__(self, x, train: bool = False):
     del train
     x = x.reshape((x.shape[0], -1))
     for width in self.features:
-      x = nn.relu(nn.Dense(width, dtype=self.dtype)(x))
-    x = nn.Dense(self.num_classes, dtype=self.dtype)(x)
+      x = nn.relu(nn.Dense(width, dtype=self.dtype, precision=self.precision)(x))
+    x = nn.Dense(self.num_classes, dtype=self.dtype, precision=self.precision)(x)
     return jnp.asarray(x, jnp.float32)
 
 
@@ -223,18 +229,21 @@ class LeNet5(nn.Module):
 
   num_classes: int = 10
   dtype: Any = jnp.float32
+  precision: Any = None
 
   @nn.compact
   def __call__(self, x, train: bool = False):
     del train
-    x = nn.relu(nn.Conv(6, (5, 5), padding="SAME", dtype=self.dtype)(x))
+    dense = functools.partial(nn.Dense, dtype=self.dtype, precision=self.precision)
+    conv = functools.partial(nn.Conv, dtype=self.dtype, precision=self.precision)
+    x = nn.relu(conv(6, (5, 5), padding="SAME")(x))
     x = nn.max_pool(x, (2, 2), strides=(2, 2))
-    x = nn.relu(nn.Conv(16, (5, 5), padding="VALID", dtype=self.dtype)(x))
+    x = nn.relu(conv(16, (5, 5), padding="VALID")(x))
     x = nn.max_pool(x, (2, 2), strides=(2, 2))
     x = x.reshape((x.shape[0], -1))
-    x = nn.relu(nn.Dense(120, dtype=self.dtype)(x))
-    x = nn.relu(nn.Dense(84, dtype=self.dtype)(x))
-    x = nn.Dense(self.num_classes, dtype=self.dtype)(x)
+    x = nn.relu(dense(120)(x))
+    x = nn.relu(dense(84)(x))
+    x = dense(self.num_classes)(x)
     return jnp.asarray(x, jnp.float32)
 
 
@@ -244,7 +253,8 @@ def lenet5(num_classes: int = 10, **kwargs: Any) -> LeNet5:
 
 
 def create_model(config: "Config", num_classes: int) -> nn.Module:
-  """The Linen model of ``config.model`` (with its ``width``, ``mlp_features``).
+  """The Linen model of ``config.model`` (with its ``width``, ``mlp_features``, ``dtype``
+  and ``matmul_precision``).
 
   Examples:
     >>> from safe_optax.vision import configs
@@ -254,16 +264,19 @@ def create_model(config: "Config", num_classes: int) -> nn.Module:
         features = (300, 100)
         num_classes = 10
         dtype = float32
+        precision = Precision.DEFAULT
     )
   """
+  numerics = {"dtype": getattr(jnp, config.dtype),
+              "precision": jax.lax.Precision(config.matmul_precision)}
   if config.model == "resnet8":
-    return ResNet(blocks_per_stage=1, num_classes=num_classes, width=config.width)
+    return ResNet(blocks_per_stage=1, num_classes=num_classes, width=config.width, **numerics)
   if config.model == "resnet20":
-    return resnet20(num_classes, width=config.width)
+    return resnet20(num_classes, width=config.width, **numerics)
   if config.model == "resnet32":
-    return resnet32(num_classes, width=config.width)
+    return resnet32(num_classes, width=config.width, **numerics)
   if config.model == "vgg19":
-    return vgg19(num_classes)
+    return vgg19(num_classes, **numerics)
   if config.model == "lenet5":
-    return lenet5(num_classes)
-  return MLP(features=tuple(config.mlp_features), num_classes=num_classes)
+    return lenet5(num_classes, **numerics)
+  return MLP(features=tuple(config.mlp_features), num_classes=num_classes, **numerics)
