@@ -15,8 +15,6 @@ $N --noise 0.75 $S --safe-grid 0.001 0.01 0.1 1 3 --rescale-dual --out $WORK/ln_
 keep $WORK/ln_rescaled/label_noise_mlp-mnist_rescaled.json $O/label_noise_rescaled_rho0.1.json
 $N --noise 0.25 0.5 $S --safe-grid 0.1 1 3 10 --rescale-dual --rho-grid 0.02 0.05 0.1 --out $WORK/ln_rho_2550
 keep $WORK/ln_rho_2550/label_noise_mlp-mnist_rescaled_rhogrid.json $O/label_noise_25_50_rho_grid.json
-$N --noise 0.75 $S --safe-grid 0.1 1 3 10 --rescale-dual --rho-grid 0.02 0.05 0.1 --out $WORK/ln_rho_75
-keep $WORK/ln_rho_75/label_noise_mlp-mnist_rescaled_rhogrid.json $O/label_noise_75_rho_grid.json
 # 75 % again with every grid declared in benchmarks/claims/tuning.py before any of these runs
 # (half-decade grids of four lambdas for both methods, SAFE's rho below the paper's 0.1; one
 # selection seed to fit the CPU budget); the edge rule there extends a grid whose pick is at an end.
