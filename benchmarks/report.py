@@ -265,8 +265,23 @@ def claim_section(folder: pathlib.Path, claim: report_sources.Claim) -> tuple[st
         line.convergence if first else "〃", f"**{line.verdict}** |"]))
   out += ["", f"- Tuning declared in `benchmarks/claims/tuning.py`, "
           f"{tuning.DECLARED[folder.name]['when']}."]
-  out += [f"- {c}" for c in claim.caveats]
+  out += [f"- {with_verdicts(c, all_lines)}" for c in claim.caveats]
   return "\n".join(out), all_lines
+
+
+def with_verdicts(text: str, all_lines: list[Line]) -> str:
+  """A caveat with each ``{verdict: <row label>}`` replaced by that row's generated verdicts.
+
+  So a claim's text can say what a row shows without restating it by hand.
+  """
+  def verdicts(match: re.Match) -> str:
+    label = match.group(1).strip()
+    found = [f"against {line.baseline.name} **{line.verdict}**" for line in all_lines
+             if line.row.label == label]
+    if not found:
+      raise ValueError(f"a caveat names row {label!r}, which the claim does not have")
+    return ", ".join(found)
+  return re.sub(r"\{verdict:([^}]*)\}", verdicts, text)
 
 
 def summary_line(claim: report_sources.Claim, all_lines: list[Line]) -> str:

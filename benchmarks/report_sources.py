@@ -436,7 +436,8 @@ def apply_tuning(claim: str, row: Row, declaration: Callable[[str, str, str], di
         raise ValueError(f"{where}: {symbol} is declared a grid, the run records no choice")
     main = tuning.MAIN.get(arm.name)
     if main in specs:
-      arm.effort = len(arm.grids[main][1]) if specs[main]["kind"] == "grid" else 0
+      # The declared grid, not its extensions: the edge rule adds values only where a pick needs them.
+      arm.effort = len(specs[main]["values"]) if specs[main]["kind"] == "grid" else 0
 
 
 READERS: dict[str, Callable[[pathlib.Path, dict], Row]] = {

@@ -204,7 +204,17 @@ def test_a_grid_other_than_the_declared_one_is_refused_and_an_extension_is_accep
   # 0.01 picked at the declared grid's lower end, extended once below by the edge rule
   row, = report_sources.load_claim(_folder(tmp_path, (0.001, 0.01, 0.1, 1), chosen=0.01),
                                    _declaration()).rows
-  assert row.ours.effort == 4 and row.ours.unfinished == []
+  assert row.ours.effort == 3 and row.ours.unfinished == []  # the declared grid's size
   row, = report_sources.load_claim(_folder(tmp_path, (0.001, 0.01, 0.1, 1), chosen=0.001),
                                    _declaration()).rows
   assert row.ours.unfinished == ["SAFE's λ at the lower end of its grid"]
+
+
+def test_a_caveat_states_a_rows_verdict_from_the_rules_not_by_hand():
+  ours = _arm("SAFE", [91.0, 91.1, 91.2])
+  admm = _arm("ADMM", [89.0, 89.1, 89.0])
+  lines = report.lines(Row("75 %", "", ours, [admm], True, True, 2))
+  assert (report.with_verdicts("It shows {verdict: 75 %}.", lines)
+          == "It shows against ADMM **holds**.")
+  with pytest.raises(ValueError, match="'50 %'"):
+    report.with_verdicts("{verdict:50 %}", lines)
