@@ -1,0 +1,234 @@
+"""Table 5 (CIFAR-10, ResNet-20x2) assembled across short GPU leases, in packs of seeds.
+
+Each lease runs, in order:
+
+1. ``benchmarks/perf/cifar_pack_throughput.py`` (its JSON is ``--throughput``):
+   the measured step time of a pack of ``--pack`` runs;
+2. this script: the table's cells (``--methods`` x ``--sparsities``, each a pack
+   of the ``--seeds``) not yet in ``--table``, in order, :func:`plan`\\ ned
+   against the time left before ``--deadline-s`` with that step time; each pack
+   is trained by :func:`safe_optax.vision.packing.train_packed` in
+   ``--runs/<method>-s<sparsity>-seed<seed>`` (the ``sweep`` command's folders),
+   checkpointing every ``--checkpoint-seconds`` (a lease cut short loses at
+   most about that much) and stopping with a checkpoint at the deadline; the
+   next lease resumes it from those checkpoints when the folder comes back
+   (``--runs`` must persist between leases);
+3. after every finished pack, :func:`merge` adds its runs to ``--table``
+   (``results/cifar10_resnet20x2/table5.json``): per run the sweep record
+   (accuracy after the final projection and BNT, seed, epochs, device), per
+   cell the seeds, the epoch budget and mean +- s.e.; a run of another budget
+   or config replaces none of a different key.
+
+The step time of SAFE (SAM's two passes) bounds ADMM's and GMP's (one pass),
+so the plan errs on the safe side for them.
+
+Usage (from the repository root on the GPU machine, after the benchmark)::
+
+  python benchmarks/claims/cifar_table.py --data-dir DATA --runs RUNS \\
+      --throughput benchmarks/perf/results/cifar_pack_throughput_gpu.json \\
+      --table results/cifar10_resnet20x2/table5.json --deadline-s 600
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, Optional
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # the GPU image runs this checkout uninstalled
+from safe_optax import experiment  # noqa: E402  pylint: disable=wrong-import-position
+from safe_optax.vision import configs  # noqa: E402  pylint: disable=wrong-import-position
+from safe_optax.vision import sweeps  # noqa: E402  pylint: disable=wrong-import-position
+
+PRESET = "resnet20x2-cifar10"
+MODEL = "resnet20x2"
+
+
+def step_seconds(throughput: dict[str, Any], model: str, dtype: str, runs: int) -> float:
+  """Seconds of one packed step (dual updates averaged in) of ``runs`` runs, as measured.
+
+  The cell of ``runs`` runs, else the smallest measured pack above it, else
+  the largest below scaled up linearly (a pack's step grows at most that fast).
+
+  Raises:
+    ValueError: the benchmark has no cell of ``model`` and ``dtype``.
+
+  Examples:
+    >>> bench = {"cells": [{"model": "m", "dtype": "float32", "runs": r, "mean_step_ms": ms}
+    ...                    for r, ms in ((1, 10.0), (6, 30.0))]}
+    >>> step_seconds(bench, "m", "float32", 6), step_seconds(bench, "m", "float32", 3)
+    (0.03, 0.03)
+    >>> round(step_seconds(bench, "m", "float32", 9), 6)
+    0.045
+  """
+  cells = {c["runs"]: c["mean_step_ms"] / 1e3 for c in throughput["cells"]
+           if c.get("model") == model and c.get("dtype") == dtype and "mean_step_ms" in c}
+  if not cells:
+    raise ValueError(f"the throughput JSON has no measured cell of model {model!r}, dtype "
+                     f"{dtype!r}; run benchmarks/perf/cifar_pack_throughput.py first.")
+  above = [r for r in cells if r >= runs]
+  if above:
+    return cells[min(above)]
+  largest = max(cells)
+  return cells[largest] * runs / largest
+
+
+def plan(packs: Sequence[dict[str, Any]], seconds_per_step: float, budget_s: float,
+         finish_s: float) -> list[dict[str, Any]]:
+  """The packs to train in ``budget_s`` seconds, in order, each with its expected seconds.
+
+  Args:
+    packs: ``{"steps_left": int, ...}`` per pack, in the table's order.
+    seconds_per_step: one packed step, measured.
+    budget_s: seconds left in the lease.
+    finish_s: seconds a finished pack spends after its last step (final
+      projection, BNT, evaluation and files of each run).
+
+  Returns:
+    The packs that finish in the budget, each with ``expected_s`` and
+    ``finishes=True``, then at most one more that starts and is stopped at the
+    deadline (``finishes=False``, resumed by the next lease) when more than a
+    minute is left for it.
+
+  Examples:
+    >>> [p["finishes"] for p in plan([{"steps_left": 100}] * 3, 1.0, 250, 10)]
+    [True, True]
+    >>> [p["finishes"] for p in plan([{"steps_left": 100}] * 3, 1.0, 300, 10)]
+    [True, True, False]
+  """
+  chosen, left = [], budget_s
+  for pack in packs:
+    need = pack["steps_left"] * seconds_per_step + finish_s
+    if need <= left:
+      chosen.append({**pack, "expected_s": need, "finishes": True})
+      left -= need
+      continue
+    if left > 60:
+      chosen.append({**pack, "expected_s": left, "finishes": False})
+    break
+  return chosen
+
+
+def run_name(method: str, sparsity: float, seed: int) -> str:
+  """The folder of a run, as the ``sweep`` command names it."""
+  return f"{method}-s{sparsity:g}-seed{seed}"
+
+
+def merge(table: dict[str, Any], finished: Sequence[dict[str, Any]],
+          sparsities: Sequence[float]) -> dict[str, Any]:
+  """``table`` with the run records ``finished`` added (a record of the same run replaces its
+  old one), and its cells recomputed.
+
+  Args:
+    table: ``{"runs": {name: record}, ...}`` (``{}`` for a new table).
+    finished: :func:`safe_optax.vision.sweeps.record` dicts with ``name``,
+      ``epochs`` and ``device``.
+    sparsities: the table's columns.
+
+  Returns:
+    ``{"runs", "cells", "markdown"}``: per cell (method, sparsity) the seeds,
+    the epoch budgets of its runs and the mean +- s.e. of the accuracy.
+
+  Examples:
+    >>> rec = lambda seed, acc: {"name": f"safe-s0.9-seed{seed}", "method": "safe",
+    ...                          "sparsity": 0.9, "seed": seed, "accuracy": acc, "epochs": 200}
+    >>> t = merge({}, [rec(0, 0.9)], [0.9])
+    >>> t = merge(t, [rec(1, 0.92), rec(0, 0.94)], [0.9])
+    >>> [(c["seeds"], c["epochs"], round(c["accuracy_mean"], 2)) for c in t["cells"]]
+    [([0, 1], [200], 0.93)]
+  """
+  runs = dict(table.get("runs", {}))
+  for record in finished:
+    runs[record["name"]] = record
+  ordered = [runs[k] for k in sorted(runs)]
+  summary = sweeps.summarize(ordered, sparsities)
+  for cell in summary["rows"]:
+    members = [r for r in ordered if r["method"] == cell["method"] and (
+        cell["method"] == "dense" or math.isclose(r["sparsity"], cell["sparsity"]))]
+    cell["epochs"] = sorted({r["epochs"] for r in members})
+  return {"runs": runs, "cells": summary["rows"], "markdown": summary["markdown"]}
+
+
+def _deadline_guard(deadline: float):
+  def on_step(step: int) -> None:
+    del step
+    if time.monotonic() > deadline:
+      raise KeyboardInterrupt
+  return on_step
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+  # pylint: disable=import-outside-toplevel
+  from safe_optax.vision import checkpoint as checkpoint_lib
+  from safe_optax.vision import datasets
+  from safe_optax.vision import input_pipeline
+  from safe_optax.vision import packing
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--data-dir", required=True)
+  parser.add_argument("--runs", required=True, help="run folders (kept between leases)")
+  parser.add_argument("--table", default="results/cifar10_resnet20x2/table5.json")
+  parser.add_argument("--throughput", required=True, help="cifar_pack_throughput.py's JSON")
+  parser.add_argument("--deadline-s", type=float, required=True)
+  parser.add_argument("--finish-s", type=float, default=60.0)
+  parser.add_argument("--methods", nargs="+", default=["safe", "admm", "gmp"])
+  parser.add_argument("--sparsities", nargs="+", type=float, default=[0.9])
+  parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+  parser.add_argument("--epochs", type=int, default=None, help="default: the preset's (200)")
+  parser.add_argument("--dtype", default="float32", choices=configs.DTYPES)
+  parser.add_argument("--checkpoint-seconds", type=float, default=60.0)
+  parser.add_argument("--train-subset", type=int, default=None, help="CPU dry runs only")
+  parser.add_argument("--test-subset", type=int, default=None, help="CPU dry runs only")
+  args = parser.parse_args(argv)
+  start = time.monotonic()
+  deadline = start + args.deadline_s
+  table_path = pathlib.Path(args.table)
+  table = json.loads(table_path.read_text()) if table_path.exists() else {}
+  root = pathlib.Path(args.runs)
+  base = configs.get_config(PRESET, epochs=args.epochs, dtype=args.dtype,
+                            train_subset=args.train_subset, test_subset=args.test_subset,
+                            bnt_samples=min(10_000, args.train_subset or 10_000))
+  data = datasets.load_dataset(base, args.data_dir)
+  spe = input_pipeline.num_batches(len(data.train_labels), base.batch_size)
+  packs = []
+  for s in args.sparsities:
+    for method in args.methods:
+      names = [run_name(method, s, seed) for seed in args.seeds]
+      if all(n in table.get("runs", {}) for n in names):
+        continue
+      done = sweeps.checkpoint_step(root / names[0]) or 0
+      packs.append({"method": method, "sparsity": s, "names": names,
+                    "steps_left": base.epochs * spe - done})
+  per_step = step_seconds(json.loads(pathlib.Path(args.throughput).read_text()), MODEL,
+                          args.dtype, len(args.seeds))
+  chosen = plan(packs, per_step, deadline - time.monotonic(), args.finish_s)
+  print(json.dumps({"seconds_per_step": per_step, "plan": chosen}, indent=1), flush=True)
+  device = experiment.versions()["device_kind"]
+  for pack in chosen:
+    runs = [base.replace(method=pack["method"], sparsity=pack["sparsity"], seed=seed)
+            for seed in args.seeds]
+    try:
+      outcomes = packing.train_packed(runs, [root / n for n in pack["names"]], data=data,
+                                      checkpoint_seconds=args.checkpoint_seconds,
+                                      on_step=_deadline_guard(deadline))
+    except checkpoint_lib.Interrupted as stopped:
+      print(f"deadline: {pack['method']}@{pack['sparsity']:g} stopped, {stopped}", flush=True)
+      break
+    finished = [{**sweeps.record(c, o.results), "name": n, "epochs": c.epochs,
+                 "device": device, "dtype": c.dtype}
+                for c, o, n in zip(runs, outcomes, pack["names"])]
+    table = merge(table, finished, args.sparsities)
+    table["versions"] = experiment.versions()
+    table_path.parent.mkdir(parents=True, exist_ok=True)
+    with experiment.atomic_write(table_path) as tmp:
+      tmp.write_text(json.dumps(table, indent=1) + "\n", encoding="utf-8")
+    print(table["markdown"], flush=True)
+
+
+if __name__ == "__main__":
+  main()
