@@ -395,51 +395,6 @@ def _robustness_row(folder: pathlib.Path, r: dict) -> Row:
              3 if lower else 2)
 
 
-# --- the declared tuning effort (benchmarks/claims/tuning.py) ---------------------------------------
-
-def _declared_grid(where: str, spec: dict, value: float, grid: list[float]) -> list[str]:
-  """Check a recorded grid against its declaration; the ends the edge rule would still extend."""
-  values = spec["values"]
-  below = [g for g in grid if g < values[0]]
-  above = [g for g in grid if g > values[-1]]
-  if not set(values) <= set(grid) or len(below) > 2 or len(above) > 2 or (
-      len(grid) != len(values) + len(below) + len(above)):
-    raise ValueError(f"{where}: the run's grid {grid} is not the declared {values} extended by "
-                     "the edge rule")
-  ends = []
-  if value == grid[0] and value != spec["lower"]:
-    ends.append("lower")
-  if value == grid[-1] and value != spec["upper"]:
-    ends.append("upper")
-  return ends
-
-
-def apply_tuning(claim: str, row: Row, declaration: Callable[[str, str, str], dict]) -> None:
-  """Each arm's recorded grids checked against the declaration; its effort and unfinished picks."""
-  for arm in (row.ours, *row.baselines):
-    if not arm.values:
-      continue  # not run yet: no choice recorded to check (the row shows as pending)
-    specs = declaration(claim, row.label, arm.name)
-    where = f"{claim}, row {row.label!r}, {arm.name}"
-    for symbol, (value, grid) in arm.grids.items():
-      spec = specs.get(symbol)
-      if spec is None:
-        raise ValueError(f"{where}: {symbol} is not declared in benchmarks/claims/tuning.py")
-      if spec["kind"] == "grid":
-        ends = _declared_grid(f"{where}, {symbol}", spec, value, grid)
-        arm.unfinished += [f"{arm.name}'s {symbol} at the {end} end of its grid" for end in ends]
-      elif len(grid) != 1 or spec["kind"] != "fixed" or spec["value"] not in (None, value):
-        raise ValueError(f"{where}: {symbol} is declared {spec['kind']} {spec.get('value')}, "
-                         f"the run records {value:g} from {grid}")
-    for symbol, spec in specs.items():
-      if spec["kind"] == "grid" and symbol not in arm.grids:
-        raise ValueError(f"{where}: {symbol} is declared a grid, the run records no choice")
-    main = tuning.MAIN.get(arm.name)
-    if main in specs:
-      # The declared grid, not its extensions: the edge rule adds values only where a pick needs them.
-      arm.effort = len(specs[main]["values"]) if specs[main]["kind"] == "grid" else 0
-
-
 READERS: dict[str, Callable[[pathlib.Path, dict], Row]] = {
     "robustness": _robustness_row,
     "sweep": _sweep_row, "label_noise": _noise_row, "flatness": _flatness_row,
@@ -464,7 +419,7 @@ def load_claim(folder: pathlib.Path,
       raise ValueError(f"{folder}/claim.json: source {r['source']!r} is not one of {sorted(READERS)}")
     row = READERS[r["source"]](folder, r)
     row.note = r.get("not_evidence", "")
-    apply_tuning(folder.name, row, declaration)
+    tuning.apply(folder.name, row, declaration)
     rows.append(row)
   return Claim(spec["order"], spec["title"], spec["short"], spec["paper"], spec["metric"],
                spec.get("higher_is_better", True), rows, spec.get("caveats", []))

@@ -76,6 +76,8 @@ def main(argv: Optional[list[str]] = None) -> int:
   parser.add_argument("--test-sweep", default=None,
                       help="the committed sweep.json whose config (budget) the test runs use")
   parser.add_argument("--end-grid", type=float, nargs="+", required=True)
+  parser.add_argument("--sparsities", type=float, nargs="+", default=None,
+                      help="only these of the test sweep's sparsities (default: all)")
   parser.add_argument("--data-dir", required=True)
   parser.add_argument("--workdir", required=True)
   parser.add_argument("--out", required=True)
@@ -85,6 +87,11 @@ def main(argv: Optional[list[str]] = None) -> int:
   tested = (committed if args.test_sweep is None
             else json.loads(pathlib.Path(args.test_sweep).read_text(encoding="utf-8")))
   sparsities = sorted({r["sparsity"] for r in tested["runs"]})
+  if args.sparsities is not None:
+    missing = sorted(set(args.sparsities) - set(sparsities))
+    if missing:
+      parser.error(f"--sparsities {missing} are not among the test sweep's {sparsities}")
+    sparsities = sorted(args.sparsities)
   seeds = sorted({r["seed"] for r in tested["runs"]})
   base = configs.from_dict(committed["config"])
   test_base = configs.from_dict(tested["config"])

@@ -14,9 +14,4 @@ for pick in "90 0.9 0.003 0.001" "95 0.95 0.003 0.001" "98 0.98 0.01 0.001" "99 
   python benchmarks/claims/sparsity_sweep.py --preset mlp-fashion-mnist --data-dir $FMNIST --methods safe admm gmp --sparsities $2 --seeds 0 1 2 --epochs 80 --warmup-epochs 2 --eval-every 10 --workdir $WORK/fmnist_mlp80 --rescale-dual --safe-grid $3 --admm-grid $4 --out $WORK/mlp80_s$1
   keep $WORK/mlp80_s$1/sweep.json $O/sweep_80epochs_s$1.json
 done
-# GMP's schedule end chosen on the same validation split at 40 epochs (grid declared in
-# benchmarks/claims/tuning.py before these runs), run at 80 epochs as SAFE's and ADMM's lambdas are.
-for s in 90 95; do
-  python benchmarks/claims/gmp_selection.py --sweep $O/sweep_40epochs.json --test-sweep $O/sweep_80epochs_s$s.json --end-grid 0.5 0.75 0.9 --data-dir $FMNIST --workdir $WORK/mlp_gmp --out $O/gmp_selection_80epochs_s$s.json
-done
 python benchmarks/report.py
