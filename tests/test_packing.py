@@ -141,3 +141,11 @@ def test_a_sweep_packs_unfinished_runs_by_program_and_checkpoint_step(monkeypatc
   sweeps.train_packs(jobs, 2, data=None)
   assert calls == [["safe0", "safe1"], ["safe2"], ["safe3"], ["admm0", "admm1"],
                    ["admm2", "admm4"], ["admm3"]]
+
+
+def test_the_sweep_command_refuses_a_pack_size_below_one(tmp_path, capsys):
+  from safe_optax.vision import cli
+  with pytest.raises(SystemExit):
+    cli.main(["sweep", "--preset", "mlp-mnist", "--methods", "safe", "--sparsities", "0.9",
+              "--data-dir", str(tmp_path), "--workdir", str(tmp_path / "out"), "--pack", "0"])
+  assert "--pack must be a positive integer, got 0" in capsys.readouterr().err
