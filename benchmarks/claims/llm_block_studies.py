@@ -63,8 +63,14 @@ SELECT_STEPS = (60, 120, 250)
 MAX_EXTENSIONS = 2  # per axis, as benchmarks/claims/tuning.py's EDGE_RULE declares
 
 
+class Pending(Exception):
+  """A run the study needs is not in its JSON (``--table-only`` runs nothing)."""
+
+
 class Study:
   """One JSON of runs on one block; blocks (inputs, targets) built once per window set."""
+
+  dry = False  # True: a missing run raises Pending instead of running
 
   def __init__(self, path: pathlib.Path, block: int, held_out: tuple[int, int], about: str):
     self.path, self.block, self.held_out = path, block, held_out
@@ -110,6 +116,8 @@ class Study:
                                     f"lam{penalty:g}" if penalty else "-") + ((tag,) if tag else ()))
     if key in self.runs:
       return self.runs[key]
+    if self.dry:
+      raise Pending(key)
     if method.startswith("safe"):
       cfg = selection.safe_config(method, None, steps, lr, penalty, n, grouping=grouping,
                                   seed=seed)
@@ -134,7 +142,7 @@ class Study:
 def grouping_file(args) -> Study:
   return Study(OUT / f"grouping_block{args.block}.json", args.block, (16, 128),
                 "Where unstructured scores compete (per matrix / per output row) and which "
-                "scores (|W| or Wanda's) for one-shot pruning and for SAFE / SAFE+ after "
+                "scores (magnitude or Wanda's) for one-shot pruning and for SAFE / SAFE+ after "
                 f"{args.steps} steps at lr {args.lr:g}, lambda {args.penalty:g}; 50 %, "
                 "16 x 128 calibration tokens.")
 
@@ -156,10 +164,12 @@ def grouping_study(args, study: Study) -> None:
 def _one_matrix_at_a_time(study: Study, seed: int) -> None:
   """Held-out error when only one of the seven matrices is pruned (Wanda, each grouping)."""
   table = study.record.setdefault("one_matrix", {})
+  if all(g in table for g in GROUPINGS) and "unit_norms" in study.record:
+    return
+  if study.dry:
+    raise Pending("one matrix at a time")
   block = study.block_for(16, 128, seed)
   for grouping in GROUPINGS:
-    if grouping in table and "unit_norms" in study.record:
-      continue
     pruned, _ = prune.prune_block(study.config, block.params, block.x_calib, block.y_calib,
                                   block.stats, prune.PruneConfig("wanda", grouping=grouping))
     table[grouping] = {}
@@ -247,6 +257,8 @@ def select_file(args) -> Study:
 def select_study(args, study: Study) -> None:
   n, seqlen = args.windows, args.seqlen
   picks = study.record.setdefault("selected", {})
+  # Picks whose later stages have not run yet (the standard rows wait for "selected").
+  partial = study.record.setdefault("selected_so_far", {})
   for method in args.methods:
     run = lambda steps, lr, lam, m=method: study.do(m, n=n, seqlen=seqlen, steps=steps, lr=lr,
                                                      penalty=lam)["held_out_error"]
@@ -264,11 +276,15 @@ def select_study(args, study: Study) -> None:
       step = math.sqrt(10)
       lr_grid = sorted(lr_grid + [float(f"{(lr_pick * step if lr_pick == lr_grid[-1] else lr_pick / step):.3g}")])
     lr_inside = lr_grid[0] < lr_pick < lr_grid[-1]
+    # Recorded before the step grid runs, so an interrupted study keeps its lr and lambda.
+    partial[method] = {"lr": lr_pick, "lr_grid": lr_grid, "lr_inside": lr_inside,
+                       "penalty": lam_pick, "penalty_grid": lam_grid,
+                       "penalty_inside": lam_inside, "steps": "pending"}
+    study.save()
     steps_pick, steps_grid, steps_inside = edge_rule_pick(
         lambda steps: run(int(steps), lr_pick, lam_pick), list(SELECT_STEPS), 2.0, integer=True)
     picks[method] = {
-        "lr": lr_pick, "lr_grid": lr_grid, "lr_inside": lr_inside,
-        "penalty": lam_pick, "penalty_grid": lam_grid, "penalty_inside": lam_inside,
+        **partial.pop(method),
         "steps": int(steps_pick), "steps_grid": steps_grid, "steps_inside": steps_inside,
         "held_out_error": run(int(steps_pick), lr_pick, lam_pick)}
     study.save()
@@ -283,11 +299,14 @@ def select_table(study: Study) -> str:
                 f"{r['held_out_error']:.4f} | {r['calibration_error']:.4f} | {r['seconds']:.0f} |")
   picks = ["| method | lr (grid) | lambda (grid) | steps (grid) | held-out error |",
            "|---|---|---|---|---|"]
-  for method, p in study.record.get("selected", {}).items():
-    cell = lambda key: (f"{p[key]:g} ({', '.join(f'{v:g}' for v in p[key + '_grid'])})"
+  for method, p in {**study.record.get("selected_so_far", {}),
+                    **study.record.get("selected", {})}.items():
+    cell = lambda key: ("pending" if p[key] == "pending" else
+                        f"{p[key]:g} ({', '.join(f'{v:g}' for v in p[key + '_grid'])})"
                         + ("" if p[key + "_inside"] else " AT AN EDGE"))
+    error = p.get("held_out_error")
     picks.append(f"| {method} | {cell('lr')} | {cell('penalty')} | {cell('steps')} | "
-                 f"{p['held_out_error']:.4f} |")
+                 + ("pending" if error is None else f"{error:.4f}") + " |")
   return "\n".join(picks) + "\n\nEvery run:\n\n" + "\n".join(rows) + "\n"
 
 
@@ -295,6 +314,8 @@ def select_table(study: Study) -> str:
 
 
 def _picks(args) -> dict[str, dict[str, Any]]:
+  if args.selection == "none":
+    return {m: {"lr": args.lr, "penalty": args.penalty} for m in args.methods}
   path = OUT / args.selection
   if not path.exists():
     raise SystemExit(f"{path} is missing: run the select study first")
@@ -302,33 +323,57 @@ def _picks(args) -> dict[str, dict[str, Any]]:
 
 
 def calib_file(args) -> Study:
+  where = (f"lr {args.lr:g} and lambda {args.penalty:g} (block 0's 16 x 128 choice, "
+           "`block_selection_block0.json`)" if args.selection == "none" else
+           f"the lr and lambda picked in `{args.selection}`")
   return Study(OUT / f"calibration_size_block{args.block}.json", args.block,
                 tuple(args.held_out), "Calibration windows x tokens against held-out error; "
-                f"SAFE / SAFE+ at {args.steps} steps with the lr and lambda picked in "
-                f"`{args.selection}`; calibration seed 0.")
+                f"SAFE / SAFE+ at {args.steps} steps with {where}; calibration seed 0.")
+
+
+def _shared_runs(study: Study) -> None:
+  """Runs of the select studies on this block and held-out set, reused under their keys."""
+  for path in OUT.glob(f"selection_block{study.block}_*.json"):
+    other = json.loads(path.read_text())
+    if (other["held_out"]["windows"], other["held_out"]["seqlen"]) == study.held_out:
+      for key, run in other["runs"].items():
+        study.runs.setdefault(key, {**run, "from": path.name})
 
 
 def calib_study(args, study: Study) -> None:
   picks = _picks(args)
-  for size in args.sizes:
-    n, seqlen = (int(x) for x in size.split("x"))
+  _shared_runs(study)
+  study.record["sizes"] = [[int(x) for x in size.split("x")] for size in args.sizes]
+  study.record["settings"] = {m: {"steps": args.steps, "lr": picks[m]["lr"],
+                                  "penalty": picks[m]["penalty"]} for m in args.methods}
+  sizes = [tuple(int(x) for x in size.split("x")) for size in args.sizes]
+  # The one-shot methods (seconds) at every size first, then SAFE / SAFE+ (minutes each).
+  for n, seqlen in sizes:
     for method in ("magnitude", "wanda", "sparsegpt"):
       study.do(method, n=n, seqlen=seqlen)
-    for method in args.methods:
+  for method in args.methods:
+    for n, seqlen in sizes:
+      _shared_runs(study)  # a select study running beside this one may have finished a run
       study.do(method, n=n, seqlen=seqlen, steps=args.steps, lr=picks[method]["lr"],
                penalty=picks[method]["penalty"])
 
 
 def calib_table(study: Study) -> str:
   runs = list(study.runs.values())
-  sizes = list(dict.fromkeys((r["n"], r["seqlen"]) for r in runs))
+  sizes = study.record.get("sizes", [])
+  sizes = [tuple(size) for size in sizes]
   rows = ["| method | " + " | ".join(f"{n} x {L}" for n, L in sizes) + " |",
           "|---|" + "---|" * len(sizes)]
-  for method in dict.fromkeys(r["method"] for r in runs):
-    by_size = {(r["n"], r["seqlen"]): r for r in runs if r["method"] == method}
+  settings = study.record.get("settings", {})
+  for method in ("magnitude", "wanda", "sparsegpt", *settings):
+    want = settings.get(method, {"steps": 0, "lr": None, "penalty": None})
+    by_size = {(r["n"], r["seqlen"]): r for r in runs if r["method"] == method
+               and (r["steps_requested"], r["lr"], r["penalty"]) == tuple(want.values())}
     rows.append(f"| {method} | " + " | ".join(
         f"{by_size[s]['held_out_error']:.4f} ({by_size[s]['seconds']:.0f} s)" if s in by_size
         else "pending" for s in sizes) + " |")
+  rows.append("\nSAFE / SAFE+ cells at one step count; the steps and settings of each run are in "
+              "the JSON (`from` names a select study whose run is reused).")
   return "\n".join(rows) + "\n"
 
 
@@ -364,14 +409,19 @@ def main() -> None:
                       metavar=("WINDOWS", "SEQLEN"))
   parser.add_argument("--sizes", nargs="+", default=["16x128", "64x128", "64x512"])
   parser.add_argument("--selection", default="selection_block0_64x128.json",
-                      help="calib: the select study whose lr and lambda SAFE / SAFE+ use")
+                      help="calib: the select study whose lr and lambda SAFE / SAFE+ use; "
+                           "'none': --lr and --penalty")
   parser.add_argument("--table-only", action="store_true")
   args = parser.parse_args()
   make, run, table = STUDIES[args.study]
   start = time.perf_counter()
   study = make(args)
-  if not args.table_only:
+  # --table-only runs nothing: the study's choices are remade from the runs present.
+  study.dry = args.table_only
+  try:
     run(args, study)
+  except Pending as missing:
+    print(f"{args.study}: stops at a run not done yet: {missing}")
   write_table(study, table)
   print(f"{args.study}: {time.perf_counter() - start:.0f} s", flush=True)
 

@@ -41,13 +41,15 @@ SELECTION = run_results.HERE / "selection_block0_64x128.json"
 
 
 def safe_arguments(method: str, selection: pathlib.Path, nsamples: int,
-                   batch_size: int = 8) -> list[str]:
-  """``--epochs --warmup-epochs --lr --penalty`` for SAFE / SAFE+ from the selection's picks."""
-  if not selection.exists():
-    raise SystemExit(f"{selection} is missing: run llm_block_studies.py select first")
-  pick = json.loads(selection.read_text()).get("selected", {}).get(method)
+                   batch_size: int = 8) -> Optional[list[str]]:
+  """``--epochs --warmup-epochs --lr --penalty`` for SAFE / SAFE+ from the selection's picks.
+
+  ``None`` while the selection has no pick for ``method`` (its pieces wait for it).
+  """
+  pick = (json.loads(selection.read_text()).get("selected", {}).get(method)
+          if selection.exists() else None)
   if pick is None:
-    raise SystemExit(f"{selection} has no pick for {method}")
+    return None
   # The study's step count is kept: whole epochs of nsamples / batch_size steps.
   epochs = max(1, round(pick["steps"] / (nsamples // batch_size)))
   return ["--epochs", str(epochs), "--warmup-epochs", str(max(1, round(epochs / 15))),
@@ -55,8 +57,11 @@ def safe_arguments(method: str, selection: pathlib.Path, nsamples: int,
           "--penalty", f"{pick['penalty']:g}", "--dual-every", "32"]
 
 
-def pieces(args) -> list[tuple[str, list[str], Optional[pathlib.Path]]]:
-  """``(json name, safe-optax-llm arguments, export folder to copy report.json from)``."""
+def pieces(args) -> list[tuple[str, Optional[list[str]], Optional[pathlib.Path]]]:
+  """``(json name, safe-optax-llm arguments or None while blocked, export folder)``.
+
+  The export folder is the prune's ``--out``, whose ``report.json`` is kept.
+  """
   model, text = str(run_results.gguf_path()), str(run_results.EVALS["wikitext2"])
   todo = [("dense.ppl.json", ["ppl", "--model", model, "--text", text], None)]
   for method in args.methods:
@@ -69,9 +74,11 @@ def pieces(args) -> list[tuple[str, list[str], Optional[pathlib.Path]]]:
                "--seqlen", str(args.seqlen), "--seed", str(seed), "--out", str(folder),
                "--export-dtype", "float32", "--quiet"]
       if method.startswith("safe"):
-        prune += safe_arguments(method, args.selection, args.nsamples)
+        safe = safe_arguments(method, args.selection, args.nsamples)
+        prune = None if safe is None else prune + safe
       todo.append((f"{name}.prune.json", prune, folder))
-      todo.append((f"{name}.ppl.json", ["ppl", "--model", str(folder), "--text", text], None))
+      todo.append((f"{name}.ppl.json", None if prune is None else
+                   ["ppl", "--model", str(folder), "--text", text], None))
   return todo
 
 
@@ -92,6 +99,9 @@ def main() -> None:
   ran = 0
   for name, argv, folder in pieces(args):
     done = (OUT / name).exists()
+    if argv is None:
+      print(f"blocked {name}: {args.selection.name} has no pick for its method yet")
+      continue
     if args.list or done:
       print(f"{'done   ' if done else 'pending'} {name}: safe-optax-llm {' '.join(argv)}")
       continue

@@ -15,11 +15,13 @@ python benchmarks/claims/llm_block0_seeds.py --seeds 0 1 2 3 4 --out results/llm
 python benchmarks/claims/llm_block0_seeds.py --seeds 0 1 2 3 4 --steps 40 --windows 8 --seqlen 32 --dual-every 8 --warmup-epochs 2 --out results/llm_pruning/block0_seeds_8x32_40steps.json
 # Block 11 (where Wanda's per-row scores fail SAFE+): grouping x scores over calibration seeds; block 0 as control
 python benchmarks/claims/llm_block_studies.py grouping --block 11 --seeds 0 1 2
-python benchmarks/claims/llm_block_studies.py grouping --block 0 --seeds 0 1 2
-# lr x lambda, then steps, on held-out block-0 error with the edge rule (64 x 128 calibration tokens:
-# 64 x 512 costs ~18x more per step here, see selection_block0_64x128.md), then the calibration size
+python benchmarks/claims/llm_block_studies.py grouping --block 0 --seeds 0
+# lr x lambda, then steps, on held-out block-0 error with the edge rule at 64 x 128 calibration tokens
+# (a SAFE step's cost grows with the window length, not the window count: 512-token windows were too
+# slow for a grid on this CPU; calibration_size_block0.json records each run's seconds), then the
+# calibration size at block 0's 16 x 128 choice
 python benchmarks/claims/llm_block_studies.py select --windows 64 --seqlen 128 --grid-steps 60
-python benchmarks/claims/llm_block_studies.py calib --sizes 16x128 64x128 64x512
+python benchmarks/claims/llm_block_studies.py calib --selection none --lr 3e-3 --penalty 1e-3 --steps 60 --sizes 16x128 64x128 64x512
 # The 50 % rows on the standard protocol, 64 x 512 calibration tokens, seeds 0 1 2: one JSON per prune
 # and per perplexity in standard/, each skipped when present (--list shows what is pending;
 # --pieces 1 runs the next piece only). ~13 min of the whole 2-core machine per perplexity.
