@@ -227,7 +227,7 @@ def rules_text() -> str:
       "- Methods in a row share one budget: the generator refuses a row that mixes budgets.",
       "- **unequal tuning**: the difference would hold, but the baseline was tuned with less "
       "effort than ours by the rule declared in `benchmarks/claims/tuning.py` (or it would be "
-      "reversed, and ours was tuned with less): " + tuning.EQUAL_EFFORT + " The edge rule: "
+      "reversed, and ours was tuned with less). Equal effort: " + tuning.EQUAL_EFFORT + " The edge rule: "
       + tuning.EDGE_RULE + " The reasons follow the verdict; a level or failed row names them too.",
       "- Hyperparameters: `λ 0.01 ∈ {0.003, 0.01} on validation (file)` was chosen on the "
       "validation split recorded in that file's `selection`, from that grid (every grid is "

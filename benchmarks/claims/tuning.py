@@ -113,8 +113,8 @@ DECLARED: dict[str, dict[str, Any]] = {
         "when": BEFORE + " for GMP's schedule end; " + AFTER + " for λ and CrAM's ρ",
         "methods": {"SAFE": _safe(0.001, 0.003, 0.01, 0.03),
                     "CrAM": {"ρ": grid(0, 0.003, 0.01, lower=0)},
-                    # four values, as many as SAFE's λ grid. PENDING: these runs are under way.
-                    "GMP": GMP_UNTUNED, "GMP, planned": {"schedule end": grid(0.25, 0.5, 0.75, 0.9, lower=0.25, upper=0.9),
+                    # four values, as many as SAFE's λ grid
+                    "GMP": {"schedule end": grid(0.25, 0.5, 0.75, 0.9, lower=0.25, upper=0.9),
                             "update every": GMP_EVERY}},
         "rows": {}},
     "dual_rescaling": {
