@@ -1,7 +1,7 @@
 """CI-sized checks of the paper's claims, on the real data beside the checkout.
 
-Each test reruns a few seeds of a committed evidence run (the same code, the
-same budget, the lambdas chosen there on a validation split) and fails if
+Each test reruns seed 0 (``SAFE_OPTAX_CLAIM_SEEDS`` for more) of a committed
+evidence run (the same code, the same budget, the lambdas chosen there on a validation split) and fails if
 the ordering that ``results/`` reports regresses. The ordering was checked
 over all the seeds of that run before relying on it; the test asserts it
 with a margin well inside what every seed showed. A shorter budget does not
@@ -12,6 +12,7 @@ sparse set and its lambda_max came out 3-5x *above* ADMM's in 4 of 4 seeds.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import sys
 
@@ -27,6 +28,11 @@ sys.path.insert(0, str(ROOT / "benchmarks" / "claims"))
 import flatness_mlp  # noqa: E402  pylint: disable=wrong-import-position
 from data_required import require_data  # noqa: E402  pylint: disable=wrong-import-position
 
+
+
+# Seed 0 by default (each seed is a full evidence-budget run, the suite's largest cost);
+# SAFE_OPTAX_CLAIM_SEEDS="0,1" reruns more of the committed seeds.
+SEEDS = [int(s) for s in os.environ.get("SAFE_OPTAX_CLAIM_SEEDS", "0").split(",")]
 
 
 def _committed(name: str) -> dict:
@@ -46,12 +52,12 @@ def mnist_flatness_config() -> flatness_mlp.Config:
       dual_every=recorded["dual_every"], hessian_examples=1000)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", SEEDS)
 def test_safe_finds_flatter_sparse_minima_than_admm(mnist_flatness_config, seed):
   """§4.1: SAFE's 90 %-sparse MLP has a smaller lambda_max than ADMM's.
 
   The committed run (5 seeds) has SAFE / ADMM ratios of 0.09-0.17; the test
-  asserts < 0.5 for seeds 0 and 1 and that both iterates reached their sparse
+  asserts < 0.5 for each rerun seed and that both iterates reached their sparse
   sets (relative ``||x - z||`` below 5 %).
   """
   config = mnist_flatness_config
@@ -85,7 +91,7 @@ def label_noise_runs() -> dict:
   return {"config": recorded["config"], "chosen": recorded["selection"], "five": five["runs"]}
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", SEEDS)
 def test_safe_is_more_robust_to_label_noise_than_admm(label_noise_runs, seed, tmp_path):
   """Table 3 at 25 % symmetric label noise: SAFE's 90 %-sparse MLP beats ADMM's on clean test data.
 
@@ -120,7 +126,7 @@ def test_safe_is_more_robust_to_label_noise_than_admm(label_noise_runs, seed, tm
 
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", SEEDS)
 def test_rescaled_dual_keeps_safe_from_collapsing_at_extreme_sparsity(seed, tmp_path):
   """At 99.5 % sparsity under the cosine ramp, the paper's dual update collapses; rescaling does not.
 
@@ -151,7 +157,7 @@ def test_rescaled_dual_keeps_safe_from_collapsing_at_extreme_sparsity(seed, tmp_
   assert record["rescaled"]["constraint_distance"] < record["paper"]["constraint_distance"]
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", SEEDS)
 def test_extreme_sparsity_order_safe_above_admm_gmp_just_above_safe(seed, tmp_path):
   """§5.2 at 99.5 % on 4,000 images: SAFE far above ADMM, on its sparse set; GMP level with or above SAFE.
 

@@ -9,6 +9,7 @@ download); the import must come from the wheel.
 
 import importlib.metadata
 import json
+import os
 import pathlib
 import re
 import subprocess
@@ -178,9 +179,11 @@ def test_artifact_installs_and_imports_in_a_fresh_venv(dist, tmp_path, artifact)
           "typed": (pathlib.Path(safe_optax.__file__).parent / "py.typed").is_file(),
       }))
   """)
-  # Run outside the checkout so the working tree is not importable from the cwd.
+  # Run outside the checkout, and without a PYTHONPATH (a developer's may name a checkout), so
+  # the working tree is not importable.
+  env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
   proc = subprocess.run([str(python), "-c", smoke], capture_output=True, text=True,
-                        cwd=tmp_path, timeout=300, check=False)
+                        cwd=tmp_path, env=env, timeout=300, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
   info = json.loads(proc.stdout.strip().splitlines()[-1])
   site = pathlib.Path(info["file"]).resolve()
