@@ -2,11 +2,12 @@
 
 Each test reruns seed 0 (``SAFE_OPTAX_CLAIM_SEEDS`` for more) of a committed
 evidence run (the same code, the same budget, the lambdas chosen there on a
-validation split) and fails if the ordering that ``results/`` reports regresses. The ordering was checked
-over all the seeds of that run before relying on it; the test asserts it
-with a margin well inside what every seed showed. A shorter budget does not
-do: at 1,200 steps on 2,000 images SAFE's iterate is still far from its
-sparse set and its lambda_max came out 3-5x *above* ADMM's in 4 of 4 seeds.
+validation split) and fails if the ordering that ``results/`` reports regresses.
+The ordering was checked over all the seeds of that run before relying on it;
+the test asserts it with a margin well inside what every seed showed. A shorter
+budget does not do: at 1,200 steps on 2,000 images SAFE's iterate is still far
+from its sparse set and its lambda_max came out 3-5x *above* ADMM's in 4 of 4
+seeds.
 """
 
 from __future__ import annotations
