@@ -83,18 +83,23 @@ def test_a_row_that_mixes_budgets_is_refused():
     report.lines(row)
 
 
+def _verdict(label: str, ours, baseline) -> str:
+  """The verdict of one row comparing ``ours`` with one baseline over 2 seeds."""
+  line, = report.lines(Row(label, "", ours, [baseline], True, True, 2))
+  return line.verdict
+
+
 def test_a_win_over_a_less_tuned_baseline_is_not_a_hold():
   ours = _arm("SAFE", [91.0, 91.1, 91.2])
   ours.effort = 3
   gmp = _arm("GMP", [89.0, 89.1, 89.0])
   gmp.effort = 0
-  line, = report.lines(Row("90 %", "", ours, [gmp], True, True, 2))
-  assert line.verdict == "unequal tuning (GMP not tuned)"
+  assert _verdict("90 %", ours, gmp) == "unequal tuning (GMP not tuned)"
   gmp.effort = 3
-  assert report.lines(Row("90 %", "", ours, [gmp], True, True, 2))[0].verdict == "holds"
+  assert _verdict("90 %", ours, gmp) == "holds"
   gmp.unfinished = ["GMP's schedule end at the lower end of its grid"]
-  line, = report.lines(Row("90 %", "", ours, [gmp], True, True, 2))
-  assert line.verdict == "unequal tuning (GMP's schedule end at the lower end of its grid)"
+  assert _verdict("90 %", ours, gmp) == (
+      "unequal tuning (GMP's schedule end at the lower end of its grid)")
 
 
 def test_a_loss_to_a_better_tuned_baseline_is_not_reversed_but_a_loss_to_a_worse_one_is():
@@ -102,11 +107,9 @@ def test_a_loss_to_a_better_tuned_baseline_is_not_reversed_but_a_loss_to_a_worse
   ours.effort = 2
   admm = _arm("ADMM", [91.0, 91.1, 91.2])
   admm.effort = 4
-  line, = report.lines(Row("99 %", "", ours, [admm], True, True, 2))
-  assert line.verdict == "unequal tuning (SAFE's λ from 2 values, ADMM's λ from 4)"
+  assert _verdict("99 %", ours, admm) == "unequal tuning (SAFE's λ from 2 values, ADMM's λ from 4)"
   ours.effort, admm.effort = 4, 2  # SAFE tuned more and still behind: reversed, reason named
-  line, = report.lines(Row("99 %", "", ours, [admm], True, True, 2))
-  assert line.verdict == "reversed (ADMM's λ from 2 values, SAFE's λ from 4)"
+  assert _verdict("99 %", ours, admm) == "reversed (ADMM's λ from 2 values, SAFE's λ from 4)"
 
 
 def test_lower_is_better_metrics_flip_the_sign():
