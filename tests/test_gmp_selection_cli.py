@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 import sys
 
@@ -31,3 +32,27 @@ def test_selections_of_several_sparsities_merge_with_their_edges():
   assert merged["chosen"] == {"gmp@0.99": 0.5, "gmp@0.995": 0.75}
   assert merged["at_grid_edge"] == ["gmp@0.99"] and len(merged["grid"]) == 2
   assert merged["epochs"] == 40 and merged["validation_examples"] == 10
+
+
+def test_select_only_selects_every_sparsity_and_makes_no_test_run(tmp_path, monkeypatch):
+  scored = []
+
+  def fake_select(base, grid, seeds, validation, root, data_dir):
+    scored.append(base.sparsity)
+    return {"validation_examples": validation, "seeds": seeds, "grid": [], "at_grid_edge": [],
+            "chosen": {f"gmp@{base.sparsity:g}": grid[0]}}
+
+  def no_test_run(*args, **kwargs):
+    raise AssertionError("--select-only made a test run")
+
+  monkeypatch.setattr(gmp_selection, "select_end", fake_select)
+  monkeypatch.setattr(gmp_selection.sweeps, "run_or_load", no_test_run)
+  out = tmp_path / "out.json"
+  mlp = ROOT / "results" / "sparsity_mlp_fmnist" / "sweep_40epochs.json"
+  assert gmp_selection.main(["--sweep", str(mlp), "--end-grid", "0.5", "0.75", "--select-only",
+                             "--sparsities", "0.9", "0.95", "0.98", "0.99", "0.995",
+                             "--data-dir", "unused", "--workdir", str(tmp_path), "--out",
+                             str(out)]) == 0
+  record = json.loads(out.read_text(encoding="utf-8"))
+  assert scored == [0.9, 0.95, 0.98, 0.99, 0.995] and record["runs"] == []
+  assert record["selection"]["chosen"]["gmp@0.995"] == 0.5 and record["selection"]["epochs"] == 40

@@ -138,3 +138,57 @@ def test_a_bad_imp_every_epochs_is_refused_naming_the_field(capsys, tmp_path):
                          "imp-sam", "--sparsities", "0.9", "--imp-every-epochs", "0",
                          "--workdir", str(tmp_path / "w"), "--out", str(tmp_path / "o")])
   assert "imp_every_epochs" in capsys.readouterr().err
+
+
+def _select_only(tmp_path, name, *flags):
+  return sparsity_sweep.main([
+      "--preset", "mlp-mnist", "--data-dir", "unused", "--methods", "safe", "admm",
+      "--sparsities", "0.99", "--epochs", "4", "--warmup-epochs", "0", "--rescale-dual",
+      "--select-only", "--workdir", str(tmp_path / "work"), "--out", str(tmp_path / name),
+      *flags])
+
+
+def test_reuse_selection_trains_only_the_edge_rules_new_values(monkeypatch, tmp_path):
+  seen = test_sweeps.install_fake_runs(monkeypatch, _score)
+  # SAFE's validation peak (0.01) and ADMM's (0.001) sit at an end of these grids.
+  assert _select_only(tmp_path, "first", "--safe-grid", "0.003", "0.01",
+                      "--admm-grid", "0.001", "0.01") == 0
+  first = json.loads((tmp_path / "first" / "sweep.json").read_text())
+  assert first["runs"] == [] and all(c.validation is not None for c, _ in seen)
+  assert first["selection"]["at_grid_edge"] == ["admm@0.99", "safe@0.99"]
+  seen.clear()
+  assert _select_only(tmp_path, "extended", "--safe-grid", "0.003", "0.01", "0.03",
+                      "--admm-grid", "0.0001", "0.001", "0.01", "--reuse-selection",
+                      str(tmp_path / "first" / "sweep.json")) == 0
+  assert sorted((c.method, c.penalty if c.method == "safe" else c.admm_penalty)
+                for c, _ in seen) == [("admm", 0.0001), ("safe", 0.03)]
+  selection = json.loads((tmp_path / "extended" / "sweep.json").read_text())["selection"]
+  assert selection["chosen"] == {"safe@0.99": 0.01, "admm@0.99": 0.001}
+  assert selection["at_grid_edge"] == []
+  assert [(g["method"], g["value"]) for g in selection["grid"]] == [
+      ("admm", 0.0001), ("admm", 0.001), ("admm", 0.01), ("safe", 0.003), ("safe", 0.01),
+      ("safe", 0.03)]
+
+
+def test_reused_runs_of_another_config_are_refused_naming_the_flag(monkeypatch, tmp_path, capsys):
+  test_sweeps.install_fake_runs(monkeypatch, _score)
+  assert _select_only(tmp_path, "first", "--safe-grid", "0.003", "0.01",
+                      "--admm-grid", "0.001", "0.01") == 0
+  with pytest.raises(SystemExit):
+    sparsity_sweep.main([
+        "--preset", "mlp-mnist", "--data-dir", "unused", "--methods", "safe", "admm",
+        "--sparsities", "0.99", "--epochs", "5", "--warmup-epochs", "0", "--rescale-dual",
+        "--select-only", "--safe-grid", "0.003", "0.01", "0.03", "--admm-grid", "0.001", "0.01",
+        "--reuse-selection", str(tmp_path / "first" / "sweep.json"),
+        "--workdir", str(tmp_path / "work"), "--out", str(tmp_path / "second")])
+  assert "its config, validation split or selection seeds differ" in capsys.readouterr().err
+
+
+def test_the_merged_choice_is_the_best_undiverged_mean_the_smaller_on_a_tie():
+  rows = [{"method": "safe", "sparsity": 0.9, "value": v, "validation_accuracy_mean": m,
+           "diverged": d} for v, m, d in ((0.001, 0.8, False), (0.003, 0.8, False),
+                                          (0.01, 0.7, False), (0.03, None, True))]
+  merged = sparsity_sweep.merge_selection(rows, {"safe": [0.001, 0.003, 0.01, 0.03]}, 10, [0])
+  assert merged["chosen"] == {"safe@0.9": 0.001} and merged["at_grid_edge"] == ["safe@0.9"]
+  with pytest.raises(ValueError, match="every value of safe's grid diverged"):
+    sparsity_sweep.merge_selection(rows[3:], {"safe": [0.03]}, 10, [0])

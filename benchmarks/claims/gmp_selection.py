@@ -10,6 +10,8 @@ is then run for every seed on the test set, at the budget of ``--test-sweep``
 when given (the penalty methods' longer runs reuse the lambda chosen at the
 selection budget in the same way), else at the selection sweep's. The update
 interval stays the config's (declared fixed in ``benchmarks/claims/tuning.py``).
+With ``--select-only`` no test run is made (the selections of every sparsity
+first; a later call with the same ``--workdir`` reuses them for the test runs).
 It writes a ``sweep.json``-shaped file whose ``selection`` records the grid,
 the choice and whether it sits at an edge:
 
@@ -78,6 +80,8 @@ def main(argv: Optional[list[str]] = None) -> int:
   parser.add_argument("--end-grid", type=float, nargs="+", required=True)
   parser.add_argument("--sparsities", type=float, nargs="+", default=None,
                       help="only these of the test sweep's sparsities (default: all)")
+  parser.add_argument("--select-only", action="store_true",
+                      help="only the selection runs; the file records no test run")
   parser.add_argument("--data-dir", required=True)
   parser.add_argument("--workdir", required=True)
   parser.add_argument("--out", required=True)
@@ -103,7 +107,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                            pathlib.Path(args.workdir) / "selection", args.data_dir)
     selections.append(selection)
     chosen = selection["chosen"][f"gmp@{sparsity:g}"]
-    for seed in seeds:
+    for seed in [] if args.select_only else seeds:
       config = test_base.replace(method="gmp", sparsity=sparsity, seed=seed, **{FIELD: chosen})
       folder = pathlib.Path(args.workdir) / f"test{test_base.epochs}ep-end{chosen:g}"
       results = sweeps.run_or_load(config, sweeps.run_dir(folder, config),

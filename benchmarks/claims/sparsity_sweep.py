@@ -24,6 +24,11 @@ per (method, sparsity): the final training loss, its relative change over
 the last 10 % of epochs, ``||x - z||`` of the ADMM-type methods and the
 accuracy the final projection costs (dense iterate minus sparse model).
 
+``--reuse-selection`` takes the selection runs of an earlier ``sweep.json``
+(same config, validation split and selection seeds) and trains only the grid
+values it lacks: the edge rule's extensions of a committed grid.
+``--select-only`` stops after the selection (``sweep.json`` records no final run).
+
 Every run is :func:`safe_optax.vision.train.train_and_evaluate` in its own
 sub-folder of ``--workdir`` (:mod:`safe_optax.vision.sweeps`); a finished run
 is read back after checking that its recorded config is the one asked for,
@@ -56,9 +61,70 @@ from safe_optax.vision import sweeps
 from safe_optax.vision import datasets
 
 
+def merge_selection(rows: list[dict[str, Any]], grids: dict[str, list[float]],
+                    validation: int, seeds: list[int]) -> dict[str, Any]:
+  """A selection from scored grid rows (reused and new): the best value per method and sparsity.
+
+  The rule is :func:`selection_lib.select_hyperparameters`'s: the best mean
+  validation accuracy wins, the smaller value on a tie, a diverged value never.
+  """
+  chosen: dict[str, float] = {}
+  for method, s in dict.fromkeys((r["method"], r["sparsity"]) for r in rows):
+    scored = [(r["validation_accuracy_mean"], -r["value"]) for r in rows
+              if r["method"] == method and r["sparsity"] == s and not r["diverged"]]
+    if not scored:
+      raise ValueError(f"every value of {method}'s grid diverged at sparsity {s:g}")
+    chosen[selection_lib.key(method, s)] = -max(scored)[1]
+  edges = sorted(k for k, v in chosen.items()
+                 if v in (min(grids[k.split("@")[0]]), max(grids[k.split("@")[0]])))
+  return {"validation_examples": validation, "seeds": seeds,
+          "criterion": "mean validation accuracy of the final sparse model",
+          "grid": sorted(rows, key=lambda r: (r["method"], r["sparsity"], r["value"])),
+          "chosen": chosen, "fields": {m: sweeps.tuned_field(m) for m in {r["method"] for r in rows}},
+          "fixed": [], "at_grid_edge": edges}
+
+
+def reuse_problem(base: configs.Config, args: argparse.Namespace) -> Optional[str]:
+  """Why ``--reuse-selection``'s runs are not this sweep's selection runs (None: they are)."""
+  earlier = json.loads(pathlib.Path(args.reuse_selection).read_text(encoding="utf-8"))
+  sel = earlier["selection"]
+  if (configs.from_dict(earlier["config"]) != base or sel["validation_examples"] != args.validation
+      or sel["seeds"] != list(range(args.select_seeds))):
+    return (f"--reuse-selection {args.reuse_selection}: its config, validation split or "
+            "selection seeds differ from this sweep's")
+  overrides = selection_lib.rescaled_dual(args.methods, args.rescale_dual)
+  if any(bool(run.get("rescale_dual")) != ("rescale_dual" in overrides.get(r["method"], {}))
+         for r in sel["grid"] if r["method"] in args.methods for run in r["runs"]):
+    return f"--reuse-selection {args.reuse_selection}: its runs differ in --rescale-dual"
+  return None
+
+
+def select_reusing(base: configs.Config, args: argparse.Namespace,
+                   grids: dict[str, list[float]]) -> dict[str, Any]:
+  """:func:`select` with the scored runs of ``--reuse-selection``: only the values it lacks are run."""
+  sel = json.loads(pathlib.Path(args.reuse_selection).read_text(encoding="utf-8"))["selection"]
+  seeds = list(range(args.select_seeds))
+  overrides = selection_lib.rescaled_dual(args.methods, args.rescale_dual)
+  rows = []
+  for method in [m for m in args.methods if m in sweeps.PENALTY_METHODS]:
+    for s in args.sparsities:
+      old = [r for r in sel["grid"] if r["method"] == method and math.isclose(r["sparsity"], s)
+             and r["value"] in grids[method]]
+      new = sorted(set(grids[method]) - {r["value"] for r in old})
+      if new:
+        rows += selection_lib.select_hyperparameters(
+            base, [method], [s], {method: new}, validation=args.validation, seeds=seeds,
+            root=pathlib.Path(args.workdir) / "select", data_dir=args.data_dir,
+            progress=args.progress, method_overrides=overrides, score_single=True)["grid"]
+      rows += [{**r, "sparsity": s} for r in old]
+  return merge_selection(rows, grids, args.validation, seeds)
+
+
 def select(base: configs.Config, args: argparse.Namespace) -> dict[str, Any]:
   """The validation accuracy of every (method, sparsity, value[, rho]); the best choices."""
   grids = {m: (args.admm_grid if m == "admm" else args.safe_grid) for m in sweeps.PENALTY_METHODS}
+  if args.reuse_selection:
+    return select_reusing(base, args, grids)
   if args.cram_grid:
     grids.update({m: args.cram_grid for m in sweeps.TUNED_METHODS
                   if m not in sweeps.PENALTY_METHODS})
@@ -176,6 +242,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                       help="SAM radii tried for the SAFE family, each with every lambda of "
                            "--safe-grid; the best pair on the validation split is used "
                            "(default: the preset's rho)")
+  parser.add_argument("--reuse-selection", default=None,
+                      help="a sweep.json whose selection runs are reused (same config, "
+                           "validation split and selection seeds): only the grid values it "
+                           "lacks are trained (not with --cram-grid or --rho-grid)")
+  parser.add_argument("--select-only", action="store_true",
+                      help="stop after the selection: sweep.json records no final run")
   parser.add_argument("--workdir", required=True)
   parser.add_argument("--out", required=True)
   parser.add_argument("--progress", action="store_true")
@@ -190,6 +262,8 @@ def main(argv: Optional[list[str]] = None) -> int:
   for flag, values in (("--cram-grid", args.cram_grid), ("--rho-grid", args.rho_grid)):
     if values is not None and min(values) < 0:
       parser.error(f"{flag} must be SAM radii >= 0, got {values}")
+    if values is not None and args.reuse_selection:
+      parser.error(f"--reuse-selection reuses lambda grids only, not {flag}")
   start = time.perf_counter()
   try:
     base = configs.get_config(args.preset, epochs=args.epochs, warmup_epochs=args.warmup_epochs,
@@ -200,7 +274,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     base.replace(validation=args.validation)  # validation < train_subset, checked up front
   except ValueError as err:
     parser.error(str(err))
+  if args.reuse_selection and reuse_problem(base, args):
+    parser.error(reuse_problem(base, args))
   selection = select(base, args)
+  if args.select_only:
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = {"command": "python " + " ".join(sys.argv), "config": configs.to_dict(base),
+               "selection": selection, "runs": [], "versions": versions(),
+               "wall_seconds": time.perf_counter() - start}
+    (out / "sweep.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    print(json.dumps({"chosen": selection["chosen"], "at_grid_edge": selection["at_grid_edge"]}))
+    return 0
   data = datasets.load_dataset(base, args.data_dir)
   root = pathlib.Path(args.workdir) / "final"
   runs = []
