@@ -14,4 +14,13 @@ for pick in "90 0.9 0.003 0.001" "95 0.95 0.003 0.001" "98 0.98 0.01 0.001" "99 
   python benchmarks/claims/sparsity_sweep.py --preset mlp-fashion-mnist --data-dir $FMNIST --methods safe admm gmp --sparsities $2 --seeds 0 1 2 --epochs 80 --warmup-epochs 2 --eval-every 10 --workdir $WORK/fmnist_mlp80 --rescale-dual --safe-grid $3 --admm-grid $4 --out $WORK/mlp80_s$1
   keep $WORK/mlp80_s$1/sweep.json $O/sweep_80epochs_s$1.json
 done
+# Tuning declared in benchmarks/claims/tuning.py before the runs below (git log shows the order).
+# SAFE's and ADMM's lambda: the edge rule extends each pick at an end of its first grid by one
+# value, reusing the first grid's validation runs; again while a pick sits at an extendable end.
+S="python benchmarks/claims/sparsity_sweep.py --preset mlp-fashion-mnist --data-dir $FMNIST --methods safe admm --seeds 0 --epochs 40 --warmup-epochs 2 --eval-every 10 --workdir $WORK/fmnist_mlp40 --rescale-dual --select-only"
+for ext in "99 0.99 0.003 0.01 0.03 0.0001 0.001 0.01" "98 0.98 0.003 0.01 0.03 0.0001 0.001 0.01" "95 0.95 0.001 0.003 0.01 0.0001 0.001 0.01"; do
+  set -- $ext
+  $S --sparsities $2 --safe-grid $3 $4 $5 --admm-grid $6 $7 $8 --reuse-selection $O/sweep_40epochs.json --out $WORK/mlp40_sel_s$1
+  keep $WORK/mlp40_sel_s$1/sweep.json $O/selection_40epochs_s$1.json
+done
 python benchmarks/report.py
