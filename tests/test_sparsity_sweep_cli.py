@@ -192,3 +192,25 @@ def test_the_merged_choice_is_the_best_undiverged_mean_the_smaller_on_a_tie():
   assert merged["chosen"] == {"safe@0.9": 0.001} and merged["at_grid_edge"] == ["safe@0.9"]
   with pytest.raises(ValueError, match="every value of safe's grid diverged"):
     sparsity_sweep.merge_selection(rows[3:], {"safe": [0.03]}, 10, [0])
+
+
+def test_an_extension_that_diverges_loses_and_the_pick_stays(monkeypatch, tmp_path):
+  seen = test_sweeps.install_fake_runs(monkeypatch, _score)
+  assert _select_only(tmp_path, "first", "--safe-grid", "0.003", "0.01",
+                      "--admm-grid", "0.0001", "0.001") == 0
+  fake = sparsity_sweep.sweeps.run_or_load
+
+  def diverge_at_one(config, workdir, **kwargs):
+    if config.method == "admm" and config.admm_penalty == 0.01:
+      raise sparsity_sweep.workdirs.TrainingDiverged(str(workdir), 7, None, None)
+    return fake(config, workdir, **kwargs)
+
+  monkeypatch.setattr(sparsity_sweep.sweeps, "run_or_load", diverge_at_one)
+  seen.clear()
+  assert _select_only(tmp_path, "extended", "--safe-grid", "0.003", "0.01",
+                      "--admm-grid", "0.0001", "0.001", "0.01", "--reuse-selection",
+                      str(tmp_path / "first" / "sweep.json")) == 0
+  selection = json.loads((tmp_path / "extended" / "sweep.json").read_text())["selection"]
+  assert selection["chosen"]["admm@0.99"] == 0.001 and selection["at_grid_edge"] == ["safe@0.99"]
+  lost, = [g for g in selection["grid"] if g["method"] == "admm" and g["value"] == 0.01]
+  assert lost["diverged"] and lost["runs"][0]["diverged"]["step"] == 7

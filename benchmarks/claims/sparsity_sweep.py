@@ -59,6 +59,7 @@ from safe_optax.vision import configs
 from safe_optax.vision import selection as selection_lib
 from safe_optax.vision import sweeps
 from safe_optax.vision import datasets
+from safe_optax.vision import workdirs
 
 
 def merge_selection(rows: list[dict[str, Any]], grids: dict[str, list[float]],
@@ -99,6 +100,34 @@ def reuse_problem(base: configs.Config, args: argparse.Namespace) -> Optional[st
   return None
 
 
+def _score(base: configs.Config, args: argparse.Namespace, method: str, s: float, value: float,
+           overrides: dict[str, Any]) -> dict[str, Any]:
+  """One grid value's selection row, as :func:`selection_lib.select_hyperparameters` records it."""
+  root = pathlib.Path(args.workdir) / "select"
+  kwargs = dict(validation=args.validation, seeds=range(args.select_seeds), root=root,
+                data_dir=args.data_dir, progress=args.progress,
+                method_overrides={method: overrides}, score_single=True)
+  try:
+    return selection_lib.select_hyperparameters(base, [method], [s], {method: [value]},
+                                                **kwargs)["grid"][0]
+  except ValueError as err:
+    if "diverged" not in str(err):
+      raise
+  # A value that diverged lost; its runs keep diverged.json, so this reads them back untrained.
+  runs = []
+  for seed in range(args.select_seeds):
+    config = base.replace(validation=args.validation, method=method, sparsity=s, seed=seed,
+                          **overrides, **{sweeps.tuned_field(method): value})
+    try:
+      sweeps.run_or_load(config, sweeps.run_dir(root, config), data=None, data_dir=args.data_dir)
+    except workdirs.TrainingDiverged as err:
+      runs.append({"method": method, "sparsity": s, "seed": seed, "field": sweeps.tuned_field(method),
+                   "value": value, "diverged": {"step": err.step,
+                                                "last_finite_loss": err.last_finite_loss}})
+  return {"method": method, "sparsity": s, "field": sweeps.tuned_field(method), "value": value,
+          "penalty": value, "validation_accuracy_mean": None, "diverged": True, "runs": runs}
+
+
 def select_reusing(base: configs.Config, args: argparse.Namespace,
                    grids: dict[str, list[float]]) -> dict[str, Any]:
   """:func:`select` with the scored runs of ``--reuse-selection``: only the values it lacks are run."""
@@ -110,12 +139,8 @@ def select_reusing(base: configs.Config, args: argparse.Namespace,
     for s in args.sparsities:
       old = [r for r in sel["grid"] if r["method"] == method and math.isclose(r["sparsity"], s)
              and r["value"] in grids[method]]
-      new = sorted(set(grids[method]) - {r["value"] for r in old})
-      if new:
-        rows += selection_lib.select_hyperparameters(
-            base, [method], [s], {method: new}, validation=args.validation, seeds=seeds,
-            root=pathlib.Path(args.workdir) / "select", data_dir=args.data_dir,
-            progress=args.progress, method_overrides=overrides, score_single=True)["grid"]
+      for value in sorted(set(grids[method]) - {r["value"] for r in old}):
+        rows.append(_score(base, args, method, s, value, overrides.get(method, {})))
       rows += [{**r, "sparsity": s} for r in old]
   return merge_selection(rows, grids, args.validation, seeds)
 

@@ -18,9 +18,16 @@ done
 # SAFE's and ADMM's lambda: the edge rule extends each pick at an end of its first grid by one
 # value, reusing the first grid's validation runs; again while a pick sits at an extendable end.
 S="python benchmarks/claims/sparsity_sweep.py --preset mlp-fashion-mnist --data-dir $FMNIST --methods safe admm --seeds 0 --epochs 40 --warmup-epochs 2 --eval-every 10 --workdir $WORK/fmnist_mlp40 --rescale-dual --select-only"
-for ext in "99 0.99 0.003 0.01 0.03 0.0001 0.001 0.01" "98 0.98 0.003 0.01 0.03 0.0001 0.001 0.01" "95 0.95 0.001 0.003 0.01 0.0001 0.001 0.01"; do
+for ext in "99 0.99 0.003 0.01 0.03 0.0001 0.001 0.01" "98 0.98 0.003 0.01 0.03 0.0001 0.001 0.01" "95 0.95 0.001 0.003 0.01 0.0001 0.001 0.01" "90 0.9 0.001 0.003 0.01 0.0001 0.001 0.01"; do
   set -- $ext
   $S --sparsities $2 --safe-grid $3 $4 $5 --admm-grid $6 $7 $8 --reuse-selection $O/sweep_40epochs.json --out $WORK/mlp40_sel_s$1
   keep $WORK/mlp40_sel_s$1/sweep.json $O/selection_40epochs_s$1.json
 done
+$S --sparsities 0.995 --safe-grid 0.003 0.01 0.03 --admm-grid 0.001 0.01 0.1 --reuse-selection $O/sweep_40epochs.json --out $WORK/mlp40_sel_s995
+# ADMM's new pick, 0.1, sat at the extended grid's upper end: one more extension (λ 1 diverged).
+$S --sparsities 0.995 --safe-grid 0.003 0.01 0.03 --admm-grid 0.001 0.01 0.1 1 --reuse-selection $WORK/mlp40_sel_s995/sweep.json --out $WORK/mlp40_sel2_s995
+keep $WORK/mlp40_sel2_s995/sweep.json $O/selection_40epochs_s995.json
+# GMP's schedule end on the same validation split at 40 epochs, every sparsity before any test run.
+G="python benchmarks/claims/gmp_selection.py --sweep $O/sweep_40epochs.json --data-dir $FMNIST --workdir $WORK/mlp_gmp"
+$G --end-grid 0.5 0.75 0.9 --select-only --sparsities 0.9 0.95 0.98 0.99 0.995 --out $O/gmp_selection_40epochs.json
 python benchmarks/report.py
