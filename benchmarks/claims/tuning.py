@@ -91,10 +91,7 @@ DECLARED: dict[str, dict[str, Any]] = {
         # 0.00001 / 1 for ADMM).
         "methods": {"SAFE": _safe(0.003, 0.01), "ADMM": _admm(0.001, 0.01),
                     "GMP": {"schedule end": GMP_END, "update every": GMP_EVERY}},
-        # PENDING: a row keeps the sweeps' untuned GMP until its 80-epoch GMP runs at the chosen
-        # end finish; each row's override goes when they land.
-        "rows": {label: {"GMP": GMP_UNTUNED}
-                 for label in ("98 %",)}},
+        "rows": {}},
     "sparsity_lenet5_fmnist": {
         "when": AFTER,
         "methods": {"GMP": GMP_UNTUNED},

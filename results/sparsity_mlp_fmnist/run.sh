@@ -37,7 +37,7 @@ $G --end-grid 0.25 0.5 0.75 0.9 --select-only --sparsities 0.95 0.98 0.99 0.995 
 python benchmarks/claims/sparsity_sweep.py --preset mlp-fashion-mnist --data-dir $FMNIST --methods admm --sparsities 0.995 --seeds 0 1 2 --epochs 80 --warmup-epochs 2 --eval-every 10 --workdir $WORK/fmnist_mlp80 --rescale-dual --admm-grid 0.1 --out $WORK/mlp80_s995_admm
 keep $WORK/mlp80_s995_admm/sweep.json $O/sweep_80epochs_s995_admm.json
 # ... and GMP at its chosen end at every sparsity (the selection runs above are reused).
-for gmp in "995 0.995 0.25 0.5 0.75 0.9" "99 0.99 0.25 0.5 0.75 0.9" "95 0.95 0.25 0.5 0.75 0.9" "90 0.9 0.5 0.75 0.9"; do
+for gmp in "995 0.995 0.25 0.5 0.75 0.9" "99 0.99 0.25 0.5 0.75 0.9" "98 0.98 0.25 0.5 0.75 0.9" "95 0.95 0.25 0.5 0.75 0.9" "90 0.9 0.5 0.75 0.9"; do
   set -- $gmp
   $G --test-sweep $O/sweep_80epochs_s$1.json --sparsities $2 --end-grid $3 $4 $5 ${6:-} --out $O/gmp_80epochs_s$1.json
 done
