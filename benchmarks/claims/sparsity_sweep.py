@@ -64,20 +64,9 @@ from safe_optax.vision import workdirs
 
 def merge_selection(rows: list[dict[str, Any]], grids: dict[str, list[float]],
                     validation: int, seeds: list[int]) -> dict[str, Any]:
-  """A selection from scored grid rows (reused and new): the best value per method and sparsity.
-
-  The rule is :func:`selection_lib.select_hyperparameters`'s: the best mean
-  validation accuracy wins, the smaller value on a tie, a diverged value never.
-  """
-  chosen: dict[str, float] = {}
-  for method, s in dict.fromkeys((r["method"], r["sparsity"]) for r in rows):
-    scored = [(r["validation_accuracy_mean"], -r["value"]) for r in rows
-              if r["method"] == method and r["sparsity"] == s and not r["diverged"]]
-    if not scored:
-      raise ValueError(f"every value of {method}'s grid diverged at sparsity {s:g}")
-    chosen[selection_lib.key(method, s)] = -max(scored)[1]
-  edges = sorted(k for k, v in chosen.items()
-                 if v in (min(grids[k.split("@")[0]]), max(grids[k.split("@")[0]])))
+  """A selection from scored grid rows (reused and new), chosen by
+  :func:`selection_lib.choose` (the rule of :func:`selection_lib.select_hyperparameters`)."""
+  chosen, edges = selection_lib.choose(rows, grids)
   return {"validation_examples": validation, "seeds": seeds,
           "criterion": "mean validation accuracy of the final sparse model",
           "grid": sorted(rows, key=lambda r: (r["method"], r["sparsity"], r["value"])),
@@ -299,8 +288,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     base.replace(validation=args.validation)  # validation < train_subset, checked up front
   except ValueError as err:
     parser.error(str(err))
-  if args.reuse_selection and reuse_problem(base, args):
-    parser.error(reuse_problem(base, args))
+  problem = reuse_problem(base, args) if args.reuse_selection else None
+  if problem:
+    parser.error(problem)
   selection = select(base, args)
   if args.select_only:
     out = pathlib.Path(args.out)

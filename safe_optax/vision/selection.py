@@ -84,7 +84,6 @@ def select_hyperparameters(base: configs.Config, methods: Sequence[str],
       chosen.update({key(method, s): float(grids[method][0]) for s in sparsities})
       continue
     for s in sparsities:
-      scored = []
       for lam in sorted(grids[method]):
         runs = []
         for seed in seeds:
@@ -108,21 +107,38 @@ def select_hyperparameters(base: configs.Config, methods: Sequence[str],
           row["penalty"] = lam
         rows.append({**row, "validation_accuracy_mean": mean, "diverged": diverged,
                      "runs": runs})
-        if not diverged:
-          scored.append((mean, -lam))
-      if not scored:
-        name = "lambda" if method in sweeps.PENALTY_METHODS else field
-        raise ValueError(f"every {name} of {sorted(grids[method])} diverged for {method} at "
-                         f"sparsity {s:g}; extend the grid downwards.")
-      chosen[key(method, s)] = -max(scored)[1]
-  # A lambda at an end of its grid may not be the optimum: the grid should be extended.
+      # Fails here, before the remaining runs, when every value diverged.
+      choose(rows[-len(grids[method]):], grids)
   fixed = sorted(m for m in tuned if len(set(grids[m])) == 1 and not score_single)
-  edges = sorted(k for k, lam in chosen.items() if k.split("@")[0] not in fixed
-                 and lam in (min(grids[k.split("@")[0]]), max(grids[k.split("@")[0]])))
+  picked, edges = choose(rows, grids, fixed)
+  chosen.update(picked)
   return {"validation_examples": validation, "seeds": list(seeds),
           "criterion": "mean validation accuracy of the final sparse model",
           "grid": rows, "chosen": chosen, "fields": {m: sweeps.tuned_field(m) for m in tuned},
           "fixed": fixed, "at_grid_edge": edges}
+
+
+def choose(rows: Sequence[dict[str, Any]], grids: dict[str, Sequence[float]],
+           fixed: Sequence[str] = ()) -> tuple[dict[str, float], list[str]]:
+  """The choice from scored grid rows: per (method, sparsity) the best mean validation accuracy,
+  the smaller value on a tie, a diverged value never; and the choices at an end of their grid.
+
+  ``fixed``: methods given one value (not chosen, so never "at an edge").
+  """
+  chosen: dict[str, float] = {}
+  for method, s in dict.fromkeys((r["method"], r["sparsity"]) for r in rows):
+    scored = [(r["validation_accuracy_mean"], -r["value"]) for r in rows
+              if r["method"] == method and r["sparsity"] == s and not r["diverged"]]
+    if not scored:
+      name = "lambda" if method in sweeps.PENALTY_METHODS else sweeps.tuned_field(method)
+      raise ValueError(f"every {name} of {sorted(grids[method])} diverged for {method} at "
+                       f"sparsity {s:g}; with every value of {method}'s grid diverged there is "
+                       "nothing to choose: extend the grid downwards.")
+    chosen[key(method, s)] = -max(scored)[1]
+  # A value at an end of its grid may not be the optimum: the grid should be extended.
+  edges = sorted(k for k, v in chosen.items() if k.split("@")[0] not in fixed
+                 and v in (min(grids[k.split("@")[0]]), max(grids[k.split("@")[0]])))
+  return chosen, edges
 
 
 def _rho_crossed(methods_: Sequence[str]) -> list[str]:
