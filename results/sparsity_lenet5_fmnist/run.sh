@@ -27,6 +27,8 @@ run 40epochs_995 --sparsities 0.995 --epochs 40 --warmup-epochs 1 --eval-every 1
 # runs exist the rows keep GMP at its default (NOT TUNED).
 G="python benchmarks/claims/gmp_selection.py --data-dir $FMNIST --workdir $WORK/lenet_gmp --end-grid 0.5 0.75 0.9 --select-only"
 $G --sweep $O/sweep_10epochs_995_rescaled.json --sparsities 0.995 --out $O/gmp_selection_10epochs_s995.json
+# 0.5 won at 99.5 %: the edge rule adds 0.25 (the range's lower bound)
+$G --sweep $O/sweep_10epochs_995_rescaled.json --sparsities 0.995 --end-grid 0.25 0.5 0.75 0.9 --out $O/gmp_selection_10epochs_s995_extended.json
 $G --sweep $O/sweep_30epochs_90.json --sparsities 0.9 --out $O/gmp_selection_30epochs_s90.json
 $G --sweep $O/sweep_30epochs_95.json --sparsities 0.95 --out $O/gmp_selection_30epochs_s95.json
 $G --sweep $O/sweep_30epochs_98.json --sparsities 0.98 --out $O/gmp_selection_30epochs_s98.json
