@@ -27,7 +27,10 @@ _OWNED = pytest.StashKey[str]()  # this process's cache folder (deleted at the e
 
 def pytest_configure(config):
   """Gives this process its own compilation cache (see the module docstring)."""
-  if os.environ.get("SAFE_OPTAX_TEST_JAX_CACHE", "1") == "0":
+  switch = os.environ.get("SAFE_OPTAX_TEST_JAX_CACHE", "1")
+  if switch not in ("0", "1"):
+    raise pytest.UsageError(f"SAFE_OPTAX_TEST_JAX_CACHE={switch!r}: use 1 (the default) or 0")
+  if switch == "0":
     return
   import jax  # pylint: disable=import-outside-toplevel
   if jax.config.jax_compilation_cache_dir:  # the caller's own cache
