@@ -15,6 +15,11 @@ run 30epochs_95 --sparsities 0.95 --epochs 30 --warmup-epochs 1 --eval-every 10 
 run 30epochs_98 --sparsities 0.98 --epochs 30 --warmup-epochs 1 --eval-every 10 --safe-grid 0.003 0.01 0.03 0.1 --admm-grid 0.001 0.003 0.01 0.1 1 --workdir $WORK/lenet30 --rescale-dual --methods safe admm gmp
 run 30epochs_99 --sparsities 0.99 --epochs 30 --warmup-epochs 1 --eval-every 10 --safe-grid 0.01 0.03 0.1 1 --admm-grid 0.01 0.1 1 --workdir $WORK/lenet99_30 --rescale-dual --methods safe admm gmp
 run 30epochs_99_safe_plus --sparsities 0.99 --epochs 30 --warmup-epochs 1 --eval-every 10 --safe-grid 0.01 0.03 0.1 0.3 --workdir $WORK/lenet99_30 --rescale-dual --methods safe-plus
+# At 99 % SAFE's λ grid had been refined to four values, ADMM's kept three (declared 2026-11-27,
+# before this run): ADMM gets SAFE's grid {0.01, 0.03, 0.1, 1}, its missing 0.03 scored on the
+# same validation split and seed; should 0.03 win, its three test seeds follow at 30 epochs.
+$L --sparsities 0.99 --epochs 30 --warmup-epochs 1 --eval-every 10 --admm-grid 0.01 0.03 0.1 1 --workdir $WORK/lenet99_30 --rescale-dual --methods admm --reuse-selection $O/sweep_30epochs_99.json --select-only --out $WORK/lenet_30epochs_99_admm
+keep $WORK/lenet_30epochs_99_admm/sweep.json $O/selection_30epochs_99_admm.json
 # longer budgets with the lambdas chosen above (30 epochs for 95 / 98 %, 10 epochs for 99.5 %)
 run 60epochs_95 --sparsities 0.95 --epochs 60 --warmup-epochs 2 --eval-every 10 --safe-grid 0.003 --admm-grid 0.003 --workdir $WORK/lenet60 --rescale-dual --methods safe admm gmp
 run 60epochs_98 --sparsities 0.98 --epochs 60 --warmup-epochs 2 --eval-every 10 --safe-grid 0.01 --admm-grid 0.003 --workdir $WORK/lenet60 --rescale-dual --methods safe admm gmp
