@@ -18,8 +18,9 @@ run 30epochs_99_safe_plus --sparsities 0.99 --epochs 30 --warmup-epochs 1 --eval
 # At 99 % SAFE's λ grid had been refined to four values, ADMM's kept three (declared 2026-11-27,
 # before this run): ADMM gets SAFE's grid {0.01, 0.03, 0.1, 1}, its missing 0.03 scored on the
 # same validation split and seed; should 0.03 win, its three test seeds follow at 30 epochs.
-$L --sparsities 0.99 --epochs 30 --warmup-epochs 1 --eval-every 10 --admm-grid 0.01 0.03 0.1 1 --workdir $WORK/lenet99_30 --rescale-dual --methods admm --reuse-selection $O/sweep_30epochs_99.json --select-only --out $WORK/lenet_30epochs_99_admm
-keep $WORK/lenet_30epochs_99_admm/sweep.json $O/selection_30epochs_99_admm.json
+# (0.03 won on validation: its test seeds below, `sweep_30epochs_99_admm.json`.)
+$L --sparsities 0.99 --epochs 30 --warmup-epochs 1 --eval-every 10 --admm-grid 0.01 0.03 0.1 1 --workdir $WORK/lenet99_30 --rescale-dual --methods admm --reuse-selection $O/sweep_30epochs_99.json --out $WORK/lenet_30epochs_99_admm
+keep $WORK/lenet_30epochs_99_admm/sweep.json $O/sweep_30epochs_99_admm.json
 # longer budgets with the lambdas chosen above (30 epochs for 95 / 98 %, 10 epochs for 99.5 %)
 run 60epochs_95 --sparsities 0.95 --epochs 60 --warmup-epochs 2 --eval-every 10 --safe-grid 0.003 --admm-grid 0.003 --workdir $WORK/lenet60 --rescale-dual --methods safe admm gmp
 run 60epochs_98 --sparsities 0.98 --epochs 60 --warmup-epochs 2 --eval-every 10 --safe-grid 0.01 --admm-grid 0.003 --workdir $WORK/lenet60 --rescale-dual --methods safe admm gmp
@@ -34,8 +35,18 @@ G="python benchmarks/claims/gmp_selection.py --data-dir $FMNIST --workdir $WORK/
 $G --sweep $O/sweep_10epochs_995_rescaled.json --sparsities 0.995 --out $O/gmp_selection_10epochs_s995.json
 # 0.5 won at 99.5 %: the edge rule adds 0.25 (the range's lower bound)
 $G --sweep $O/sweep_10epochs_995_rescaled.json --sparsities 0.995 --end-grid 0.25 0.5 0.75 0.9 --out $O/gmp_selection_10epochs_s995_extended.json
-$G --sweep $O/sweep_30epochs_90.json --sparsities 0.9 --out $O/gmp_selection_30epochs_s90.json
-$G --sweep $O/sweep_30epochs_95.json --sparsities 0.95 --out $O/gmp_selection_30epochs_s95.json
-$G --sweep $O/sweep_30epochs_98.json --sparsities 0.98 --out $O/gmp_selection_30epochs_s98.json
-$G --sweep $O/sweep_30epochs_99.json --sparsities 0.99 --out $O/gmp_selection_30epochs_s99.json
+# At 90-99 % SAFE's λ grid has four values, so GMP's gets four as well (declared 2026-11-27,
+# before the 0.25 runs at these sparsities; the three-value runs above are reused): the schedule
+# end's whole range at this spacing, {0.25, 0.5, 0.75, 0.9}, both ends range bounds.
+$G --sweep $O/sweep_30epochs_90.json --sparsities 0.9 --end-grid 0.25 0.5 0.75 0.9 --out $O/gmp_selection_30epochs_s90.json
+$G --sweep $O/sweep_30epochs_95.json --sparsities 0.95 --end-grid 0.25 0.5 0.75 0.9 --out $O/gmp_selection_30epochs_s95.json
+$G --sweep $O/sweep_30epochs_98.json --sparsities 0.98 --end-grid 0.25 0.5 0.75 0.9 --out $O/gmp_selection_30epochs_s98.json
+$G --sweep $O/sweep_30epochs_99.json --sparsities 0.99 --end-grid 0.25 0.5 0.75 0.9 --out $O/gmp_selection_30epochs_s99.json
+# The three test seeds at each row's budget, at the chosen end (the selection runs are reused).
+T="python benchmarks/claims/gmp_selection.py --data-dir $FMNIST --workdir $WORK/lenet_gmp --end-grid 0.25 0.5 0.75 0.9"
+$T --sweep $O/sweep_10epochs_995_rescaled.json --test-sweep $O/sweep_40epochs_995.json --sparsities 0.995 --out $O/gmp_40epochs_s995.json
+$T --sweep $O/sweep_30epochs_90.json --sparsities 0.9 --out $O/gmp_30epochs_s90.json
+$T --sweep $O/sweep_30epochs_99.json --sparsities 0.99 --out $O/gmp_30epochs_s99.json
+$T --sweep $O/sweep_30epochs_95.json --test-sweep $O/sweep_60epochs_95.json --sparsities 0.95 --out $O/gmp_60epochs_s95.json
+$T --sweep $O/sweep_30epochs_98.json --test-sweep $O/sweep_60epochs_98.json --sparsities 0.98 --out $O/gmp_60epochs_s98.json
 python benchmarks/report.py
