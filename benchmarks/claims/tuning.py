@@ -57,6 +57,9 @@ GMP_EVERY = fixed(100, "the library's default, declared fixed as SAFE's ρ is")
 GMP_UNTUNED = {"schedule end": default("0.75, the library's default"), "update every": GMP_EVERY}
 # EDGE_RULE takes GMP's schedule end down to 0.25 and no further: 0.25 is the range's lower bound.
 GMP_END = grid(0.5, 0.75, 0.9, lower=0.25, upper=0.9)
+# The schedule end's whole range at this spacing: four values, for rows whose λ grids have four.
+GMP_END4 = {"schedule end": grid(0.25, 0.5, 0.75, 0.9, lower=0.25, upper=0.9),
+            "update every": GMP_EVERY}
 AFTER = "after the runs: records the grids the committed runs used"
 BEFORE = "before the runs"
 
@@ -93,22 +96,27 @@ DECLARED: dict[str, dict[str, Any]] = {
                     "GMP": {"schedule end": GMP_END, "update every": GMP_EVERY}},
         "rows": {}},
     "sparsity_lenet5_fmnist": {
-        "when": AFTER,
+        "when": (BEFORE + " for GMP's schedule end and ADMM's λ 0.03 at 99 % (run.sh's comments); "
+                 + AFTER + " for the other λ grids"),
+        # GMP's end: as many values as SAFE's λ grid of the row (its whole range at 90-99 %;
+        # three and the edge rule at 99.5 %). A row without GMP's test runs keeps its defaults.
         "methods": {"GMP": GMP_UNTUNED},
         "rows": {
             "90 %": {"SAFE": _safe(0.001, 0.003, 0.01, 0.03),
-                     "ADMM": _admm(0.0003, 0.001, 0.003, 0.01)},
+                     "ADMM": _admm(0.0003, 0.001, 0.003, 0.01), "GMP": GMP_END4},
             "95 %": {"SAFE": _safe(0.001, 0.003, 0.01, 0.03), "ADMM": _admm(0.001, 0.003, 0.01)},
             "98 %": {"SAFE": _safe(0.003, 0.01, 0.03, 0.1),
                      "ADMM": _admm(0.001, 0.003, 0.01, 0.1, 1)},
             # SAFE's grid was refined to four values after a first grid, ADMM's kept three; then
             # ADMM got SAFE's grid (run.sh, declared before its 0.03 run, which won on validation
             # and has its own test seeds, sweep_30epochs_99_admm.json).
-            "99 %": {"SAFE": _safe(0.01, 0.03, 0.1, 1), "ADMM": _admm(0.01, 0.03, 0.1, 1)},
+            "99 %": {"SAFE": _safe(0.01, 0.03, 0.1, 1), "ADMM": _admm(0.01, 0.03, 0.1, 1),
+                     "GMP": GMP_END4},
             "99 %, SAFE+": {"SAFE+": _safe(0.01, 0.03, 0.1, 0.3),
                             "SAFE": _safe(0.01, 0.03, 0.1, 1),
-                            "ADMM": _admm(0.01, 0.03, 0.1, 1)},
-            "99.5 %": {"SAFE": _safe(0.1, 1, 3), "ADMM": _admm(0.001, 0.01, 0.1)}}},
+                            "ADMM": _admm(0.01, 0.03, 0.1, 1), "GMP": GMP_END4},
+            "99.5 %": {"SAFE": _safe(0.1, 1, 3), "ADMM": _admm(0.001, 0.01, 0.1),
+                       "GMP": {"schedule end": GMP_END, "update every": GMP_EVERY}}}},
     "sparse_set_995_small": {
         "when": BEFORE + " for GMP's schedule end (run.sh's comment); " + AFTER + " for λ",
         "methods": {"SAFE": _safe(0.01, 0.1, 1), "ADMM": _admm(0.001, 0.01, 0.1),
@@ -119,8 +127,7 @@ DECLARED: dict[str, dict[str, Any]] = {
         "methods": {"SAFE": _safe(0.001, 0.003, 0.01, 0.03),
                     "CrAM": {"ρ": grid(0, 0.003, 0.01, lower=0)},
                     # four values, as many as SAFE's λ grid
-                    "GMP": {"schedule end": grid(0.25, 0.5, 0.75, 0.9, lower=0.25, upper=0.9),
-                            "update every": GMP_EVERY}},
+                    "GMP": GMP_END4},
         "rows": {}},
     "dual_rescaling": {
         "when": AFTER,
