@@ -26,6 +26,11 @@ run 60epochs_95 --sparsities 0.95 --epochs 60 --warmup-epochs 2 --eval-every 10 
 run 60epochs_98 --sparsities 0.98 --epochs 60 --warmup-epochs 2 --eval-every 10 --safe-grid 0.01 --admm-grid 0.003 --workdir $WORK/lenet60 --rescale-dual --methods safe admm gmp
 run 20epochs_995 --sparsities 0.995 --epochs 20 --warmup-epochs 1 --eval-every 5 --safe-grid 1 --admm-grid 0.1 --workdir $WORK/lenet20 --methods safe admm gmp --rescale-dual
 run 40epochs_995 --sparsities 0.995 --epochs 40 --warmup-epochs 1 --eval-every 10 --safe-grid 1 --admm-grid 0.1 --workdir $WORK/lenet40 --methods safe admm gmp --rescale-dual
+# ADMM's 0.1 at 99.5 % sits at its grid's upper end: the edge rule adds 1 (declared 2026-11-27,
+# before that run), scored on the same 10-epoch validation split; should it win, its three test
+# seeds follow at 40 epochs.
+$L --sparsities 0.995 --epochs 10 --warmup-epochs 1 --eval-every 5 --admm-grid 0.001 0.01 0.1 1 --workdir $WORK/lenet --methods admm --rescale-dual --reuse-selection $O/sweep_10epochs_995_rescaled.json --select-only --out $WORK/lenet_10epochs_995_admm
+keep $WORK/lenet_10epochs_995_admm/sweep.json $O/selection_10epochs_995_admm.json
 # GMP tuned as the penalty methods are (declared 2026-11-27, before any of these runs): its
 # schedule end chosen on the same validation split, seed 0, at each sparsity's λ-selection budget,
 # from {0.5, 0.75, 0.9} (benchmarks/claims/tuning.py's GMP_END; the edge rule adds 0.25 where 0.5
