@@ -123,10 +123,13 @@ def select_reusing(base: configs.Config, args: argparse.Namespace,
   sel = json.loads(pathlib.Path(args.reuse_selection).read_text(encoding="utf-8"))["selection"]
   seeds = list(range(args.select_seeds))
   overrides = selection_lib.rescaled_dual(args.methods, args.rescale_dual)
+  # Rows of older files name their value "penalty" only, and carry no "field".
+  earlier = [{**r, "value": r.get("value", r.get("penalty")),
+              "field": r.get("field", sweeps.tuned_field(r["method"]))} for r in sel["grid"]]
   rows = []
   for method in [m for m in args.methods if m in sweeps.PENALTY_METHODS]:
     for s in args.sparsities:
-      old = [r for r in sel["grid"] if r["method"] == method and math.isclose(r["sparsity"], s)
+      old = [r for r in earlier if r["method"] == method and math.isclose(r["sparsity"], s)
              and r["value"] in grids[method]]
       for value in sorted(set(grids[method]) - {r["value"] for r in old}):
         rows.append(_score(base, args, method, s, value, overrides.get(method, {})))
