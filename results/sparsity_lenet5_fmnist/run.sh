@@ -12,6 +12,11 @@ run 10epochs_95_99 --sparsities 0.95 0.99 --epochs 10 --warmup-epochs 1 --eval-e
 run 10epochs_995_rescaled --sparsities 0.995 --epochs 10 --warmup-epochs 1 --eval-every 5 --safe-grid 0.1 1 3 --admm-grid 0.001 0.01 0.1 --workdir $WORK/lenet --methods dense safe admm gmp magnitude --rescale-dual
 run 30epochs_90 --sparsities 0.9 --epochs 30 --warmup-epochs 1 --eval-every 10 --safe-grid 0.001 0.003 0.01 0.03 --admm-grid 0.0003 0.001 0.003 0.01 --workdir $WORK/lenet30 --rescale-dual --methods safe admm gmp
 run 30epochs_95 --sparsities 0.95 --epochs 30 --warmup-epochs 1 --eval-every 10 --safe-grid 0.001 0.003 0.01 0.03 --admm-grid 0.001 0.003 0.01 --workdir $WORK/lenet30 --rescale-dual --methods safe admm gmp
+# At 95 % ADMM's λ grid had three values and SAFE's four: ADMM gets SAFE's grid (declared
+# 2026-11-27, before the run), its missing 0.03 scored on the same validation split and seed;
+# should it win, its three test seeds follow at 60 epochs.
+$L --sparsities 0.95 --epochs 30 --warmup-epochs 1 --eval-every 10 --admm-grid 0.001 0.003 0.01 0.03 --workdir $WORK/lenet30 --rescale-dual --methods admm --reuse-selection $O/sweep_30epochs_95.json --select-only --out $WORK/lenet_30epochs_95_admm
+keep $WORK/lenet_30epochs_95_admm/sweep.json $O/selection_30epochs_95_admm.json
 run 30epochs_98 --sparsities 0.98 --epochs 30 --warmup-epochs 1 --eval-every 10 --safe-grid 0.003 0.01 0.03 0.1 --admm-grid 0.001 0.003 0.01 0.1 1 --workdir $WORK/lenet30 --rescale-dual --methods safe admm gmp
 run 30epochs_99 --sparsities 0.99 --epochs 30 --warmup-epochs 1 --eval-every 10 --safe-grid 0.01 0.03 0.1 1 --admm-grid 0.01 0.1 1 --workdir $WORK/lenet99_30 --rescale-dual --methods safe admm gmp
 run 30epochs_99_safe_plus --sparsities 0.99 --epochs 30 --warmup-epochs 1 --eval-every 10 --safe-grid 0.01 0.03 0.1 0.3 --workdir $WORK/lenet99_30 --rescale-dual --methods safe-plus
