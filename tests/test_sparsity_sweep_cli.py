@@ -193,6 +193,38 @@ def test_a_selection_written_before_rows_named_their_value_is_reused(monkeypatch
       ("admm", 0.01, "admm_penalty"), ("safe", 0.003, "penalty"), ("safe", 0.01, "penalty")]
 
 
+def test_reuse_selection_extends_crams_rho_grid_training_only_the_new_value(monkeypatch, tmp_path):
+  seen = test_sweeps.install_fake_runs(monkeypatch, _score)
+  flags = ["--preset", "mlp-mnist", "--data-dir", "unused", "--methods", "safe", "cram",
+           "--sparsities", "0.99", "--epochs", "4", "--warmup-epochs", "0", "--select-only",
+           "--safe-grid", "0.003", "0.01", "0.03", "--workdir", str(tmp_path / "work")]
+  # CrAM's validation peak (0.03) sits at the upper end of the first grid.
+  assert sparsity_sweep.main([*flags, "--cram-grid", "0.003", "0.01", "0.03",
+                              "--out", str(tmp_path / "first")]) == 0
+  first = json.loads((tmp_path / "first" / "sweep.json").read_text())["selection"]
+  assert first["chosen"]["cram@0.99"] == 0.03 and first["at_grid_edge"] == ["cram@0.99"]
+  seen.clear()
+  assert sparsity_sweep.main([*flags, "--cram-grid", "0.003", "0.01", "0.03", "0.1",
+                              "--reuse-selection", str(tmp_path / "first" / "sweep.json"),
+                              "--out", str(tmp_path / "second")]) == 0
+  assert [(c.method, c.rho) for c, _ in seen] == [("cram", 0.1)]
+  second = json.loads((tmp_path / "second" / "sweep.json").read_text())["selection"]
+  assert second["chosen"] == {"safe@0.99": 0.01, "cram@0.99": 0.03}
+  assert second["at_grid_edge"] == []
+  assert [(g["method"], g["value"]) for g in second["grid"]] == [
+      ("cram", 0.003), ("cram", 0.01), ("cram", 0.03), ("cram", 0.1), ("safe", 0.003),
+      ("safe", 0.01), ("safe", 0.03)]
+
+
+def test_reuse_selection_refuses_a_rho_grid_naming_both_flags(capsys):
+  with pytest.raises(SystemExit):
+    sparsity_sweep.main(["--preset", "mlp-mnist", "--data-dir", "unused", "--methods", "safe",
+                         "--sparsities", "0.9", "--rho-grid", "0.05", "0.1",
+                         "--reuse-selection", "earlier.json", "--workdir", "w", "--out", "o"])
+  assert "--reuse-selection reuses the lambda and CrAM rho grids only, not --rho-grid" in (
+      capsys.readouterr().err)
+
+
 def test_reused_runs_of_another_config_are_refused_naming_the_flag(monkeypatch, tmp_path, capsys):
   test_sweeps.install_fake_runs(monkeypatch, _score)
   assert _select_only(tmp_path, "first", "--safe-grid", "0.003", "0.01",

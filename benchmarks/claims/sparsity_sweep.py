@@ -127,7 +127,7 @@ def select_reusing(base: configs.Config, args: argparse.Namespace,
   earlier = [{**r, "value": r.get("value", r.get("penalty")),
               "field": r.get("field", sweeps.tuned_field(r["method"]))} for r in sel["grid"]]
   rows = []
-  for method in [m for m in args.methods if m in sweeps.PENALTY_METHODS]:
+  for method in [m for m in args.methods if m in grids]:
     for s in args.sparsities:
       old = [r for r in earlier if r["method"] == method and math.isclose(r["sparsity"], s)
              and r["value"] in grids[method]]
@@ -140,11 +140,11 @@ def select_reusing(base: configs.Config, args: argparse.Namespace,
 def select(base: configs.Config, args: argparse.Namespace) -> dict[str, Any]:
   """The validation accuracy of every (method, sparsity, value[, rho]); the best choices."""
   grids = {m: (args.admm_grid if m == "admm" else args.safe_grid) for m in sweeps.PENALTY_METHODS}
-  if args.reuse_selection:
-    return select_reusing(base, args, grids)
   if args.cram_grid:
     grids.update({m: args.cram_grid for m in sweeps.TUNED_METHODS
                   if m not in sweeps.PENALTY_METHODS})
+  if args.reuse_selection:
+    return select_reusing(base, args, grids)
   select_fn = (selection_lib.select_hyperparameters if args.rho_grid is None else
                functools.partial(selection_lib.select_with_rho, rhos=args.rho_grid))
   return select_fn(base, args.methods, args.sparsities, grids, validation=args.validation,
@@ -262,7 +262,7 @@ def main(argv: Optional[list[str]] = None) -> int:
   parser.add_argument("--reuse-selection", default=None,
                       help="a sweep.json whose selection runs are reused (same config, "
                            "validation split and selection seeds): only the grid values it "
-                           "lacks are trained (not with --cram-grid or --rho-grid)")
+                           "lacks are trained (λ and --cram-grid; not with --rho-grid)")
   parser.add_argument("--select-only", action="store_true",
                       help="stop after the selection: sweep.json records no final run")
   parser.add_argument("--workdir", required=True)
@@ -279,8 +279,8 @@ def main(argv: Optional[list[str]] = None) -> int:
   for flag, values in (("--cram-grid", args.cram_grid), ("--rho-grid", args.rho_grid)):
     if values is not None and min(values) < 0:
       parser.error(f"{flag} must be SAM radii >= 0, got {values}")
-    if values is not None and args.reuse_selection:
-      parser.error(f"--reuse-selection reuses lambda grids only, not {flag}")
+  if args.rho_grid is not None and args.reuse_selection:
+    parser.error("--reuse-selection reuses the lambda and CrAM rho grids only, not --rho-grid")
   start = time.perf_counter()
   try:
     base = configs.get_config(args.preset, epochs=args.epochs, warmup_epochs=args.warmup_epochs,
