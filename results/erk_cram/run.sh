@@ -10,6 +10,11 @@ $E --epochs 20 --eval-every 5 --workdir $WORK/fmnist_mlp --cram-grid 0 0.001 0.0
 keep $WORK/erk20/sweep.json $O/sweep_20epochs.json
 $E --epochs 40 --eval-every 10 --workdir $WORK/fmnist_mlp40 --cram-grid 0 0.003 0.01 --out $WORK/erk40
 keep $WORK/erk40/sweep.json $O/sweep_40epochs.json
+# CrAM's ρ grid at 40 epochs had three values, SAFE's λ grid four: ρ 0.001 is added (declared
+# 2026-11-27, before its runs), scored on the same validation split; where it wins, three test
+# seeds follow at 40 epochs.
+$E --epochs 40 --eval-every 10 --workdir $WORK/fmnist_mlp40 --methods cram --cram-grid 0 0.001 0.003 0.01 --reuse-selection $O/sweep_40epochs.json --select-only --out $WORK/erk40_cram
+keep $WORK/erk40_cram/sweep.json $O/selection_40epochs_cram.json
 # GMP's schedule end chosen on the same validation split at 40 epochs, from four values as SAFE's
 # lambda (grid declared in benchmarks/claims/tuning.py before these runs).
 python benchmarks/claims/gmp_selection.py --sweep $O/sweep_40epochs.json --end-grid 0.25 0.5 0.75 0.9 --data-dir $FMNIST --workdir $WORK/erk_gmp --out $O/gmp_selection_40epochs.json
