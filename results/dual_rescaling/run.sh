@@ -18,4 +18,8 @@ keep $WORK/mlp20_rescaled/sweep.json $O/sweep_60k_20epochs_rescaled.json
 # before these runs), its new values scored on the same validation split, then three test seeds.
 $F --methods safe --sparsities 0.995 --safe-grid 0.001 0.003 0.01 0.1 1 --reuse-selection $O/sweep_60k_20epochs_paper.json --out $WORK/mlp20_paper_s995
 keep $WORK/mlp20_paper_s995/sweep.json $O/sweep_60k_20epochs_paper_s995.json
+# It chose 0.001, the new grid's lower end: the edge rule adds 0.0003 (half-decade spacing there;
+# declared before its run), and the test seeds follow the new pick.
+$F --methods safe --sparsities 0.995 --safe-grid 0.0003 0.001 0.003 0.01 0.1 1 --reuse-selection $O/sweep_60k_20epochs_paper_s995.json --out $WORK/mlp20_paper_s995_ext
+keep $WORK/mlp20_paper_s995_ext/sweep.json $O/sweep_60k_20epochs_paper_s995.json
 python benchmarks/report.py
