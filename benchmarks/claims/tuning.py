@@ -125,9 +125,10 @@ DECLARED: dict[str, dict[str, Any]] = {
                     "GMP": {"schedule end": GMP_END, "update every": GMP_EVERY}},
         "rows": {}},
     "erk_cram": {
-        "when": BEFORE + " for GMP's schedule end; " + AFTER + " for λ and CrAM's ρ",
+        "when": (BEFORE + " for GMP's schedule end and CrAM's fourth ρ, 0.001 (run.sh); " + AFTER
+                 + " for λ and CrAM's other ρ"),
         "methods": {"SAFE": _safe(0.001, 0.003, 0.01, 0.03),
-                    "CrAM": {"ρ": grid(0, 0.003, 0.01, lower=0)},
+                    "CrAM": {"ρ": grid(0, 0.001, 0.003, 0.01, lower=0)},
                     # four values, as many as SAFE's λ grid
                     "GMP": GMP_END4},
         "rows": {}},
