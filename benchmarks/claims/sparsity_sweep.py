@@ -123,9 +123,7 @@ def select_reusing(base: configs.Config, args: argparse.Namespace,
   sel = json.loads(pathlib.Path(args.reuse_selection).read_text(encoding="utf-8"))["selection"]
   seeds = list(range(args.select_seeds))
   overrides = selection_lib.rescaled_dual(args.methods, args.rescale_dual)
-  # Rows of older files name their value "penalty" only, and carry no "field".
-  earlier = [{**r, "value": r.get("value", r.get("penalty")),
-              "field": r.get("field", sweeps.tuned_field(r["method"]))} for r in sel["grid"]]
+  earlier = [selection_lib.grid_row(r) for r in sel["grid"]]
   rows = []
   for method in [m for m in args.methods if m in grids]:
     for s in args.sparsities:

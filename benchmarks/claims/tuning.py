@@ -57,8 +57,9 @@ GMP_EVERY = fixed(100, "the library's default, declared fixed as SAFE's ρ is")
 GMP_UNTUNED = {"schedule end": default("0.75, the library's default"), "update every": GMP_EVERY}
 # EDGE_RULE takes GMP's schedule end down to 0.25 and no further: 0.25 is the range's lower bound.
 GMP_END = grid(0.5, 0.75, 0.9, lower=0.25, upper=0.9)
+GMP_TUNED = {"schedule end": GMP_END, "update every": GMP_EVERY}
 # The schedule end's whole range at this spacing: four values, for rows whose λ grids have four.
-GMP_END4 = {"schedule end": grid(0.25, 0.5, 0.75, 0.9, lower=0.25, upper=0.9),
+GMP_TUNED4 = {"schedule end": grid(0.25, 0.5, 0.75, 0.9, lower=0.25, upper=0.9),
             "update every": GMP_EVERY}
 AFTER = "after the runs: records the grids the committed runs used"
 BEFORE = "before the runs"
@@ -93,7 +94,7 @@ DECLARED: dict[str, dict[str, Any]] = {
         # at 99.5 %; a new pick still at an end extends once more (0.0003 / 0.1 for SAFE,
         # 0.00001 / 1 for ADMM).
         "methods": {"SAFE": _safe(0.003, 0.01), "ADMM": _admm(0.001, 0.01),
-                    "GMP": {"schedule end": GMP_END, "update every": GMP_EVERY}},
+                    "GMP": GMP_TUNED},
         "rows": {}},
     "sparsity_lenet5_fmnist": {
         "when": (BEFORE + " for GMP's schedule end and ADMM's λ 0.03 at 99 % (run.sh's comments); "
@@ -103,7 +104,7 @@ DECLARED: dict[str, dict[str, Any]] = {
         "methods": {"GMP": GMP_UNTUNED},
         "rows": {
             "90 %": {"SAFE": _safe(0.001, 0.003, 0.01, 0.03),
-                     "ADMM": _admm(0.0003, 0.001, 0.003, 0.01), "GMP": GMP_END4},
+                     "ADMM": _admm(0.0003, 0.001, 0.003, 0.01), "GMP": GMP_TUNED4},
             "95 %": {"SAFE": _safe(0.001, 0.003, 0.01, 0.03),
                      # ADMM's 0.03 declared in run.sh before its run (it did not win)
                      "ADMM": _admm(0.001, 0.003, 0.01, 0.03)},
@@ -113,16 +114,16 @@ DECLARED: dict[str, dict[str, Any]] = {
             # ADMM got SAFE's grid (run.sh, declared before its 0.03 run, which won on validation
             # and has its own test seeds, sweep_30epochs_99_admm.json).
             "99 %": {"SAFE": _safe(0.01, 0.03, 0.1, 1), "ADMM": _admm(0.01, 0.03, 0.1, 1),
-                     "GMP": GMP_END4},
+                     "GMP": GMP_TUNED4},
             "99 %, SAFE+": {"SAFE+": _safe(0.01, 0.03, 0.1, 0.3),
                             "SAFE": _safe(0.01, 0.03, 0.1, 1),
-                            "ADMM": _admm(0.01, 0.03, 0.1, 1), "GMP": GMP_END4},
+                            "ADMM": _admm(0.01, 0.03, 0.1, 1), "GMP": GMP_TUNED4},
             "99.5 %": {"SAFE": _safe(0.1, 1, 3), "ADMM": _admm(0.001, 0.01, 0.1),
-                       "GMP": {"schedule end": GMP_END, "update every": GMP_EVERY}}}},
+                       "GMP": GMP_TUNED}}},
     "sparse_set_995_small": {
         "when": BEFORE + " for GMP's schedule end (run.sh's comment); " + AFTER + " for λ",
         "methods": {"SAFE": _safe(0.01, 0.1, 1), "ADMM": _admm(0.001, 0.01, 0.1),
-                    "GMP": {"schedule end": GMP_END, "update every": GMP_EVERY}},
+                    "GMP": GMP_TUNED},
         "rows": {}},
     "erk_cram": {
         "when": (BEFORE + " for GMP's schedule end and CrAM's fourth ρ, 0.001 (run.sh); " + AFTER
@@ -130,7 +131,7 @@ DECLARED: dict[str, dict[str, Any]] = {
         "methods": {"SAFE": _safe(0.001, 0.003, 0.01, 0.03),
                     "CrAM": {"ρ": grid(0, 0.001, 0.003, 0.01, lower=0)},
                     # four values, as many as SAFE's λ grid
-                    "GMP": GMP_END4},
+                    "GMP": GMP_TUNED4},
         "rows": {}},
     "dual_rescaling": {
         "when": (AFTER + "; " + BEFORE + " for the paper's dual's λ 0.001, 0.003 and the edge "

@@ -118,6 +118,13 @@ def select_hyperparameters(base: configs.Config, methods: Sequence[str],
           "fixed": fixed, "at_grid_edge": edges}
 
 
+def grid_row(row: dict[str, Any]) -> dict[str, Any]:
+  """A selection's grid row with ``value`` and ``field``, also from files written before rows
+  had them (their value is named ``penalty`` only)."""
+  return {**row, "value": row.get("value", row.get("penalty")),
+          "field": row.get("field", sweeps.tuned_field(row["method"]))}
+
+
 def choose(rows: Sequence[dict[str, Any]], grids: dict[str, Sequence[float]],
            fixed: Sequence[str] = ()) -> tuple[dict[str, float], list[str]]:
   """The choice from scored grid rows: per (method, sparsity) the best mean validation accuracy,
