@@ -85,8 +85,8 @@ DECLARED: dict[str, dict[str, Any]] = {
         "methods": {"SAFE": _safe(0.001, 0.01, 0.1), "ADMM": _admm(0.001, 0.01, 0.1)},
         "rows": {}},
     "sparsity_mlp_fmnist": {
-        "when": (BEFORE + " for GMP's schedule end and the λ grids' edge-rule extensions; the λ "
-                 "grids themselves " + AFTER),
+        "when": (BEFORE + " for GMP's schedule end, the λ grids' edge-rule extensions and each "
+                 "λ grid's third value; the λ grids' first two values " + AFTER),
         # GMP's end is chosen at 40 epochs on the validation split and seed 0, where SAFE's and
         # ADMM's λ are, then run at 80 epochs. The λ picks of the committed 40-epoch selection
         # all sit at an end of their grid, so the edge rule requires, before any other run:
@@ -95,7 +95,15 @@ DECLARED: dict[str, dict[str, Any]] = {
         # 0.00001 / 1 for ADMM).
         "methods": {"SAFE": _safe(0.003, 0.01), "ADMM": _admm(0.001, 0.01),
                     "GMP": GMP_TUNED},
-        "rows": {}},
+        # GMP's end had three declared values, the λ grids two. A third λ per grid (declared
+        # 2026-11-27, before its runs): the value beyond the declared end the edge rule had not
+        # reached, so a value never run; a pick at an end of the new grid extends it again.
+        "rows": {
+            **{label: {"SAFE": _safe(0.003, 0.01, 0.03), "ADMM": _admm(0.001, 0.01, 0.1)}
+               for label in ("90 %", "95 %")},
+            **{label: {"SAFE": _safe(0.001, 0.003, 0.01), "ADMM": _admm(0.001, 0.01, 0.1)}
+               for label in ("98 %", "99 %")},
+            "99.5 %": {"SAFE": _safe(0.001, 0.003, 0.01), "ADMM": _admm(0.0001, 0.001, 0.01)}}},
     "sparsity_lenet5_fmnist": {
         "when": (BEFORE + " for GMP's schedule end and ADMM's λ 0.03 at 99 % (run.sh's comments); "
                  + AFTER + " for the other λ grids"),

@@ -41,4 +41,18 @@ for gmp in "995 0.995 0.25 0.5 0.75 0.9" "99 0.99 0.25 0.5 0.75 0.9" "98 0.98 0.
   set -- $gmp
   $G --test-sweep $O/sweep_80epochs_s$1.json --sparsities $2 --end-grid $3 $4 $5 ${6:-} --out $O/gmp_80epochs_s$1.json
 done
+# GMP's end had three declared values, each λ grid two. A third λ per grid, declared in
+# benchmarks/claims/tuning.py on 2026-11-27 before these runs: the value beyond the declared end
+# the edge rule had not reached (never run before), scored on the same validation split at 40
+# epochs; a method whose pick changes gets its three 80-epoch test seeds.
+$S --sparsities 0.9 --safe-grid 0.001 0.003 0.01 0.03 --admm-grid 0.0001 0.001 0.01 0.1 --reuse-selection $O/selection_40epochs_s90.json --out $WORK/mlp40_sel3_s90
+keep $WORK/mlp40_sel3_s90/sweep.json $O/selection_40epochs_s90.json
+$S --sparsities 0.95 --safe-grid 0.001 0.003 0.01 0.03 --admm-grid 0.0001 0.001 0.01 0.1 --reuse-selection $O/selection_40epochs_s95.json --out $WORK/mlp40_sel3_s95
+keep $WORK/mlp40_sel3_s95/sweep.json $O/selection_40epochs_s95.json
+$S --sparsities 0.98 --safe-grid 0.001 0.003 0.01 0.03 --admm-grid 0.0001 0.001 0.01 0.1 --reuse-selection $O/selection_40epochs_s98.json --out $WORK/mlp40_sel3_s98
+keep $WORK/mlp40_sel3_s98/sweep.json $O/selection_40epochs_s98.json
+$S --sparsities 0.99 --safe-grid 0.001 0.003 0.01 0.03 --admm-grid 0.0001 0.001 0.01 0.1 --reuse-selection $O/selection_40epochs_s99.json --out $WORK/mlp40_sel3_s99
+keep $WORK/mlp40_sel3_s99/sweep.json $O/selection_40epochs_s99.json
+$S --sparsities 0.995 --safe-grid 0.001 0.003 0.01 0.03 --admm-grid 0.0001 0.001 0.01 0.1 1 --reuse-selection $O/selection_40epochs_s995.json --out $WORK/mlp40_sel3_s995
+keep $WORK/mlp40_sel3_s995/sweep.json $O/selection_40epochs_s995.json
 python benchmarks/report.py
