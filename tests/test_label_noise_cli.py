@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 import sys
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "claims"))
@@ -97,3 +99,60 @@ def test_rho_grid_final_runs_use_the_chosen_pair(monkeypatch, tmp_path):
           for c in finals} == {("safe", 0.05, 1.0), ("admm", 0.1, 0.3)}
   text = (tmp_path / "label_noise_mlp-mnist_rhogrid.md").read_text()
   assert "safe@0.9 1 (rho 0.05)" in text and "Lambda and rho (from [0.02, 0.05, 0.1])" in text
+
+
+def _validation_peak(config) -> float:
+  """Validation peaks at lambda 10 for SAFE (above the first grid) and 0.3 for ADMM."""
+  lam, peak = ((config.penalty, 10.0) if config.method == "safe" else (config.admm_penalty, 0.3))
+  return 0.9 - abs(np.log10(lam) - np.log10(peak)) if config.validation else 0.8
+
+
+def _noise_run(tmp_path, out, *flags):
+  return label_noise.main([
+      "--preset", "mlp-mnist", "--data-dir", "unused", "--noise", "0.25", "0.5", "--seeds", "0",
+      "--validation", "100", "--select-seeds", "2", "--admm-grid", "0.1", "0.3", "1",
+      "--rescale-dual", "--workdir", str(tmp_path / "w"), "--out", str(tmp_path / out), *flags])
+
+
+def test_reuse_selection_trains_only_the_edge_rules_value_per_noise_and_uses_the_new_pick(
+    monkeypatch, tmp_path):
+  seen = test_sweeps.install_fake_runs(monkeypatch, _validation_peak)
+  assert _noise_run(tmp_path, "first", "--safe-grid", "1", "3") == 0
+  first = json.loads((tmp_path / "first" / "label_noise_mlp-mnist_rescaled.json").read_text())
+  assert {n: s["at_grid_edge"] for n, s in first["selection"].items()} == {
+      "0.25": ["safe@0.9"], "0.5": ["safe@0.9"]}
+  seen.clear()
+  assert _noise_run(tmp_path, "second", "--safe-grid", "1", "3", "10", "--reuse-selection",
+                    str(tmp_path / "first" / "label_noise_mlp-mnist_rescaled.json")) == 0
+  selected = sorted((c.label_noise, c.penalty, c.seed, c.rescale_dual)
+                    for c, _ in seen if c.validation)
+  assert selected == [(n, 10.0, s, True) for n in (0.25, 0.5) for s in (0, 1)]
+  finals = {(c.method, c.penalty if c.method == "safe" else c.admm_penalty)
+            for c, _ in seen if not c.validation}
+  assert finals == {("safe", 10.0), ("admm", 0.3)}
+  second = json.loads((tmp_path / "second" / "label_noise_mlp-mnist_rescaled.json").read_text())
+  for sel in second["selection"].values():
+    assert sel["chosen"] == {"safe@0.9": 10.0, "admm@0.9": 0.3}
+    assert [(g["method"], g["value"]) for g in sel["grid"]] == [
+        ("admm", 0.1), ("admm", 0.3), ("admm", 1.0), ("safe", 1.0), ("safe", 3.0),
+        ("safe", 10.0)]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--noise", "0.75"], "it has no selection at noise 0.75"),
+    (["--noise", "0.25", "--select-seeds", "3"], "selection seeds differ"),
+    (["--noise", "0.25", "--epochs", "7"], "its config, validation split"),
+    (["--noise", "0.25", "--rho-grid", "0.05"], "not --rho-grid")])
+def test_a_reused_selection_of_other_runs_is_refused_naming_the_flag(
+    monkeypatch, tmp_path, capsys, flags, message):
+  test_sweeps.install_fake_runs(monkeypatch, _validation_peak)
+  assert _noise_run(tmp_path, "first", "--safe-grid", "1", "3") == 0
+  earlier = str(tmp_path / "first" / "label_noise_mlp-mnist_rescaled.json")
+  argv = ["--preset", "mlp-mnist", "--data-dir", "unused", "--seeds", "0", "--validation", "100",
+          "--select-seeds", "2", "--safe-grid", "1", "3", "10", "--admm-grid", "0.1", "0.3", "1",
+          "--rescale-dual", "--workdir", str(tmp_path / "w"), "--out", str(tmp_path / "x"),
+          "--reuse-selection", earlier]
+  with pytest.raises(SystemExit):
+    label_noise.main([*argv, *flags])
+  err = capsys.readouterr().err
+  assert "--reuse-selection" in err and message in err

@@ -243,10 +243,10 @@ def test_the_merged_choice_is_the_best_undiverged_mean_the_smaller_on_a_tie():
   rows = [{"method": "safe", "sparsity": 0.9, "value": v, "validation_accuracy_mean": m,
            "diverged": d} for v, m, d in ((0.001, 0.8, False), (0.003, 0.8, False),
                                           (0.01, 0.7, False), (0.03, None, True))]
-  merged = sparsity_sweep.merge_selection(rows, {"safe": [0.001, 0.003, 0.01, 0.03]}, 10, [0])
+  merged = sparsity_sweep.selection_lib.merged_selection(rows, {"safe": [0.001, 0.003, 0.01, 0.03]}, 10, [0])
   assert merged["chosen"] == {"safe@0.9": 0.001} and merged["at_grid_edge"] == ["safe@0.9"]
   with pytest.raises(ValueError, match="every value of safe's grid diverged"):
-    sparsity_sweep.merge_selection(rows[3:], {"safe": [0.03]}, 10, [0])
+    sparsity_sweep.selection_lib.merged_selection(rows[3:], {"safe": [0.03]}, 10, [0])
 
 
 def test_an_extension_that_diverges_loses_and_the_pick_stays(monkeypatch, tmp_path):
@@ -257,7 +257,7 @@ def test_an_extension_that_diverges_loses_and_the_pick_stays(monkeypatch, tmp_pa
 
   def diverge_at_one(config, workdir, **kwargs):
     if config.method == "admm" and config.admm_penalty == 0.01:
-      raise sparsity_sweep.workdirs.TrainingDiverged(str(workdir), 7, None, None)
+      raise sparsity_sweep.selection_lib.workdirs.TrainingDiverged(str(workdir), 7, None, None)
     return fake(config, workdir, **kwargs)
 
   monkeypatch.setattr(sparsity_sweep.sweeps, "run_or_load", diverge_at_one)

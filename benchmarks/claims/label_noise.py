@@ -90,6 +90,26 @@ def penalty_grids(args: argparse.Namespace, parser: argparse.ArgumentParser
   return grids, fixed
 
 
+def reused_selections(args: argparse.Namespace, parser: argparse.ArgumentParser,
+                      base: configs.Config, per_method: dict[str, dict[str, Any]]
+                      ) -> Optional[dict[str, Any]]:
+  """``--reuse-selection``'s selections by noise ratio (None without the flag), each checked
+  to come from this run's selection runs; a mismatch is a parser error naming the flag."""
+  if args.reuse_selection is None:
+    return None
+  earlier = json.loads(pathlib.Path(args.reuse_selection).read_text(encoding="utf-8"))
+  for noise in args.noise:
+    selection = earlier["selection"].get(f"{noise:g}")
+    problem = ("it has no selection at noise " f"{noise:g}" if selection is None else
+               selection_lib.reuse_problem(earlier, selection, base, args.methods,
+                                           validation=args.validation,
+                                           seeds=range(args.select_seeds),
+                                           method_overrides=per_method))
+    if problem:
+      parser.error(f"--reuse-selection {args.reuse_selection}: {problem}")
+  return earlier["selection"]
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--preset", default="resnet20-cifar10", choices=sorted(configs.PRESETS))
@@ -125,6 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "with every lambda of --safe-grid; the best (rho, lambda) pair on the "
                            "noisy validation split is used (selection.select_with_rho); outputs get "
                            "a _rhogrid suffix")
+  parser.add_argument("--reuse-selection", default=None,
+                      help="with --validation: an earlier output JSON whose selection runs are "
+                           "reused (same config, validation split and selection seeds, every "
+                           "--noise in it): only the grid values it lacks are trained, the edge "
+                           "rule's extensions (not with --rho-grid)")
   parser.add_argument("--workdir", default="/tmp/safe_optax_label_noise")
   parser.add_argument("--out", default="results/label_noise")
   return parser
@@ -139,6 +164,9 @@ def main(argv: Optional[list[str]] = None) -> int:
   if args.rho_grid is not None and (args.validation is None or args.rho is not None):
     parser.error("--rho-grid selects on the validation split: pass --validation N, and not "
                  "--rho")
+  if args.reuse_selection is not None and (args.validation is None or args.rho_grid is not None):
+    parser.error("--reuse-selection extends a lambda selection: pass --validation N, and not "
+                 "--rho-grid")
   start = time.perf_counter()
   overrides = {"epochs": args.epochs, "warmup_epochs": args.warmup_epochs,
                "batch_size": args.batch_size, "train_subset": args.train_subset}
@@ -150,10 +178,18 @@ def main(argv: Optional[list[str]] = None) -> int:
   per_method = selection_lib.rescaled_dual(args.methods, args.rescale_dual)
   if args.rho is not None:  # the SAFE family only: ADMM keeps its config and folders
     per_method = selection_lib.with_rho(per_method, args.methods, args.rho)
+  earlier = reused_selections(args, parser, base, per_method)
   for noise in args.noise:
     noisy = base.replace(label_noise=noise)
     selection = None
-    if args.validation is not None:
+    if earlier is not None:
+      selection = selection_lib.extend_selection(
+          noisy, earlier[f"{noise:g}"], args.methods, args.sparsities, grids,
+          validation=args.validation, seeds=range(args.select_seeds),
+          root=pathlib.Path(args.workdir) / "select", data_dir=args.data_dir,
+          method_overrides=per_method)
+      selections[f"{noise:g}"] = selection
+    elif args.validation is not None:
       select = (selection_lib.select_hyperparameters if args.rho_grid is None else
                 functools.partial(selection_lib.select_with_rho, rhos=args.rho_grid))
       selection = select(

@@ -59,80 +59,16 @@ from safe_optax.vision import configs
 from safe_optax.vision import selection as selection_lib
 from safe_optax.vision import sweeps
 from safe_optax.vision import datasets
-from safe_optax.vision import workdirs
-
-
-def merge_selection(rows: list[dict[str, Any]], grids: dict[str, list[float]],
-                    validation: int, seeds: list[int]) -> dict[str, Any]:
-  """A selection from scored grid rows (reused and new), chosen by
-  :func:`selection_lib.choose` (the rule of :func:`selection_lib.select_hyperparameters`)."""
-  chosen, edges = selection_lib.choose(rows, grids)
-  return {"validation_examples": validation, "seeds": seeds,
-          "criterion": "mean validation accuracy of the final sparse model",
-          "grid": sorted(rows, key=lambda r: (r["method"], r["sparsity"], r["value"])),
-          "chosen": chosen, "fields": {m: sweeps.tuned_field(m) for m in {r["method"] for r in rows}},
-          "fixed": [], "at_grid_edge": edges}
 
 
 def reuse_problem(base: configs.Config, args: argparse.Namespace) -> Optional[str]:
   """Why ``--reuse-selection``'s runs are not this sweep's selection runs (None: they are)."""
   earlier = json.loads(pathlib.Path(args.reuse_selection).read_text(encoding="utf-8"))
-  sel = earlier["selection"]
-  if (configs.from_dict(earlier["config"]) != base or sel["validation_examples"] != args.validation
-      or sel["seeds"] != list(range(args.select_seeds))):
-    return (f"--reuse-selection {args.reuse_selection}: its config, validation split or "
-            "selection seeds differ from this sweep's")
-  overrides = selection_lib.rescaled_dual(args.methods, args.rescale_dual)
-  if any(bool(run.get("rescale_dual")) != ("rescale_dual" in overrides.get(r["method"], {}))
-         for r in sel["grid"] if r["method"] in args.methods for run in r["runs"]):
-    return f"--reuse-selection {args.reuse_selection}: its runs differ in --rescale-dual"
-  return None
-
-
-def _score(base: configs.Config, args: argparse.Namespace, method: str, s: float, value: float,
-           overrides: dict[str, Any]) -> dict[str, Any]:
-  """One grid value's selection row, as :func:`selection_lib.select_hyperparameters` records it."""
-  root = pathlib.Path(args.workdir) / "select"
-  kwargs = dict(validation=args.validation, seeds=range(args.select_seeds), root=root,
-                data_dir=args.data_dir, progress=args.progress,
-                method_overrides={method: overrides}, score_single=True)
-  try:
-    return selection_lib.select_hyperparameters(base, [method], [s], {method: [value]},
-                                                **kwargs)["grid"][0]
-  except ValueError as err:
-    if "diverged" not in str(err):
-      raise
-  # A value that diverged lost; its runs keep diverged.json, so this reads them back untrained.
-  runs = []
-  for seed in range(args.select_seeds):
-    config = base.replace(validation=args.validation, method=method, sparsity=s, seed=seed,
-                          **overrides, **{sweeps.tuned_field(method): value})
-    try:
-      sweeps.run_or_load(config, sweeps.run_dir(root, config), data=None, data_dir=args.data_dir)
-    except workdirs.TrainingDiverged as err:
-      runs.append({"method": method, "sparsity": s, "seed": seed, "field": sweeps.tuned_field(method),
-                   "value": value, "diverged": {"step": err.step,
-                                                "last_finite_loss": err.last_finite_loss}})
-  return {"method": method, "sparsity": s, "field": sweeps.tuned_field(method), "value": value,
-          "penalty": value, "validation_accuracy_mean": None, "diverged": True, "runs": runs}
-
-
-def select_reusing(base: configs.Config, args: argparse.Namespace,
-                   grids: dict[str, list[float]]) -> dict[str, Any]:
-  """:func:`select` with the scored runs of ``--reuse-selection``: only the values it lacks are run."""
-  sel = json.loads(pathlib.Path(args.reuse_selection).read_text(encoding="utf-8"))["selection"]
-  seeds = list(range(args.select_seeds))
-  overrides = selection_lib.rescaled_dual(args.methods, args.rescale_dual)
-  earlier = [selection_lib.grid_row(r) for r in sel["grid"]]
-  rows = []
-  for method in [m for m in args.methods if m in grids]:
-    for s in args.sparsities:
-      old = [r for r in earlier if r["method"] == method and math.isclose(r["sparsity"], s)
-             and r["value"] in grids[method]]
-      for value in sorted(set(grids[method]) - {r["value"] for r in old}):
-        rows.append(_score(base, args, method, s, value, overrides.get(method, {})))
-      rows += [{**r, "sparsity": s} for r in old]
-  return merge_selection(rows, grids, args.validation, seeds)
+  problem = selection_lib.reuse_problem(
+      earlier, earlier["selection"], base, args.methods, validation=args.validation,
+      seeds=range(args.select_seeds),
+      method_overrides=selection_lib.rescaled_dual(args.methods, args.rescale_dual))
+  return problem and f"--reuse-selection {args.reuse_selection}: {problem}"
 
 
 def select(base: configs.Config, args: argparse.Namespace) -> dict[str, Any]:
@@ -142,7 +78,13 @@ def select(base: configs.Config, args: argparse.Namespace) -> dict[str, Any]:
     grids.update({m: args.cram_grid for m in sweeps.TUNED_METHODS
                   if m not in sweeps.PENALTY_METHODS})
   if args.reuse_selection:
-    return select_reusing(base, args, grids)
+    earlier = json.loads(pathlib.Path(args.reuse_selection).read_text(encoding="utf-8"))
+    return selection_lib.extend_selection(
+        base, earlier["selection"], args.methods, args.sparsities, grids,
+        validation=args.validation, seeds=range(args.select_seeds),
+        root=pathlib.Path(args.workdir) / "select", data_dir=args.data_dir,
+        progress=args.progress,
+        method_overrides=selection_lib.rescaled_dual(args.methods, args.rescale_dual))
   select_fn = (selection_lib.select_hyperparameters if args.rho_grid is None else
                functools.partial(selection_lib.select_with_rho, rhos=args.rho_grid))
   return select_fn(base, args.methods, args.sparsities, grids, validation=args.validation,

@@ -148,6 +148,93 @@ def choose(rows: Sequence[dict[str, Any]], grids: dict[str, Sequence[float]],
   return chosen, edges
 
 
+def merged_selection(rows: Sequence[dict[str, Any]], grids: dict[str, Sequence[float]],
+                     validation: int, seeds: Sequence[int]) -> dict[str, Any]:
+  """A selection from scored grid rows (reused and new), chosen by :func:`choose` (the rule of
+  :func:`select_hyperparameters`), in :func:`select_hyperparameters`'s layout."""
+  chosen, edges = choose(rows, grids)
+  return {"validation_examples": validation, "seeds": list(seeds),
+          "criterion": "mean validation accuracy of the final sparse model",
+          "grid": sorted(rows, key=lambda r: (r["method"], r["sparsity"], r["value"])),
+          "chosen": chosen, "fields": {m: sweeps.tuned_field(m) for m in {r["method"] for r in rows}},
+          "fixed": [], "at_grid_edge": edges}
+
+
+def reuse_problem(earlier: dict[str, Any], selection: dict[str, Any], base: configs.Config,
+                  methods: Sequence[str], *, validation: int, seeds: Sequence[int],
+                  method_overrides: Optional[dict[str, dict[str, Any]]] = None) -> Optional[str]:
+  """Why ``selection`` (one of the file ``earlier``'s) cannot be extended by
+  :func:`extend_selection` for ``base`` (None: it can).
+
+  Its runs must have the same base config, validation split and seeds, and
+  each of ``methods``' finished runs the ``rescale_dual`` that
+  ``method_overrides`` asks for.
+  """
+  if (configs.from_dict(earlier["config"]) != base
+      or selection["validation_examples"] != validation or selection["seeds"] != list(seeds)):
+    return "its config, validation split or selection seeds differ from this run's"
+  overrides = method_overrides or {}
+  if any(bool(run.get("rescale_dual")) != bool(overrides.get(r["method"], {}).get("rescale_dual"))
+         for r in selection["grid"] if r["method"] in methods
+         for run in r["runs"] if "diverged" not in run):
+    return "its runs differ in --rescale-dual"
+  return None
+
+
+def _score_one(base: configs.Config, method: str, sparsity: float, value: float, *,
+               validation: int, seeds: Sequence[int], root: os.PathLike, data_dir: os.PathLike,
+               progress: bool, overrides: dict[str, Any]) -> dict[str, Any]:
+  """One grid value's row, as :func:`select_hyperparameters` records it, a diverged one too."""
+  try:
+    return select_hyperparameters(base, [method], [sparsity], {method: [value]},
+                                  validation=validation, seeds=seeds, root=root,
+                                  data_dir=data_dir, progress=progress,
+                                  method_overrides={method: overrides},
+                                  score_single=True)["grid"][0]
+  except ValueError as err:
+    if "diverged" not in str(err):
+      raise
+  # A value that diverged lost; its runs keep diverged.json, so this reads them back untrained.
+  field, runs = sweeps.tuned_field(method), []
+  for seed in seeds:
+    config = base.replace(validation=validation, method=method, sparsity=sparsity, seed=seed,
+                          **overrides, **{field: value})
+    try:
+      sweeps.run_or_load(config, sweeps.run_dir(root, config), data=None, data_dir=data_dir)
+    except workdirs.TrainingDiverged as err:
+      runs.append({"method": method, "sparsity": sparsity, "seed": seed, "field": field,
+                   "value": value, "diverged": {"step": err.step,
+                                                "last_finite_loss": err.last_finite_loss}})
+  return {"method": method, "sparsity": sparsity, "field": field, "value": value,
+          "penalty": value, "validation_accuracy_mean": None, "diverged": True, "runs": runs}
+
+
+def extend_selection(base: configs.Config, earlier: dict[str, Any], methods: Sequence[str],
+                     sparsities: Sequence[float], grids: dict[str, Sequence[float]], *,
+                     validation: int, seeds: Sequence[int], root: os.PathLike,
+                     data_dir: os.PathLike, progress: bool = False,
+                     method_overrides: Optional[dict[str, dict[str, Any]]] = None
+                     ) -> dict[str, Any]:
+  """:func:`select_hyperparameters` over ``grids`` that trains only the values the scored rows
+  of the selection ``earlier`` lack (the edge rule's extensions of a committed grid).
+
+  ``earlier``'s rows must come from the same runs (check with
+  :func:`reuse_problem`); rows of values outside ``grids`` are dropped.
+  """
+  old_rows = [grid_row(r) for r in earlier["grid"]]
+  rows = []
+  for method in [m for m in methods if grids.get(m)]:
+    for s in sparsities:
+      old = [r for r in old_rows if r["method"] == method and np.isclose(r["sparsity"], s)
+             and r["value"] in grids[method]]
+      for value in sorted(set(grids[method]) - {r["value"] for r in old}):
+        rows.append(_score_one(base, method, s, value, validation=validation, seeds=seeds,
+                               root=root, data_dir=data_dir, progress=progress,
+                               overrides=(method_overrides or {}).get(method, {})))
+      rows += [{**r, "sparsity": s} for r in old]
+  return merged_selection(rows, grids, validation, seeds)
+
+
 def _rho_crossed(methods_: Sequence[str]) -> list[str]:
   """The methods :func:`select_with_rho` trains at every rho: SAM-type penalty methods."""
   return [m for m in methods_ if m in sweeps.PENALTY_METHODS and methods_lib.get(m).uses_grad_fn]
