@@ -387,8 +387,21 @@ def _robustness_row(folder: pathlib.Path, r: dict) -> Row:
     value = c["admm_penalty"] if method == "admm" else c["penalty"]
     if value is None:
       value = next(lam for bound, lam in c["penalty_table"] if c["sparsity"] <= bound)
-    arm.hyper.append(f"λ {value:g}, the preset's value, NOT CHOSEN here")
-    arm.flags.add("unchosen")
+    sel = data.get("selection")
+    if sel is None:
+      arm.hyper.append(f"λ {value:g}, the preset's value, NOT CHOSEN here")
+      arm.flags.add("unchosen")
+    else:
+      chosen = sel["chosen"][f"{method}@{data['sparsity']:g}"]
+      if abs(chosen - value) > 1e-12:
+        raise ValueError(f"{r['file']}: {method} ran with lambda {value:g}, selection chose "
+                         f"{chosen:g}")
+      _grid_note(arm, "λ", value, [g["value"] for g in sel["grid"] if g["method"] == method],
+                 f"`{r['file']}`")
+      if method == "safe":
+        arm.hyper.append(f"ρ {c['rho']:g} (the paper's value, not tuned)")
+        if c.get("rescale_dual"):
+          arm.hyper.append("`rescale_dual`")
     arms.append(arm)
   lower = r["metric"] == "lambda_max"
   return Row(r["label"], r.get("paper", ""), arms[0], arms[1:], not lower, not lower,

@@ -6,6 +6,11 @@ then runs :func:`safe_optax.vision.evaluation.evaluate_workdir` on it, and
 writes one table (mean +- s.e. over seeds) to ``--out``. Finished runs and
 corruption sets are reused from ``--workdir``.
 
+With ``--validation N`` each method's lambda is first chosen on N held-out
+training examples (:func:`safe_optax.vision.selection.select_hyperparameters`;
+the test set is never looked at) over ``--safe-grid`` / ``--admm-grid``; the
+output JSON records the selection and the report reads it.
+
   python benchmarks/claims/robustness_mnist.py --preset mlp-mnist --data-dir ../shared/data/mnist \\
       --test-only-split 8000 2000 --epochs 20 --seeds 0 --out results/robustness_mnist
 """
@@ -22,6 +27,8 @@ from typing import Any, Optional
 from safe_optax.experiment import mean_se, versions
 from safe_optax.vision import configs
 from safe_optax.vision import evaluation
+from safe_optax.vision import selection as selection_lib
+from safe_optax.vision import sweeps
 from safe_optax.vision import train
 from safe_optax.vision import datasets
 
@@ -59,20 +66,51 @@ def main(argv: Optional[list[str]] = None) -> int:
   parser.add_argument("--warmup-epochs", type=int, default=1)
   parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
   parser.add_argument("--corruption-subset", type=int, default=1000)
+  parser.add_argument("--validation", type=int, default=None,
+                      help="choose lambda on N held-out training examples (default: the "
+                           "preset's lambdas, no selection)")
+  parser.add_argument("--select-seeds", type=int, default=1)
+  parser.add_argument("--safe-grid", type=float, nargs="+", default=None,
+                      help="with --validation: lambdas tried for the SAFE family")
+  parser.add_argument("--admm-grid", type=float, nargs="+", default=None,
+                      help="with --validation: lambdas tried for ADMM")
+  parser.add_argument("--rescale-dual", action="store_true",
+                      help="SAFE-family methods keep the unscaled dual while the penalty ramps "
+                           "(safe_optax.safe(rescale_dual=True))")
   parser.add_argument("--workdir", default="/tmp/safe_optax_robustness")
   parser.add_argument("--out", default="results/robustness_mnist")
   args = parser.parse_args(argv)
+  grids = {"safe": args.safe_grid, "admm": args.admm_grid}
+  if args.validation is None and any(grids.values()):
+    parser.error("--safe-grid / --admm-grid are chosen from on a validation split: pass "
+                 "--validation N")
+  if args.validation is not None:
+    missing = [f"--{m}-grid" for m in ("safe", "admm") if m in args.methods and not grids[m]]
+    if missing:
+      parser.error(f"--validation chooses each method's lambda: give {' and '.join(missing)}")
   start = time.perf_counter()
   overrides = {"epochs": args.epochs, "warmup_epochs": args.warmup_epochs}
   if args.test_only_split:
     overrides["test_only_split"] = tuple(args.test_only_split)
   base = configs.get_config(args.preset, **overrides)
+  per_method = selection_lib.rescaled_dual(args.methods, args.rescale_dual)
+  selection = None
+  if args.validation is not None:
+    selection = selection_lib.select_hyperparameters(
+        base, args.methods, [args.sparsity],
+        {m: grids["admm" if m == "admm" else "safe"] for m in sweeps.PENALTY_METHODS},
+        validation=args.validation, seeds=range(args.select_seeds),
+        root=pathlib.Path(args.workdir) / "select", data_dir=args.data_dir,
+        method_overrides=per_method)
   data = datasets.load_dataset(base, args.data_dir)
   evals: dict[str, list[dict[str, Any]]] = {}
   for method in args.methods:
     for seed in args.seeds:
-      config = base.replace(method=method, sparsity=args.sparsity, seed=seed)
-      run_dir = pathlib.Path(args.workdir) / f"{method}-s{args.sparsity:g}-seed{seed}"
+      config = base.replace(method=method, sparsity=args.sparsity, seed=seed,
+                            **per_method.get(method, {}),
+                            **selection_lib.chosen_overrides(selection, method, args.sparsity))
+      run_dir = (sweeps.run_dir(args.workdir, config) if selection is not None else
+                 pathlib.Path(args.workdir) / f"{method}-s{args.sparsity:g}-seed{seed}")
       print(f"{method} seed {seed}", file=sys.stderr, flush=True)
       train.train_and_evaluate(config, run_dir, data_dir=args.data_dir, dataset=data,
                                progress=True)
@@ -87,7 +125,7 @@ def main(argv: Optional[list[str]] = None) -> int:
   stem = f"robustness_{args.preset}"
   (out / f"{stem}.json").write_text(json.dumps(
       {"command": command, "config": configs.to_dict(base), "sparsity": args.sparsity,
-       "seeds": args.seeds, "versions": versions(), "evals": evals, "wall_seconds": time.perf_counter() - start},
+       "seeds": args.seeds, "selection": selection, "versions": versions(), "evals": evals, "wall_seconds": time.perf_counter() - start},
       indent=1))
   (out / f"{stem}.md").write_text(
       f"Command: `{command}`\n\nAccuracy (%) of the sparse model after projection + BNT, "

@@ -183,9 +183,10 @@ DECLARED: dict[str, dict[str, Any]] = {
                     "ADMM": {"λ": fixed(0.001, "the paper's value")}, "GMP": GMP_UNTUNED},
         "rows": {}},
     "robustness_mnist": {
-        "when": AFTER,
-        "methods": {"SAFE": {"λ": fixed(None, "the preset's value")},
-                    "ADMM": {"λ": fixed(None, "the preset's value")}},
+        # Declared 2026-11-27 before the runs that choose λ (run.sh): decade grids of four values
+        # for both methods around the preset's λ (SAFE 0.1, ADMM 0.01), extended by EDGE_RULE.
+        "when": BEFORE,
+        "methods": {"SAFE": _safe(0.01, 0.1, 1, 10), "ADMM": _admm(0.001, 0.01, 0.1, 1)},
         "rows": {}},
 }
 

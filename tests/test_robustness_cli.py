@@ -1,0 +1,74 @@
+"""benchmarks/claims/robustness_mnist.py: lambda chosen on validation reaches the evaluated runs."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "claims"))
+import robustness_mnist  # noqa: E402  pylint: disable=wrong-import-position
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import test_sweeps  # noqa: E402  (the fake runs of the selection tests)
+
+
+def _peak(config) -> float:
+  """Validation peaks at lambda 1 for SAFE and 0.01 for ADMM."""
+  lam, peak = ((config.penalty, 1.0) if config.method == "safe" else (config.admm_penalty, 0.01))
+  return 0.9 - abs(np.log10(lam) - np.log10(peak))
+
+
+def _install(monkeypatch):
+  selected = test_sweeps.install_fake_runs(monkeypatch, _peak)
+  trained = []
+
+  def fake_train(config, run_dir, **kwargs):
+    del kwargs
+    trained.append((config, pathlib.Path(run_dir).name))
+
+  def fake_eval(run_dir, **kwargs):
+    del kwargs
+    config, _ = next(t for t in trained if t[1] == pathlib.Path(run_dir).name)
+    return {"config": {"seed": config.seed, "method": config.method,
+                       "penalty": config.penalty, "admm_penalty": config.admm_penalty},
+            "clean": 0.9, "corruptions": {"mean": {"3": 0.8, "5": 0.7}},
+            "pgd-linf": {"adversarial": 0.5}, "pgd-l2": {"adversarial": 0.6},
+            "hessian": {"lambda_max_support": 1.0}}
+
+  monkeypatch.setattr(robustness_mnist.train, "train_and_evaluate", fake_train)
+  monkeypatch.setattr(robustness_mnist.evaluation, "evaluate_workdir", fake_eval)
+  return selected, trained
+
+
+def test_lambdas_chosen_on_validation_reach_the_evaluated_runs(monkeypatch, tmp_path):
+  selected, trained = _install(monkeypatch)
+  assert robustness_mnist.main([
+      "--data-dir", "unused", "--seeds", "0", "1", "--epochs", "3", "--validation", "100",
+      "--safe-grid", "0.1", "1", "10", "--admm-grid", "0.001", "0.01", "0.1", "--rescale-dual",
+      "--workdir", str(tmp_path / "w"), "--out", str(tmp_path / "out")]) == 0
+  assert all(c.validation == 100 for c, _ in selected) and len(selected) == 6
+  assert sorted((c.method, c.penalty if c.method == "safe" else c.admm_penalty, c.seed,
+                 c.rescale_dual) for c, _ in trained) == [
+      ("admm", 0.01, 0, False), ("admm", 0.01, 1, False),
+      ("safe", 1.0, 0, True), ("safe", 1.0, 1, True)]
+  # each lambda its own folder, so a run of another lambda is never read back as this one
+  assert {n for _, n in trained} == {"admm-s0.9-lam0.01-seed0", "admm-s0.9-lam0.01-seed1",
+                                     "safe-s0.9-lam1-rescaled-seed0",
+                                     "safe-s0.9-lam1-rescaled-seed1"}
+  saved = json.loads((tmp_path / "out" / "robustness_mlp-mnist.json").read_text())
+  assert saved["selection"]["chosen"] == {"safe@0.9": 1.0, "admm@0.9": 0.01}
+  assert saved["selection"]["at_grid_edge"] == []
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--safe-grid", "0.1", "1"], "pass --validation N"),
+    (["--validation", "100", "--safe-grid", "0.1", "1"], "give --admm-grid"),
+    (["--validation", "100"], "give --safe-grid and --admm-grid")])
+def test_grids_and_validation_go_together_naming_the_flags(flags, message, capsys):
+  with pytest.raises(SystemExit):
+    robustness_mnist.main(["--data-dir", "unused", *flags])
+  assert message in capsys.readouterr().err
