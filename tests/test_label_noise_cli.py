@@ -142,7 +142,8 @@ def test_reuse_selection_trains_only_the_edge_rules_value_per_noise_and_uses_the
     (["--noise", "0.75"], "it has no selection at noise 0.75"),
     (["--noise", "0.25", "--select-seeds", "3"], "selection seeds differ"),
     (["--noise", "0.25", "--epochs", "7"], "its config, validation split"),
-    (["--noise", "0.25", "--rho-grid", "0.05"], "not --rho-grid")])
+    (["--noise", "0.25", "--rho-grid", "0.05"], "not --rho-grid"),
+    (["--noise", "0.25", "--rho", "0.05"], "its runs used another SAM radius rho")])
 def test_a_reused_selection_of_other_runs_is_refused_naming_the_flag(
     monkeypatch, tmp_path, capsys, flags, message):
   test_sweeps.install_fake_runs(monkeypatch, _validation_peak)

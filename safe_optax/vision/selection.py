@@ -167,7 +167,8 @@ def reuse_problem(earlier: dict[str, Any], selection: dict[str, Any], base: conf
   :func:`extend_selection` for ``base`` (None: it can).
 
   Its runs must have the same base config, validation split and seeds, and
-  each of ``methods``' finished runs the ``rescale_dual`` that
+  each of ``methods``' finished runs the ``rescale_dual`` and (for the SAM-type
+  penalty methods, whose rho is not the tuned value) the SAM radius that
   ``method_overrides`` asks for.
   """
   if (configs.from_dict(earlier["config"]) != base
@@ -178,6 +179,11 @@ def reuse_problem(earlier: dict[str, Any], selection: dict[str, Any], base: conf
          for r in selection["grid"] if r["method"] in methods
          for run in r["runs"] if "diverged" not in run):
     return "its runs differ in --rescale-dual"
+  if any(run.get("rho") is not None
+         and run["rho"] != overrides.get(r["method"], {}).get("rho", base.rho)
+         for r in selection["grid"] if r["method"] in _rho_crossed(methods)
+         for run in r["runs"] if "diverged" not in run):
+    return "its runs used another SAM radius rho"
   return None
 
 
