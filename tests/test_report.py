@@ -221,3 +221,39 @@ def test_a_caveat_states_a_rows_verdict_from_the_rules_not_by_hand():
           == "It shows against ADMM **holds**.")
   with pytest.raises(ValueError, match="'50 %'"):
     report.with_verdicts("{verdict:50 %}", lines)
+
+
+def _robustness_folder(tmp_path, ran=0.1, chosen=0.1):
+  def ev(method, seed, clean):
+    return {"config": {"seed": seed, "epochs": 20, "sparsity": 0.9, "rho": 0.1,
+                       "rescale_dual": method == "safe", "penalty": ran if method == "safe" else None,
+                       "admm_penalty": 0.01, "penalty_table": [[1.0, 0.1]]},
+            "clean": clean, "corruptions": {"mean": {"3": 0.8, "5": 0.7}},
+            "pgd-linf": {"adversarial": 0.5}, "pgd-l2": {"adversarial": 0.6},
+            "hessian": {"lambda_max_support": 1.0}}
+  grid = ([{"method": "safe", "value": v} for v in (0.01, 0.1, 1)]
+          + [{"method": "admm", "value": v} for v in (0.001, 0.01, 0.1)])
+  _write(tmp_path / "rob.json", {
+      "sparsity": 0.9, "selection": {"grid": grid, "chosen": {"safe@0.9": chosen,
+                                                             "admm@0.9": 0.01}},
+      "evals": {"safe": [ev("safe", s, c) for s, c in ((0, 0.95), (1, 0.96))],
+                "admm": [ev("admm", s, c) for s, c in ((0, 0.94), (1, 0.95))]}})
+  _write(tmp_path / "claim.json", {
+      "order": 1, "title": "Robustness", "short": "r", "paper": "–", "metric": "accuracy",
+      "source": "robustness", "file": "rob.json", "ours": "safe", "baselines": ["admm"],
+      "rows": [{"label": "clean", "metric": "clean"}]})
+  from claims import tuning  # pylint: disable=import-outside-toplevel
+  specs = {"SAFE": {"λ": tuning.grid(0.01, 0.1, 1), "ρ": tuning.PAPER_RHO},
+           "ADMM": {"λ": tuning.grid(0.001, 0.01, 0.1)}}
+  return tmp_path, lambda claim, row, method: specs[method]
+
+
+def test_a_robustness_row_reads_each_lambda_from_its_selection(tmp_path):
+  import report_sources  # pylint: disable=import-outside-toplevel
+  row, = report_sources.load_claim(*_robustness_folder(tmp_path)).rows
+  assert row.ours.hyper[:3] == ["λ 0.1 ∈ {0.01, 0.1, 1} on validation (`rob.json`)",
+                                "ρ 0.1 (the paper's value, not tuned)", "`rescale_dual`"]
+  assert "unchosen" not in row.ours.flags and (row.ours.effort, row.baselines[0].effort) == (3, 3)
+  assert row.ours.values == {0: pytest.approx(95.0), 1: pytest.approx(96.0)}
+  with pytest.raises(ValueError, match="safe ran with lambda 1, selection chose 0.1"):
+    report_sources.load_claim(*_robustness_folder(tmp_path, ran=1.0))
