@@ -108,16 +108,16 @@ DECLARED: dict[str, dict[str, Any]] = {
         "when": (BEFORE + " for GMP's schedule end and ADMM's λ 0.03 at 99 % (run.sh's comments); "
                  + AFTER + " for the other λ grids"),
         # GMP's end: as many values as SAFE's λ grid of the row (its whole range at 90-99 %;
-        # three and the edge rule at 99.5 %). A row without GMP's test runs keeps its defaults.
-        "methods": {"GMP": GMP_UNTUNED},
+        # three and the edge rule at 99.5 %).
+        "methods": {},
         "rows": {
             "90 %": {"SAFE": _safe(0.001, 0.003, 0.01, 0.03),
                      "ADMM": _admm(0.0003, 0.001, 0.003, 0.01), "GMP": GMP_TUNED4},
             "95 %": {"SAFE": _safe(0.001, 0.003, 0.01, 0.03),
                      # ADMM's 0.03 declared in run.sh before its run (it did not win)
-                     "ADMM": _admm(0.001, 0.003, 0.01, 0.03)},
+                     "ADMM": _admm(0.001, 0.003, 0.01, 0.03), "GMP": GMP_TUNED4},
             "98 %": {"SAFE": _safe(0.003, 0.01, 0.03, 0.1),
-                     "ADMM": _admm(0.001, 0.003, 0.01, 0.1, 1)},
+                     "ADMM": _admm(0.001, 0.003, 0.01, 0.1, 1), "GMP": GMP_TUNED4},
             # SAFE's grid was refined to four values after a first grid, ADMM's kept three; then
             # ADMM got SAFE's grid (run.sh, declared before its 0.03 run, which won on validation
             # and has its own test seeds, sweep_30epochs_99_admm.json).
