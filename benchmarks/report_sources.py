@@ -263,6 +263,12 @@ def _block_study_notes(arm: Arm, folder: pathlib.Path, method: str, structure: s
   for symbol, key, value in (("lr", "lr", lr), ("λ", "penalty", penalty)):
     _grid_note(arm, symbol, value, [x[key] for x in tried if x["steps"] == grid_steps], where,
                on="held-out block-0 error")
+  # A setting the study no longer picks (an extension of its grid won) is not a choice.
+  pick = min((x for x in tried if x["steps"] == grid_steps), key=lambda x: x["held_out_error"])
+  if (pick["lr"], pick["penalty"]) != (lr, penalty):
+    arm.flags.add("unchosen")
+    arm.hyper.append(f"NOT THE PICK: the study's best is lr {pick['lr']:g}, "
+                     f"λ {pick['penalty']:g}")
 
 
 def _llm_row(folder: pathlib.Path, r: dict) -> Row:

@@ -257,3 +257,36 @@ def test_a_robustness_row_reads_each_lambda_from_its_selection(tmp_path):
   assert row.ours.values == {0: pytest.approx(95.0), 1: pytest.approx(96.0)}
   with pytest.raises(ValueError, match="safe ran with lambda 1, selection chose 0.1"):
     report_sources.load_claim(*_robustness_folder(tmp_path, ran=1.0))
+
+
+def _block_folder(tmp_path, ran_penalty):
+  def run(lr, penalty, err):
+    return {"method": "safe-plus", "structure": "50%", "n": 16, "lr_scale": "none", "steps": 60,
+            "lr": lr, "penalty": penalty, "held_out_error": err}
+  tried = ((0.001, 0.001, 0.04), (0.003, 0.0001, 0.027), (0.003, 0.001, 0.029),
+           (0.003, 0.01, 0.030), (0.01, 0.001, 0.05))
+  _write(tmp_path / "block_selection_block0.json", {"runs": {
+      f"k{i}": run(*t) for i, t in enumerate(tried)}})
+  _write(tmp_path / "block.json", {
+      "steps": 60, "windows": 16, "seqlen": 128, "learning_rate": 0.003, "penalty": ran_penalty,
+      "seeds": {"0": {"safe-plus": 0.028, "wanda": 0.046}, "1": {"safe-plus": 0.027,
+                                                                  "wanda": 0.047}}})
+  _write(tmp_path / "claim.json", {
+      "order": 1, "title": "LLM", "short": "l", "paper": "–", "metric": "error",
+      "source": "llm_block", "file": "block.json", "ours": "safe-plus", "baselines": ["wanda"],
+      "rows": [{"label": "block 0"}]})
+  from claims import tuning  # pylint: disable=import-outside-toplevel
+  specs = {"SAFE+": {"lr": tuning.grid(0.001, 0.003, 0.01), "λ": tuning.grid(0.001, 0.01)},
+           "Wanda": {}}
+  return tmp_path, lambda claim, row, method: specs[method]
+
+
+def test_a_block_study_setting_that_an_extension_beat_is_flagged_not_chosen(tmp_path):
+  """The edge rule's λ 0.0001 has the lowest held-out error: runs at 0.001 are not the pick."""
+  import report_sources  # pylint: disable=import-outside-toplevel
+  row, = report_sources.load_claim(*_block_folder(tmp_path, ran_penalty=0.001)).rows
+  assert "unchosen" in row.ours.flags
+  assert "NOT THE PICK: the study's best is lr 0.003, λ 0.0001" in row.ours.hyper
+  row, = report_sources.load_claim(*_block_folder(tmp_path, ran_penalty=0.0001)).rows
+  assert "unchosen" not in row.ours.flags and row.ours.unfinished == [
+      "SAFE+'s λ at the lower end of its grid"]

@@ -18,6 +18,8 @@ Stages (each run is appended to the JSON as it finishes; a rerun skips done runs
   (64 windows at 60 steps), a per-matrix relative learning rate
   (``lr_scale="rms"``).
 * ``edge``: lr 1e-2 at 60 steps (the grid's best lr was its largest).
+* ``edge-penalty``: the edge rule on lambda at 60 steps: a pick at an end of its
+  grid gets the next decade beyond it, at the picked lr (twice at most).
 * ``extra``: the limits at 250 steps (relative lr, 64 windows), relative lr
   0.1, SAFE at 250 steps, SAFE+ 2:4 at 250 steps.
 
@@ -159,7 +161,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--block", type=int, default=0)
   parser.add_argument("--stages", nargs="*", default=["grid", "long", "nm", "limits"],
-                      choices=["grid", "long", "nm", "limits", "edge", "extra"])
+                      choices=["grid", "long", "nm", "limits", "edge", "extra", "edge-penalty"])
   parser.add_argument("--figure-only", action="store_true")
   args = parser.parse_args()
   path = OUT / f"block_selection_block{args.block}.json"
@@ -251,6 +253,19 @@ def collect(args, path, record):
     do("safe-plus", "2:4", LONG, top["lr"], top["penalty"])
     safe_top = best(runs, "safe", "50%", SHORT)[0]
     do("safe", "50%", LONG, safe_top["lr"], safe_top["penalty"])
+  if "edge-penalty" in args.stages:
+    # The edge rule on lambda: a pick at an end of its grid gets the next decade beyond that
+    # end, at the picked lr; again while the new value wins (at most two extensions).
+    for method in safe_methods:
+      for _ in range(2):
+        top = best(runs, method, "50%", SHORT)[0]
+        tried = sorted({r["penalty"] for r in runs.values() if r["method"] == method
+                        and r["steps_requested"] == SHORT and r["n"] == CALIB_WINDOWS
+                        and r.get("lr_scale") == "none" and r["structure"] == "50%"})
+        if top["penalty"] not in (tried[0], tried[-1]):
+          break
+        beyond = top["penalty"] / 10 if top["penalty"] == tried[0] else top["penalty"] * 10
+        do(method, "50%", SHORT, top["lr"], beyond)
   # The best (lr, lambda) per method, structure and step budget, on held-out error only
   # (absolute lr, 16 calibration windows: the settings the full-model runs can use).
   record["selected"] = {}

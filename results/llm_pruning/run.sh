@@ -6,6 +6,9 @@ set -eu
 cd "$(dirname "$0")/../.."  # the repository root
 . benchmarks/claims/env.sh
 python benchmarks/claims/llm_block_selection.py --stages grid long nm limits edge extra
+# the edge rule on λ (SAFE+'s 0.001 and SAFE's 0.01 sat at the ends of {0.001, 0.01}): the next decade
+# beyond, at the picked lr; neither won, so the whole-model runs below keep their settings
+python benchmarks/claims/llm_block_selection.py --stages edge-penalty
 python benchmarks/claims/llm_block_selection.py --block 11 --stages grid
 python benchmarks/claims/llm_results.py --only dense magnitude_50pct wanda_50pct sparsegpt_50pct magnitude_2of4 wanda_2of4 sparsegpt_2of4
 python benchmarks/claims/llm_results.py --budget steps250 --only safe-plus_50pct safe-plus_2of4
