@@ -93,6 +93,16 @@ def _grid_note(arm: Arm, name: str, value: float, grid: list[float], where: str,
                    + (" AT GRID EDGE" if edge else ""))
 
 
+def _chosen_lambda(arm: Arm, sel: dict, method: str, key: str, value: float, file: str,
+                   where: str) -> None:
+  """A penalty method's λ from a validation selection: the run's value must be the one chosen."""
+  chosen = sel["chosen"][key]
+  if abs(chosen - value) > 1e-12:
+    raise ValueError(f"{file}: {method} ran with lambda {value:g}, selection chose {chosen:g}")
+  _grid_note(arm, "λ", value, [g.get("value", g.get("penalty")) for g in sel["grid"]
+                               if g["method"] == method] or [value], where)
+
+
 def _only(values: set, what: str) -> Any:
   if len(values) != 1:
     raise ValueError(f"{what} differs between seeds: {sorted(values, key=str)}")
@@ -188,11 +198,8 @@ def _noise_row(folder: pathlib.Path, r: dict) -> Row:
       raise ValueError(f"{r['file']} has no {method} run at noise {r['noise']}")
     arm = Arm(NAMES[method], {x["seed"]: _percent(x["accuracy"]) for x in runs}, budget)
     value = _only({x["penalty"] for x in runs}, f"{method}'s lambda")
-    grid = [g.get("value", g.get("penalty")) for g in sel["grid"] if g["method"] == method]
-    chosen = sel["chosen"][f"{method}@0.9"]
-    if abs(chosen - value) > 1e-12:
-      raise ValueError(f"{r['file']}: {method} ran with lambda {value:g}, selection chose {chosen:g}")
-    _grid_note(arm, "λ", value, grid or [value], f"`{r.get('selection', r['file'])}`")
+    _chosen_lambda(arm, sel, method, f"{method}@0.9", value, r["file"],
+                   f"`{r.get('selection', r['file'])}`")
     if method == "safe":
       rho = _only({x.get("rho", c["rho"]) for x in runs}, "rho")
       if "rho_grid" in sel:
@@ -398,12 +405,8 @@ def _robustness_row(folder: pathlib.Path, r: dict) -> Row:
       arm.hyper.append(f"λ {value:g}, the preset's value, NOT CHOSEN here")
       arm.flags.add("unchosen")
     else:
-      chosen = sel["chosen"][f"{method}@{data['sparsity']:g}"]
-      if abs(chosen - value) > 1e-12:
-        raise ValueError(f"{r['file']}: {method} ran with lambda {value:g}, selection chose "
-                         f"{chosen:g}")
-      _grid_note(arm, "λ", value, [g["value"] for g in sel["grid"] if g["method"] == method],
-                 f"`{r['file']}`")
+      _chosen_lambda(arm, sel, method, f"{method}@{data['sparsity']:g}", value, r["file"],
+                     f"`{r['file']}`")
       if method == "safe":
         arm.hyper.append(f"ρ {c['rho']:g} (the paper's value, not tuned)")
         if c.get("rescale_dual"):

@@ -150,7 +150,8 @@ def _key(method, structure, steps=0, lr=None, penalty=None, n=CALIB_WINDOWS, lr_
 
 
 def best(runs, method, structure, steps=None, n=CALIB_WINDOWS, lr_scale="none", top=1):
-  """The ``top`` SAFE runs with the lowest held-out error (optionally at a step budget)."""
+  """The ``top`` SAFE runs (``top=None``: all) with the lowest held-out error (optionally at a
+  step budget), best first."""
   pool = [r for r in runs.values() if r["method"] == method and r["structure"] == structure
           and r["n"] == n and r.get("lr_scale") == lr_scale
           and (steps is None or r["steps_requested"] == steps)]
@@ -258,10 +259,8 @@ def collect(args, path, record):
     # end, at the picked lr; again while the new value wins (at most two extensions).
     for method in safe_methods:
       for _ in range(2):
-        top = best(runs, method, "50%", SHORT)[0]
-        tried = sorted({r["penalty"] for r in runs.values() if r["method"] == method
-                        and r["steps_requested"] == SHORT and r["n"] == CALIB_WINDOWS
-                        and r.get("lr_scale") == "none" and r["structure"] == "50%"})
+        pool = best(runs, method, "50%", SHORT, top=None)  # every 60-step run, best first
+        top, tried = pool[0], sorted({r["penalty"] for r in pool})
         if top["penalty"] not in (tried[0], tried[-1]):
           break
         beyond = top["penalty"] / 10 if top["penalty"] == tried[0] else top["penalty"] * 10
