@@ -321,6 +321,7 @@ def _standard_row(folder: pathlib.Path, r: dict) -> Row:
   """``llm_standard.py``'s pieces: one perplexity per method and calibration seed; missing: pending."""
   files = folder / r["dir"]
   size = r["calibration"]
+  structure = r.get("structure", "50pct")  # or "2of4": llm_standard.py --nm 2:4
   done = sorted(files.glob("*.ppl.json"))
   budget = f"{size.replace('x', ' x ')} calibration tokens, standard protocol"
   if done:
@@ -329,8 +330,8 @@ def _standard_row(folder: pathlib.Path, r: dict) -> Row:
   arms = []
   for method in [r["ours"], *r["baselines"]]:
     # Magnitude pruning reads no calibration data: its one run stands in every seed.
-    names = ({s: "magnitude_50pct" for s in r["seeds"]} if method == "magnitude" else
-             {s: f"{method}_50pct_{size}_seed{s}" for s in r["seeds"]})
+    names = ({s: f"magnitude_{structure}" for s in r["seeds"]} if method == "magnitude" else
+             {s: f"{method}_{structure}_{size}_seed{s}" for s in r["seeds"]})
     values = {s: _load(files / f"{n}.ppl.json")["perplexity"] for s, n in names.items()
               if (files / f"{n}.ppl.json").exists()}
     arm = Arm(NAMES[method], values, budget)
@@ -345,6 +346,9 @@ def _standard_row(folder: pathlib.Path, r: dict) -> Row:
                                   ("λ", p["penalty"], pick["penalty_grid"]),
                                   ("steps", pick["steps"], pick["steps_grid"])):
         _grid_note(arm, symbol, value, grid, where)
+      if structure != "50pct":
+        arm.flags.add("unchosen")
+        arm.hyper.append(f"NOT CHOSEN for {structure.replace('of', ':')} (the 50 % study's picks)")
       arm.hyper.append(f"{steps} steps per block")
     elif method in PENALIZED:
       arm.hyper.append("not run yet")

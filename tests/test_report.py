@@ -290,3 +290,50 @@ def test_a_block_study_setting_that_an_extension_beat_is_flagged_not_chosen(tmp_
   row, = report_sources.load_claim(*_block_folder(tmp_path, ran_penalty=0.0001)).rows
   assert "unchosen" not in row.ours.flags and row.ours.unfinished == [
       "SAFE+'s λ at the lower end of its grid"]
+
+
+def _standard_folder(tmp_path):
+  """llm_standard.py's pieces at 2:4: magnitude once, SparseGPT at seeds 0 and 1, SAFE+ at seed 0."""
+  files = tmp_path / "standard"
+  files.mkdir()
+
+  def ppl(name, value):
+    _write(files / f"{name}.ppl.json", {"perplexity": value, "tokens": 1000, "window": 100})
+
+  ppl("magnitude_2of4", 900.0)
+  ppl("sparsegpt_2of4_64x512_seed0", 40.0)
+  ppl("sparsegpt_2of4_64x512_seed1", 42.0)
+  ppl("safe-plus_2of4_64x512_seed0", 38.0)
+  _write(files / "safe-plus_2of4_64x512_seed0.prune.json", {
+      "prune_config": {"learning_rate": 0.003, "penalty": 0.001, "epochs": 15, "batch_size": 8},
+      "calibration": {"nsamples": 64}})
+  _write(tmp_path / "sel.json", {"selected": {"safe-plus": {
+      "lr": 0.003, "lr_grid": [0.001, 0.003, 0.01], "penalty": 0.001,
+      "penalty_grid": [0.0001, 0.001, 0.01], "steps": 120, "steps_grid": [60, 120, 250]}}})
+  row = {"source": "llm_standard", "dir": "standard", "calibration": "64x512", "seeds": [0, 1],
+         "selection": "sel.json"}
+  _write(tmp_path / "claim.json", {
+      "order": 1, "title": "LLM", "short": "l", "paper": "–", "metric": "perplexity",
+      "source": "llm", "ours": "safe-plus", "baselines": ["sparsegpt", "magnitude"],
+      "higher_is_better": False,
+      "rows": [{**row, "label": "2:4", "structure": "2of4"}, {**row, "label": "50 %"}]})
+  from claims import tuning  # pylint: disable=import-outside-toplevel
+  specs = {"SAFE+": {"lr": tuning.grid(0.001, 0.003, 0.01), "λ": tuning.grid(0.0001, 0.001, 0.01),
+                     "steps": tuning.grid(60, 120, 250)}, "SparseGPT": {}, "magnitude": {}}
+  return tmp_path, lambda claim, row, method: specs[method]
+
+
+def test_a_standard_protocol_row_reads_its_structures_pieces_per_seed(tmp_path):
+  """The 2:4 row reads the 2of4 pieces only; magnitude's one run stands in every seed; SAFE+ at
+  2:4 reuses the 50 % study's picks, so it is flagged NOT CHOSEN; the 50 % row is still pending."""
+  import report_sources  # pylint: disable=import-outside-toplevel
+  nm, half = report_sources.load_claim(*_standard_folder(tmp_path)).rows
+  sparsegpt, magnitude = nm.baselines
+  assert nm.ours.values == {0: 38.0}
+  assert sparsegpt.values == {0: 40.0, 1: 42.0} and magnitude.values == {0: 900.0, 1: 900.0}
+  assert "unchosen" in nm.ours.flags and "unchosen" not in sparsegpt.flags
+  assert "NOT CHOSEN for 2:4 (the 50 % study's picks)" in nm.ours.hyper
+  assert "120 steps per block" in nm.ours.hyper  # 15 epochs of 64 / 8 batches
+  assert "1000 tokens in 100-token windows" in nm.ours.budget
+  assert all(not arm.values for arm in (half.ours, *half.baselines))
+  assert half.ours.hyper == ["not run yet"]

@@ -1,10 +1,13 @@
-"""Table 2's 50 % rows on the standard protocol, one resumable piece at a time.
+"""Table 2's 50 % and 2:4 rows on the standard protocol, one resumable piece at a time.
 
 Every piece is one ``safe-optax-llm`` command (run in this process through
 :func:`safe_optax.llm.cli.main`): ``dense.ppl.json`` (perplexity of the dense
 model), and per method and calibration seed ``<name>.prune.json`` (the
 prune's ``report.json``; the export stays in ``--work``) then
-``<name>.ppl.json`` (the export's perplexity). A piece whose JSON is in
+``<name>.ppl.json`` (the export's perplexity), where ``<name>`` is
+``<method>_<structure>_<nsamples>x<seqlen>_seed<seed>`` (``<structure>``:
+``50pct``, or ``2of4`` with ``--nm 2:4``; magnitude, which reads no
+calibration: ``magnitude_<structure>``). A piece whose JSON is in
 ``results/llm_pruning/standard/`` is skipped, and an interrupted prune
 continues from its next block, so rerunning the same command resumes.
 
@@ -19,6 +22,7 @@ the held-out selection study (``--selection``, written by
   python benchmarks/claims/llm_standard.py --list          # what is done and what is pending
   python benchmarks/claims/llm_standard.py --pieces 1      # run the next pending piece
   python benchmarks/claims/llm_standard.py                 # run every pending piece
+  python benchmarks/claims/llm_standard.py --nm 2:4        # the 2:4 rows
 """
 
 from __future__ import annotations
@@ -57,19 +61,26 @@ def safe_arguments(method: str, selection: pathlib.Path, nsamples: int,
           "--penalty", f"{pick['penalty']:g}", "--dual-every", "32"]
 
 
+def structure_name(nm: Optional[tuple[int, int]]) -> str:
+  """``50pct`` (unstructured 50 %) or ``NofM`` for ``--nm N:M``: the pieces' names."""
+  return "50pct" if nm is None else "{}of{}".format(*nm)
+
+
 def pieces(args) -> list[tuple[str, Optional[list[str]], Optional[pathlib.Path]]]:
   """``(json name, safe-optax-llm arguments or None while blocked, export folder)``.
 
   The export folder is the prune's ``--out``, whose ``report.json`` is kept.
   """
   model, text = str(run_results.gguf_path()), str(run_results.EVALS["wikitext2"])
+  structure = structure_name(args.nm)
+  pattern = ["--sparsity", "0.5"] if args.nm is None else ["--nm", "{}:{}".format(*args.nm)]
   todo = [("dense.ppl.json", ["ppl", "--model", model, "--text", text], None)]
   for method in args.methods:
     for seed in ([0] if method == "magnitude" else args.seeds):
-      name = (f"{method}_50pct" if method == "magnitude" else
-              f"{method}_50pct_{args.nsamples}x{args.seqlen}_seed{seed}")
+      name = (f"{method}_{structure}" if method == "magnitude" else
+              f"{method}_{structure}_{args.nsamples}x{args.seqlen}_seed{seed}")
       folder = args.work / name
-      prune = ["prune", "--model", model, "--method", method, "--sparsity", "0.5",
+      prune = ["prune", "--model", model, "--method", method, *pattern,
                "--calib", str(run_results.CALIB), "--nsamples", str(args.nsamples),
                "--seqlen", str(args.seqlen), "--seed", str(seed), "--out", str(folder),
                "--export-dtype", "float32", "--quiet"]
@@ -86,6 +97,8 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
   parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+  parser.add_argument("--nm", type=cli.parse_nm, default=None,
+                      help="N:M structure (e.g. 2:4) instead of unstructured 50 %%")
   parser.add_argument("--nsamples", type=int, default=64)
   parser.add_argument("--seqlen", type=int, default=512)
   parser.add_argument("--selection", type=pathlib.Path, default=SELECTION)

@@ -178,8 +178,11 @@ DECLARED: dict[str, dict[str, Any]] = {
                  **{label: {name: {"lr": grid(0.001, 0.003, 0.01),
                                    "λ": grid(0.0001, 0.001, 0.01),
                                    "steps": grid(60, 120, 250)} for name in ("SAFE+", "SAFE")}
+                    # The 2:4 rows reuse the 50 % study's grids and picks (flagged NOT CHOSEN).
                     for label in ("50 %, WikiText-2, standard protocol",
-                                  "50 %, WikiText-2, standard protocol, SAFE")}}},
+                                  "50 %, WikiText-2, standard protocol, SAFE",
+                                  "2:4, WikiText-2, standard protocol",
+                                  "2:4, WikiText-2, standard protocol, SAFE")}}},
     "cifar10_resnet20x2": {
         "when": AFTER,
         "methods": {"SAFE": {"λ": fixed(0.001, "the paper's value")},

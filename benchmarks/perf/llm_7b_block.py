@@ -23,17 +23,23 @@ Extrapolated to the paper's budget (128 windows of 2,048 tokens, batch 8,
   cost: as measured (a low end: its compilation and final projection do not
   grow with tokens) up to scaled by (128 x 2,048) / calibration tokens (a high
   end: its target, statistics and error passes do);
-* SparseGPT: runs on ``--windows`` W and 2W windows; the difference is the
-  cost of W windows' passes (forward, Hessian sums, the error pass), the rest
-  (the seven OBS solves, which do not grow with tokens) is fixed; the passes
-  are scaled to 128 x 2,048 tokens.
+* SparseGPT: runs on ``--sparsegpt-windows`` W and 2W windows; the difference
+  is the cost of W windows' passes (forward, Hessian sums, the error pass), the
+  rest (the seven OBS solves, which do not grow with tokens) is fixed; the
+  passes are scaled to 128 x 2,048 tokens. One window's passes take about a
+  second here against minutes of solves, so W is large (32) for the
+  difference to stand above the run-to-run noise; where it does not (the
+  2W-window run is not slower), the file says so and extrapolates nothing.
 
 Linear in tokens understates attention at longer windows (its score matrix
 grows as the window squared), so with windows shorter than 2,048 the
 extrapolation is a lower bound. The run is heavy on a 2-core CPU: few steps,
 one short window. Prints a table and writes JSON with versions and the command.
+``--methods`` naming some of the methods reruns those and keeps the others'
+results in ``--out``; each method's entry records the command, date and load
+average that measured it.
 
-  python benchmarks/perf/llm_7b_block.py --windows 1 --seqlen 256 --steps 1,2
+  python benchmarks/perf/llm_7b_block.py --windows 1 --seqlen 256 --steps 1,5
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ import _common  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
 OUT = HERE / "results" / "llm_7b_block.json"
+METHODS = ("safe", "safe-plus", "sparsegpt")
 SHAPE = {"hidden_size": 4096, "intermediate_size": 11008, "num_heads": 32, "num_kv_heads": 32}
 PAPER = {"source": "SAFE (ICML 2025) appendix 'Wall-clock Time', table tab:pruning_time "
                    "(/work/shared/paper/safe_icml2025.tex; /work/shared/SPEC.md section 3, LLM)",
@@ -108,6 +115,13 @@ def extrapolate(result: dict, windows: int, seqlen: int) -> dict:
   if result["method"] == "sparsegpt":
     (w1, t1), (w2, t2) = [(r["windows"], r["block_s"]) for r in runs[:2]]
     per_window = (t2 - t1) / (w2 - w1)
+    if per_window <= 0:
+      # The 2W-window run was not slower: the passes are lost in the run-to-run noise.
+      return {"passes_per_window_s": None, "paper_budget_block_s": None,
+              "paper_s": PAPER["sparsegpt_s"],
+              "note": f"the {w2}-window run took {t2:.1f} s, the {w1}-window run {t1:.1f} s: the "
+                      "difference is noise, not the passes; rerun with more windows "
+                      "(--sparsegpt-windows)"}
     fixed = t1 - w1 * per_window
     block = fixed + per_window * paper_tokens / seqlen
     return {"passes_per_window_s": per_window, "fixed_s": fixed,
@@ -135,7 +149,10 @@ def main() -> None:
   parser.add_argument("--windows", type=int, default=1, help="calibration windows (one batch)")
   parser.add_argument("--seqlen", type=int, default=256, help="tokens a window")
   parser.add_argument("--steps", default="1,2", help="the two step counts A,B of SAFE/SAFE+")
-  parser.add_argument("--methods", default="safe,safe-plus,sparsegpt")
+  parser.add_argument("--sparsegpt-windows", type=int, default=32,
+                      help="SparseGPT's W: it runs on W and 2W windows")
+  parser.add_argument("--methods", default="safe,safe-plus,sparsegpt",
+                      help="a comma list; the others' results already in --out are kept")
   parser.add_argument("--out", default=str(OUT))
   parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
   parser.add_argument("--extrapolate-only", action="store_true",
@@ -156,21 +173,49 @@ def main() -> None:
     _table(report)
     return
   start = time.perf_counter()
-  report = {**_common.run_record(), "shape": SHAPE, "windows": args.windows,
-            "seqlen": args.seqlen, "steps": steps, "paper": PAPER, "methods": {}}
+  record = _common.run_record()
+  report = {**record, "shape": SHAPE, "windows": args.windows, "seqlen": args.seqlen,
+            "steps": steps, "paper": PAPER, "methods": {}}
+  kept = _kept_methods(pathlib.Path(args.out), report, args.methods.split(","))
   for method in args.methods.split(","):
+    windows = args.sparsegpt_windows if method == "sparsegpt" else args.windows
     proc = subprocess.run(
-        [sys.executable, __file__, "--worker", method, "--windows", str(args.windows),
+        [sys.executable, __file__, "--worker", method, "--windows", str(windows),
          "--seqlen", str(args.seqlen), "--steps", args.steps],
         capture_output=True, text=True, check=False)
     if proc.returncode != 0:
       raise SystemExit(f"{method} failed:\n{proc.stderr[-3000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    result["extrapolation"] = extrapolate(result, args.windows, args.seqlen)
+    result["extrapolation"] = extrapolate(result, windows, args.seqlen)
+    result["measured_by"] = {"command": record["command"], "date": record["date"],
+                             "loadavg_start": record["cpu"]["loadavg_start"],
+                             "loadavg_end": os.getloadavg()}
     report["methods"][method] = result
     print(f"{method}: {json.dumps(result['extrapolation'])}", flush=True)
+  report["methods"] = {m: report["methods"].get(m) or kept[m] for m in METHODS
+                       if m in report["methods"] or m in kept}
   _table(report)
   _common.write_report(report, args.out, start)
+
+
+def _kept_methods(out: pathlib.Path, report: dict, methods: list[str]) -> dict:
+  """The methods not rerun, from ``out`` when it measured the same block the same way."""
+  unknown = sorted(set(methods) - set(METHODS))
+  if unknown:
+    raise SystemExit(f"--methods: {unknown} not among {list(METHODS)}")
+  if not out.exists() or set(methods) == set(METHODS):
+    return {}
+  old = json.loads(out.read_text())
+  same = ("shape", "windows", "seqlen", "steps")
+  if any(old.get(key) != report[key] for key in same):
+    raise SystemExit(f"{out} measured another setting ({ {k: old.get(k) for k in same} }); "
+                     "rerun every method or write to another --out")
+  kept = {m: r for m, r in old["methods"].items() if m not in methods}
+  for result in kept.values():  # measured by the file's whole run: its header says how
+    result.setdefault("measured_by", {"command": old["command"], "date": old["date"],
+                                      "loadavg_start": old["cpu"]["loadavg_start"],
+                                      "loadavg_end": old["cpu"]["loadavg_end"]})
+  return kept
 
 
 def _table(report: dict) -> None:

@@ -27,6 +27,8 @@ python benchmarks/claims/llm_block_studies.py select --windows 64 --seqlen 128 -
 python benchmarks/claims/llm_block_studies.py calib --selection none --lr 3e-3 --penalty 1e-3 --steps 60 --sizes 16x128 64x128 64x512
 # The 50 % rows on the standard protocol, 64 x 512 calibration tokens, seeds 0 1 2: one JSON per prune
 # and per perplexity in standard/, each skipped when present (--list shows what is pending;
-# --pieces 1 runs the next piece only). ~13 min of the whole 2-core machine per perplexity.
+# --pieces 1 runs the next piece only). ~21 min of the whole 2-core machine per perplexity.
 python benchmarks/claims/llm_standard.py
+# the 2:4 rows, the same way (SAFE / SAFE+ reuse the 50 % picks)
+python benchmarks/claims/llm_standard.py --nm 2:4
 python benchmarks/report.py

@@ -1,0 +1,63 @@
+"""benchmarks/perf/llm_7b_block.py: the extrapolation from two runs, and keeping the methods not rerun."""
+
+import json
+import pathlib
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks" / "perf"))
+import llm_7b_block as bench  # noqa: E402  pylint: disable=wrong-import-position
+
+
+def _result(method, runs):
+  key = "windows" if method == "sparsegpt" else "steps"
+  return {"method": method, "runs": [{key: k, "windows": k if key == "windows" else 1,
+                                      "block_s": t} for k, t in runs]}
+
+
+def test_safe_extrapolates_a_step_from_the_difference_of_two_runs():
+  ex = bench.extrapolate(_result("safe", [(1, 20.0), (5, 60.0)]), windows=1, seqlen=256)
+  assert ex["step_s"] == pytest.approx(10.0) and ex["fixed_s"] == pytest.approx(10.0)
+  # 480 steps of 8 x 2,048 tokens, each 64 times a 256-token step
+  paper_step = 10.0 * 8 * 2048 / 256
+  low, high = ex["paper_budget_block_s"]
+  assert low == pytest.approx(480 * paper_step + 10.0)
+  assert high == pytest.approx(480 * paper_step + 10.0 * 128 * 2048 / 256)
+
+
+def test_sparsegpt_separates_the_passes_from_the_solves():
+  ex = bench.extrapolate(_result("sparsegpt", [(32, 164.0), (64, 196.0)]), windows=32, seqlen=256)
+  assert ex["passes_per_window_s"] == pytest.approx(1.0) and ex["fixed_s"] == pytest.approx(132.0)
+  assert ex["paper_budget_block_s"] == [pytest.approx(132.0 + 128 * 2048 / 256)] * 2
+
+
+@pytest.mark.parametrize("method,runs", [("safe", [(1, 143.5), (2, 133.1)]),
+                                         ("safe-plus", [(1, 50.0), (5, 50.0)]),
+                                         ("sparsegpt", [(1, 168.2), (2, 156.6)])])
+def test_a_difference_lost_in_noise_extrapolates_nothing_and_says_so(method, runs):
+  ex = bench.extrapolate(_result(method, runs), windows=runs[0][0], seqlen=256)
+  assert ex["paper_budget_block_s"] is None and "noise" in ex["note"]
+  assert "ratio_to_paper" not in ex
+
+
+def _report(**changes):
+  return {"shape": bench.SHAPE, "windows": 1, "seqlen": 256, "steps": [1, 5], **changes}
+
+
+def test_rerunning_some_methods_keeps_the_others_with_how_they_were_measured(tmp_path):
+  out = tmp_path / "block.json"
+  old = {**_report(), "command": "python llm_7b_block.py", "date": "d",
+         "cpu": {"loadavg_start": [1.0], "loadavg_end": [2.0]},
+         "methods": {m: {"method": m} for m in bench.METHODS}}
+  out.write_text(json.dumps(old))
+  kept = bench._kept_methods(out, _report(), ["sparsegpt"])  # pylint: disable=protected-access
+  assert sorted(kept) == ["safe", "safe-plus"]
+  assert kept["safe"]["measured_by"] == {"command": "python llm_7b_block.py", "date": "d",
+                                         "loadavg_start": [1.0], "loadavg_end": [2.0]}
+  assert bench._kept_methods(out, _report(), list(bench.METHODS)) == {}  # pylint: disable=protected-access
+  with pytest.raises(SystemExit, match="measured another setting"):
+    bench._kept_methods(out, _report(steps=[1, 2]), ["sparsegpt"])  # pylint: disable=protected-access
+  with pytest.raises(SystemExit, match="--methods"):
+    bench._kept_methods(out, _report(), ["obs"])  # pylint: disable=protected-access
