@@ -26,8 +26,8 @@ Extrapolated to the paper's budget (128 windows of 2,048 tokens, batch 8,
 * SparseGPT: runs on ``--sparsegpt-windows`` W and 2W windows; the difference
   is the cost of W windows' passes (forward, Hessian sums, the error pass), the
   rest (the seven OBS solves, which do not grow with tokens) is fixed; the
-  passes are scaled to 128 x 2,048 tokens. One window's passes take about a
-  second here against minutes of solves, so W is large (32) for the
+  passes are scaled to 128 x 2,048 tokens. One window's passes are small next
+  to the solves on this CPU, so W is large (32 by default) for the
   difference to stand above the run-to-run noise; where it does not (the
   2W-window run is not slower), the file says so and extrapolates nothing.
 
@@ -148,7 +148,7 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--windows", type=int, default=1, help="calibration windows (one batch)")
   parser.add_argument("--seqlen", type=int, default=256, help="tokens a window")
-  parser.add_argument("--steps", default="1,2", help="the two step counts A,B of SAFE/SAFE+")
+  parser.add_argument("--steps", default="1,5", help="the two step counts A,B of SAFE/SAFE+")
   parser.add_argument("--sparsegpt-windows", type=int, default=32,
                       help="SparseGPT's W: it runs on W and 2W windows")
   parser.add_argument("--methods", default="safe,safe-plus,sparsegpt",
