@@ -1,0 +1,56 @@
+"""benchmarks/claims/llm_standard.py: which pieces a row needs, and the commands that make them."""
+
+import argparse
+import json
+import pathlib
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks" / "claims"))
+import llm_standard  # noqa: E402  pylint: disable=wrong-import-position
+from safe_optax.llm import cli  # noqa: E402  pylint: disable=wrong-import-position
+
+
+@pytest.fixture(autouse=True)
+def _model(monkeypatch, tmp_path):
+  """The pieces only name the model file: a stand-in path, so no GGUF is needed."""
+  monkeypatch.setattr(llm_standard.run_results, "gguf_path", lambda: tmp_path / "model.gguf")
+
+
+def _args(tmp_path, nm=None, methods=("magnitude", "sparsegpt", "safe-plus"), selection=None):
+  return argparse.Namespace(methods=list(methods), seeds=[0, 1], nsamples=64, seqlen=512,
+                            nm=None if nm is None else cli.parse_nm(nm),
+                            selection=selection or tmp_path / "missing.json", work=tmp_path)
+
+
+@pytest.mark.parametrize("nm,structure,pattern", [(None, "50pct", ["--sparsity", "0.5"]),
+                                                  ("2:4", "2of4", ["--nm", "2:4"])])
+def test_each_structure_names_its_own_pieces(tmp_path, nm, structure, pattern):
+  todo = llm_standard.pieces(_args(tmp_path, nm))
+  names = [name for name, _, _ in todo]
+  assert names == ["dense.ppl.json", f"magnitude_{structure}.prune.json",
+                   f"magnitude_{structure}.ppl.json"] + [
+      f"{m}_{structure}_64x512_seed{s}.{kind}.json" for m in ("sparsegpt", "safe-plus")
+      for s in (0, 1) for kind in ("prune", "ppl")]
+  prune = dict((name, argv) for name, argv, _ in todo)[f"sparsegpt_{structure}_64x512_seed1.prune.json"]
+  i = prune.index(pattern[0])
+  assert prune[i:i + 2] == pattern and "--sparsity" not in prune[i + 2:] and "--nm" not in prune[i + 2:]
+  assert prune[prune.index("--seed") + 1] == "1"
+  assert prune[prune.index("--out") + 1] == str(tmp_path / f"sparsegpt_{structure}_64x512_seed1")
+  # SAFE+ waits for the selection's pick: no command yet, for its prune or its perplexity.
+  assert all(argv is None for name, argv, _ in todo if name.startswith("safe-plus"))
+
+
+def test_safe_pieces_take_lr_lambda_and_steps_from_the_selection(tmp_path):
+  selection = tmp_path / "selection.json"
+  selection.write_text(json.dumps({"selected": {"safe-plus": {
+      "lr": 0.003, "penalty": 0.001, "steps": 1000}}}))
+  todo = llm_standard.pieces(_args(tmp_path, "2:4", ["safe-plus"], selection))
+  prune = dict((name, argv) for name, argv, _ in todo)["safe-plus_2of4_64x512_seed0.prune.json"]
+  flag = lambda name: prune[prune.index(name) + 1]
+  # 1000 steps of 64 / 8 minibatches: 125 epochs
+  assert (flag("--lr"), flag("--penalty"), flag("--epochs"), flag("--batch-size")) == (
+      "0.003", "0.001", "125", "8")
+
