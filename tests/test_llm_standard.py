@@ -54,3 +54,32 @@ def test_safe_pieces_take_lr_lambda_and_steps_from_the_selection(tmp_path):
   assert (flag("--lr"), flag("--penalty"), flag("--epochs"), flag("--batch-size")) == (
       "0.003", "0.001", "125", "8")
 
+
+
+def test_a_done_prune_whose_export_is_gone_runs_again_before_its_perplexity(tmp_path, monkeypatch):
+  out, work = tmp_path / "standard", tmp_path / "work"
+  out.mkdir()
+  (out / "dense.ppl.json").write_text("{}")
+  (out / "magnitude_50pct.prune.json").write_text("{}")  # done, but its export is not in work/
+  calls = []
+
+  def fake_main(argv):
+    calls.append(argv[0])
+    if argv[0] == "prune":
+      folder = pathlib.Path(argv[argv.index("--out") + 1])
+      folder.mkdir(parents=True)
+      (folder / "report.json").write_text('{"method": "magnitude"}')
+    else:
+      assert pathlib.Path(argv[argv.index("--model") + 1]).is_dir()  # scored from the export
+      pathlib.Path(argv[argv.index("--json") + 1]).write_text("{}")
+    return 0
+
+  monkeypatch.setattr(llm_standard, "OUT", out)
+  monkeypatch.setattr(llm_standard.cli, "main", fake_main)
+  monkeypatch.setattr(sys, "argv", ["llm_standard.py", "--methods", "magnitude",
+                                    "--work", str(work)])
+  llm_standard.main()
+  assert calls == ["prune", "ppl"] and (out / "magnitude_50pct.ppl.json").exists()
+  calls.clear()
+  llm_standard.main()  # everything done: nothing runs, although work/ could be cleared now
+  assert calls == []

@@ -9,7 +9,8 @@ prune's ``report.json``; the export stays in ``--work``) then
 ``50pct``, or ``2of4`` with ``--nm 2:4``; magnitude, which reads no
 calibration: ``magnitude_<structure>``). A piece whose JSON is in
 ``results/llm_pruning/standard/`` is skipped, and an interrupted prune
-continues from its next block, so rerunning the same command resumes.
+continues from its next block, so rerunning the same command resumes; a done
+prune whose perplexity is pending and whose export is gone runs again.
 
 Perplexity: the standard protocol (the whole WikiText-2 test text, rows joined
 as SparseGPT and Wanda join them, non-overlapping windows of the model's
@@ -112,6 +113,12 @@ def main() -> None:
   ran = 0
   for name, argv, folder in pieces(args):
     done = (OUT / name).exists()
+    if done and folder is not None and not (folder / "report.json").exists() and not (
+        OUT / name.replace(".prune.json", ".ppl.json")).exists():
+      # Its perplexity still needs the export, which is gone (another machine, a cleared
+      # --work): prune again; the same seed gives the same export.
+      print(f"export of {name} missing from {folder}: pruning again for its perplexity")
+      done = False
     if argv is None:
       print(f"blocked {name}: {args.selection.name} has no pick for its method yet")
       continue
