@@ -319,6 +319,7 @@ def _block_row(folder: pathlib.Path, r: dict) -> Row:
 
 def _standard_row(folder: pathlib.Path, r: dict) -> Row:
   """``llm_standard.py``'s pieces: one perplexity per method and calibration seed; missing: pending."""
+  from claims import llm_standard  # pylint: disable=import-outside-toplevel  (imports JAX)
   files = folder / r["dir"]
   size = r["calibration"]
   structure = r.get("structure", "50pct")  # or "2of4": llm_standard.py --nm 2:4
@@ -329,9 +330,8 @@ def _standard_row(folder: pathlib.Path, r: dict) -> Row:
     budget += f" ({first['tokens']} tokens in {first['window']}-token windows)"
   arms = []
   for method in [r["ours"], *r["baselines"]]:
-    # Magnitude pruning reads no calibration data: its one run stands in every seed.
-    names = ({s: f"magnitude_{structure}" for s in r["seeds"]} if method == "magnitude" else
-             {s: f"{method}_{structure}_{size}_seed{s}" for s in r["seeds"]})
+    # The script's own naming (magnitude's one run stands in every seed).
+    names = {s: llm_standard.piece_name(method, structure, size, s) for s in r["seeds"]}
     values = {s: _load(files / f"{n}.ppl.json")["perplexity"] for s, n in names.items()
               if (files / f"{n}.ppl.json").exists()}
     arm = Arm(NAMES[method], values, budget)

@@ -61,3 +61,10 @@ def test_rerunning_some_methods_keeps_the_others_with_how_they_were_measured(tmp
     bench._kept_methods(out, _report(steps=[1, 2]), ["sparsegpt"])  # pylint: disable=protected-access
   with pytest.raises(SystemExit, match="--methods"):
     bench._kept_methods(out, _report(), ["obs"])  # pylint: disable=protected-access
+
+
+def test_a_window_count_below_one_is_refused_before_anything_runs(monkeypatch, capsys):
+  monkeypatch.setattr(sys, "argv", ["llm_7b_block.py", "--sparsegpt-windows", "0"])
+  with pytest.raises(SystemExit):
+    bench.main()
+  assert "--sparsegpt-windows must be a window count >= 1, got 0" in capsys.readouterr().err

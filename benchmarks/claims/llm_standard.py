@@ -67,6 +67,12 @@ def structure_name(nm: Optional[tuple[int, int]]) -> str:
   return "50pct" if nm is None else "{}of{}".format(*nm)
 
 
+def piece_name(method: str, structure: str, calibration: str, seed: int) -> str:
+  """A piece's stem, e.g. ``wanda_2of4_64x512_seed1``; magnitude reads no calibration: one run."""
+  return (f"magnitude_{structure}" if method == "magnitude" else
+          f"{method}_{structure}_{calibration}_seed{seed}")
+
+
 def pieces(args) -> list[tuple[str, Optional[list[str]], Optional[pathlib.Path]]]:
   """``(json name, safe-optax-llm arguments or None while blocked, export folder)``.
 
@@ -78,8 +84,7 @@ def pieces(args) -> list[tuple[str, Optional[list[str]], Optional[pathlib.Path]]
   todo = [("dense.ppl.json", ["ppl", "--model", model, "--text", text], None)]
   for method in args.methods:
     for seed in ([0] if method == "magnitude" else args.seeds):
-      name = (f"{method}_{structure}" if method == "magnitude" else
-              f"{method}_{structure}_{args.nsamples}x{args.seqlen}_seed{seed}")
+      name = piece_name(method, structure, f"{args.nsamples}x{args.seqlen}", seed)
       folder = args.work / name
       prune = ["prune", "--model", model, "--method", method, *pattern,
                "--calib", str(run_results.CALIB), "--nsamples", str(args.nsamples),

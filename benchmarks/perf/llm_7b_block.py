@@ -161,6 +161,8 @@ def main() -> None:
   steps = [int(s) for s in args.steps.split(",")]
   if len(steps) != 2 or not 0 < steps[0] < steps[1]:
     parser.error(f"--steps must be two step counts A,B with 0 < A < B, got {args.steps!r}")
+  if args.sparsegpt_windows < 1:
+    parser.error(f"--sparsegpt-windows must be a window count >= 1, got {args.sparsegpt_windows}")
   if args.worker:
     print(json.dumps(worker(args.worker, args.windows, args.seqlen, steps)))
     return
