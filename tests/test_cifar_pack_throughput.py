@@ -1,8 +1,11 @@
 """benchmarks/perf/cifar_pack_throughput.py: FLOPs counted before the backend's passes, recounts."""
 
+import argparse
 import json
 import pathlib
 import sys
+import threading
+import time
 
 import pytest
 
@@ -56,3 +59,81 @@ def test_a_recount_replaces_the_flops_keeps_the_times_and_says_how(tmp_path):
   assert cell["plain_step"] == {"median_ms": 2.0} and cell["speedup_vs_lone_float32"] == 1.0
   assert "skipped" in report["cells"][1] and "flops_per_step" not in report["cells"][1]
   assert "lowered" in report["flops_recounted"]["how"]
+
+
+def test_the_barrier_holds_each_process_until_all_have_arrived(tmp_path):
+  arrived, released = [], []
+
+  def process(name, delay):
+    time.sleep(delay)
+    arrived.append((name, time.time()))
+    bench.file_barrier(str(tmp_path), name, 2)()
+    released.append((name, time.time()))
+
+  threads = [threading.Thread(target=process, args=(n, d)) for n, d in (("0", 0.0), ("1", 0.3))]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join()
+  last_arrival = max(t for _, t in arrived)
+  assert sorted(n for n, _ in released) == ["0", "1"]
+  assert all(t >= last_arrival for _, t in released)
+  (tmp_path / "alone").mkdir()
+  with pytest.raises(TimeoutError, match="3 processes"):
+    bench.file_barrier(str(tmp_path / "alone"), "0", 3, timeout_s=0.05)()
+
+
+def _args(**changes):
+  return argparse.Namespace(**{"method": "safe", "sparsity": 0.9, "batch": 128, "steps": 10,
+                               "warmup": 2, **changes})
+
+
+class _Child:
+  """A finished ``--child`` process: its lone cell as the last line of its output."""
+
+  def __init__(self, cell, returncode=0):
+    self.cell, self.returncode = cell, returncode
+
+  def communicate(self):
+    return "compiling\n" + json.dumps(self.cell) + "\n", "a traceback"
+
+
+def test_processes_are_scored_over_the_span_of_all_their_timed_steps(monkeypatch):
+  # two processes: one times its steps over [100, 102] s, the other over [101, 104] s
+  cells = iter([{"timed_from": 100.0, "timed_to": 102.0, "compile_s": 5.0, "flops_per_step": 7.0},
+                {"timed_from": 101.0, "timed_to": 104.0, "compile_s": 6.0, "flops_per_step": 7.0}])
+  commands = []
+
+  def popen(command, **kwargs):
+    commands.append((command, kwargs["env"]))
+    return _Child(next(cells))
+
+  monkeypatch.setattr(bench.subprocess, "Popen", popen)
+  monkeypatch.setattr(bench, "mps_daemon_running", lambda: False)
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+  cell = bench.concurrent_cell(_args(), "resnet20x2", "bfloat16", 2)
+  # 2 runs x 128 images x 10 steps over the 4 s from the first start to the last end
+  assert cell["span_s"] == 4.0 and cell["images_per_second"] == pytest.approx(640.0)
+  assert cell["images_per_second_per_run"] == pytest.approx(320.0)
+  assert cell["mean_step_ms"] == pytest.approx(400.0) and cell["compile_s"] == 6.0
+  assert cell["flops_per_second"] == pytest.approx(2 * 7.0 * 10 / 4.0)
+  assert [c[0][c[0].index("--child") + 1] for c in commands] == ["0", "1"]
+  assert all(env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.4500" for _, env in commands)
+  assert {"--barrier-count", "2", "--dtypes", "bfloat16"} <= set(commands[0][0])
+
+
+def test_a_failed_process_fails_the_cell_with_its_error(monkeypatch):
+  monkeypatch.setattr(bench.subprocess, "Popen", lambda command, **_: _Child({}, returncode=1))
+  monkeypatch.setattr(bench, "mps_daemon_running", lambda: False)
+  with pytest.raises(RuntimeError, match="--processes 2 child failed .rc 1.:\na traceback"):
+    bench.concurrent_cell(_args(), "resnet20x2", "float32", 2)
+
+
+def test_the_speedup_is_over_the_lone_program_before_a_lone_process():
+  cells = [{"model": "m", "dtype": "float32", "runs": 1, "layout": "processes",
+            "images_per_second": 90.0},
+           {"model": "m", "dtype": "float32", "runs": 1, "images_per_second": 100.0},
+           {"model": "m", "dtype": "float32", "runs": 3, "layout": "processes",
+            "images_per_second": 300.0}]
+  speedups = [c["speedup_vs_lone_float32"] for c in bench.with_speedups({"cells": cells})["cells"]]
+  assert speedups == [0.9, 1.0, 3.0]

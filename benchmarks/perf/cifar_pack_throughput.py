@@ -22,6 +22,14 @@ counted about 1 % of a ResNet step), so it is not the FLOP/s.
 this machine and rewrites its FLOP/s, saying so in the file. Inputs are random CIFAR-shaped uint8 batches (one per run), so the input
 pipeline is not timed; augmentation is (it runs inside the step).
 
+``--processes N ...``: the other way to share one device, measured side by
+side with the packs: N lone runs, each in its own process, compiled and warmed
+up, then stepped together after a barrier (table rows ``Np``). Their
+throughput is all their images over the span from the first timed step's start
+to the last one's end. Without NVIDIA's MPS daemon (``nvidia-cuda-mps-control
+-d``) the processes' kernels take turns on the GPU; with it they can run at
+once. The cell records whether the daemon ran.
+
 ``--deadline-s``: cells not started before it are skipped, and the JSON is
 rewritten after every cell, so a lease cut short keeps what it measured.
 ``--dry-run``: batch 8, two steps, packs 1 and 3, for checking on a CPU; its
@@ -43,9 +51,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import numpy as np
@@ -109,23 +121,31 @@ def lowered_step(config: configs.Config, runs: int) -> Step:
   return Step(lowered, time.perf_counter() - start, state, images, labels, dual)
 
 
-def bench(config: configs.Config, runs: int, steps: int, warmup: int, dual_steps: int
-          ) -> dict[str, Any]:
-  """One cell: ``runs`` runs of ``config`` (1: the lone program; more: the packed one)."""
+def bench(config: configs.Config, runs: int, steps: int, warmup: int, dual_steps: int,
+          barrier: Optional[Callable[[], None]] = None) -> dict[str, Any]:
+  """One cell: ``runs`` runs of ``config`` (1: the lone program; more: the packed one).
+
+  ``barrier``, where given, is called after compiling and warming up, before the
+  timed steps (the processes of a ``--processes`` cell start their steps together).
+  """
   step = lowered_step(config, runs)
   start = time.perf_counter()
   compiled = step.lowered.compile()
   compile_s = step.lower_s + time.perf_counter() - start
   state, images, labels, dual = step.state, step.images, step.labels, step.dual
   flops = flops_of(step.lowered)
-  times = []
-  for i in range(warmup + steps):
+  for _ in range(warmup):
+    state, _ = timed(compiled, state, images, labels)
+  if barrier is not None:
+    barrier()
+  times, began = [], time.time()
+  for _ in range(steps):
     state, seconds = timed(compiled, state, images, labels)
-    if i >= warmup:
-      times.append(seconds)
+    times.append(seconds)
   plain = summary(times)
   cell = {"runs": runs, "compile_s": compile_s, "plain_step": plain, "flops_per_step": flops,
-          "flops_per_step_compiled": flops_of(compiled)}
+          "flops_per_step_compiled": flops_of(compiled), "timed_from": began,
+          "timed_to": time.time()}
   step_ms = plain["median_ms"]
   if dual is not None and dual_steps:
     dual_times = []
@@ -144,6 +164,67 @@ def bench(config: configs.Config, runs: int, steps: int, warmup: int, dual_steps
   return cell
 
 
+def file_barrier(folder: str, name: str, count: int, timeout_s: float = 900.0
+                 ) -> Callable[[], None]:
+  """A barrier of ``count`` processes through ``folder``: each marks itself ready and waits
+  for the others' marks."""
+  def wait() -> None:
+    pathlib.Path(folder, f"ready_{name}").touch()
+    deadline = time.time() + timeout_s
+    while len(list(pathlib.Path(folder).glob("ready_*"))) < count:
+      if time.time() > deadline:
+        raise TimeoutError(f"{count} processes did not all reach the barrier in {timeout_s} s")
+      time.sleep(0.005)
+  return wait
+
+
+def mps_daemon_running() -> bool:
+  """Whether an NVIDIA MPS control daemon runs here (kernels of different processes then
+  share the GPU at once instead of taking turns)."""
+  if shutil.which("pgrep") is None:
+    return False
+  return subprocess.run(["pgrep", "-x", "nvidia-cuda-mps-control"], capture_output=True,
+                        check=False).returncode == 0
+
+
+def concurrent_cell(args: argparse.Namespace, model: str, dtype: str, count: int
+                    ) -> dict[str, Any]:
+  """``count`` lone runs, each in its own process on the same device, timed together.
+
+  Each process compiles and warms up its lone step, waits at a barrier, then
+  runs ``--steps`` steps; the throughput is all processes' images over the
+  span from the first timed step's start to the last one's end, so time the
+  processes did not overlap counts against them. The dual program is not
+  timed here. ``XLA_PYTHON_CLIENT_MEM_FRACTION`` is 0.9 / ``count`` unless set.
+  """
+  env = dict(os.environ)
+  env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / count:.4f}")
+  with tempfile.TemporaryDirectory() as folder:
+    command = [sys.executable, os.path.abspath(__file__), "--models", model, "--dtypes", dtype,
+               "--method", args.method, "--sparsity", str(args.sparsity), "--batch",
+               str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--barrier", folder, "--barrier-count", str(count)]
+    procs = [subprocess.Popen(command + ["--child", str(i)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for i in range(count)]
+    outs = [proc.communicate() for proc in procs]
+  for proc, (_, err) in zip(procs, outs):
+    if proc.returncode != 0:
+      raise RuntimeError(f"a --processes {count} child failed (rc {proc.returncode}):\n"
+                         f"{err[-3000:]}")
+  children = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+  span = max(c["timed_to"] for c in children) - min(c["timed_from"] for c in children)
+  images = count * args.batch * args.steps
+  flops = children[0]["flops_per_step"]
+  return {"model": model, "dtype": dtype, "runs": count, "layout": "processes",
+          "mps_daemon": mps_daemon_running(), "span_s": span,
+          "compile_s": max(c["compile_s"] for c in children),
+          "mean_step_ms": 1e3 * span / args.steps,
+          "images_per_second": images / span, "images_per_second_per_run": images / span / count,
+          "flops_per_step": None if flops is None else count * flops,
+          "flops_per_second": None if flops is None else count * flops * args.steps / span,
+          "dual_program": "not timed", "children": children}
+
+
 def with_speedups(report: dict[str, Any]) -> dict[str, Any]:
   """Adds to every measured cell its images/s over the same model's lone float32 run's.
 
@@ -155,8 +236,11 @@ def with_speedups(report: dict[str, Any]) -> dict[str, Any]:
     >>> [c.get("speedup_vs_lone_float32") for c in r["cells"]]
     [1.0, 2.5, None]
   """
-  lone = {c["model"]: c["images_per_second"] for c in report["cells"]
-          if c["runs"] == 1 and c["dtype"] == "float32" and "images_per_second" in c}
+  lone: dict[str, float] = {}
+  # the lone program run as today (not a ``--processes 1`` child) where the file has it
+  for cell in sorted(report["cells"], key=lambda c: c.get("layout") == "processes"):
+    if cell["runs"] == 1 and cell["dtype"] == "float32" and "images_per_second" in cell:
+      lone.setdefault(cell["model"], cell["images_per_second"])
   for cell in report["cells"]:
     if "images_per_second" in cell and cell["model"] in lone:
       cell["speedup_vs_lone_float32"] = cell["images_per_second"] / lone[cell["model"]]
@@ -173,7 +257,8 @@ def row(cell: dict[str, Any]) -> str:
     return f"{cell['model']:>10} {cell['dtype']:>8} {cell['runs']:>4}   {cell['skipped']}"
   tflops = cell["flops_per_second"] / 1e12 if cell.get("flops_per_second") else float("nan")
   speedup = cell.get("speedup_vs_lone_float32") or float("nan")
-  return (f"{cell['model']:>10} {cell['dtype']:>8} {cell['runs']:>4} {cell['mean_step_ms']:8.2f} "
+  runs = f"{cell['runs']}{'p' if cell.get('layout') == 'processes' else ''}"
+  return (f"{cell['model']:>10} {cell['dtype']:>8} {runs:>4} {cell['mean_step_ms']:8.2f} "
           f"{cell['images_per_second_per_run']:10.0f} {cell['images_per_second']:9.0f} "
           f"{speedup:8.2f} {tflops:8.2f} {cell['compile_s']:9.1f}")
 
@@ -217,7 +302,15 @@ def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--models", nargs="+", default=list(PRESETS), choices=list(PRESETS))
   parser.add_argument("--dtypes", nargs="+", default=list(configs.DTYPES), choices=configs.DTYPES)
-  parser.add_argument("--packs", nargs="+", type=int, default=[1, 3, 6, 9, 15])
+  parser.add_argument("--packs", nargs="*", type=int, default=[1, 3, 6, 9, 15],
+                      help="pack sizes (one vmapped program each); none: no pack cells")
+  parser.add_argument("--processes", nargs="*", type=int, default=[],
+                      help="counts of lone runs in as many processes on the device at once "
+                           "(table rows 'Np'); start an MPS daemon first for their kernels "
+                           "to run at once")
+  parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+  parser.add_argument("--barrier", default=None, help=argparse.SUPPRESS)
+  parser.add_argument("--barrier-count", type=int, default=1, help=argparse.SUPPRESS)
   parser.add_argument("--method", default="safe", choices=configs.METHODS)
   parser.add_argument("--sparsity", type=float, default=0.9)
   parser.add_argument("--batch", type=int, default=128)
@@ -240,13 +333,26 @@ def main(argv: list[str] | None = None) -> None:
     for cell in report["cells"]:
       print(row(cell))
     return
+  if args.child is not None:  # one process of a --processes cell: its lone run, as JSON
+    config = configs.get_config(PRESETS[args.models[0]], method=args.method,
+                                sparsity=args.sparsity, batch_size=args.batch,
+                                dtype=args.dtypes[0])
+    barrier = file_barrier(args.barrier, args.child, args.barrier_count)
+    print(json.dumps(bench(config, 1, args.steps, args.warmup, 0, barrier)))
+    return
+  if any(n < 1 for n in args.packs + args.processes):
+    parser.error(f"--packs and --processes take counts >= 1, got {args.packs} and "
+                 f"{args.processes}")
   if args.dry_run:
-    args.batch, args.steps, args.warmup, args.dual_steps, args.packs = 8, 2, 1, 1, [1, 3]
+    args.batch, args.steps, args.warmup, args.dual_steps = 8, 2, 1, 1
+    args.packs = [n for n in args.packs if n <= 3]
   start = time.perf_counter()
   device = jax.devices()[0]
   report = {**run_record(), "dry_run": args.dry_run,
             "device_kind": device.device_kind, "platform": device.platform,
-            "settings": {k: v for k, v in vars(args).items() if k not in ("out", "recount_flops")},
+            "settings": {k: v for k, v in vars(args).items()
+                         if k not in ("out", "recount_flops", "child", "barrier",
+                                      "barrier_count")},
             "cells": []}
   print(f"{device.device_kind} ({device.platform}){'  DRY RUN' if args.dry_run else ''}")
   print(HEADER)
@@ -264,6 +370,15 @@ def main(argv: list[str] | None = None) -> None:
         report["cells"].append(cell)
         with_speedups(report)
         print(row(cell), flush=True)
+        write_report(report, args.out, start)
+      for count in args.processes:
+        if args.deadline_s is not None and time.perf_counter() - start > args.deadline_s:
+          report["cells"].append({"model": model, "dtype": dtype, "runs": count,
+                                  "layout": "processes", "skipped": "past --deadline-s"})
+          continue
+        report["cells"].append(concurrent_cell(args, model, dtype, count))
+        with_speedups(report)
+        print(row(report["cells"][-1]), flush=True)
         write_report(report, args.out, start)
 
 

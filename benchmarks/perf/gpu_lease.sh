@@ -1,0 +1,46 @@
+#!/bin/bash
+# The next GPU lease's measurements, in order of what they decide:
+#   1. the other way to share one GPU: lone runs in 3 and 6 processes at once (cifar_pack_throughput
+#      --processes), beside the lone run, float32 and bfloat16 (issue 31's next step: the first H200
+#      lease found vmapped packs slower than a lone run in float32);
+#   2. the same with NVIDIA's MPS daemon, where the machine has one (kernels of processes at once);
+#   3. bfloat16 packs of 15 and 30 (the only packs that gained);
+#   4. the LLaMA-2-7B-shaped block, all three methods (SparseGPT was cut by the first lease's time).
+# Each step has its own timeout and writes its JSON as it goes, so a step cut short keeps its cells.
+#
+# Prepare here once (the folder is git-ignored): .gpu/ holds the wheels the image lacks
+# (ml_collections, tensorboardX; `pip download --no-deps ... -d .gpu`, see the device tool's README).
+# Then: run(command="bash benchmarks/perf/gpu_lease.sh", carry=[".gpu"], timeout_s=580).
+# Check it on a CPU first: DRY=1 bash benchmarks/perf/gpu_lease.sh (dry-run cells, no 7B block).
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+exec > >(tee -a "$OUT/log.txt") 2>&1
+if compgen -G ".gpu/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/*.whl || exit 3
+fi
+export PYTHONPATH=/tmp/site:$PWD
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>/dev/null
+python3 -c "import jax,flax,optax; print(jax.__version__, flax.__version__, optax.__version__, jax.devices())" || exit 4
+B=benchmarks/perf/cifar_pack_throughput.py
+DRY_FLAG=${DRY:+--dry-run}
+echo "== 1. processes, no MPS, at ${SECONDS}s"
+timeout -s KILL ${S1:-190} python3 $B --models resnet20x2 --packs 1 --processes 3 6 $DRY_FLAG \
+  --deadline-s ${D1:-140} --out "$OUT/cifar_processes_gpu.json" || echo "step 1: rc $?"
+echo "== 2. processes under MPS at ${SECONDS}s"
+if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d; then
+  timeout -s KILL ${S2:-130} python3 $B --models resnet20x2 --packs --processes 3 6 $DRY_FLAG \
+    --deadline-s ${D2:-90} --out "$OUT/cifar_processes_mps_gpu.json" || echo "step 2: rc $?"
+  echo quit | nvidia-cuda-mps-control
+else
+  echo "no MPS daemon here"
+fi
+echo "== 3. bfloat16 packs at ${SECONDS}s"
+timeout -s KILL ${S3:-80} python3 $B --models resnet20x2 --dtypes bfloat16 --packs 15 30 $DRY_FLAG \
+  --out "$OUT/cifar_bf16_packs_gpu.json" || echo "step 3: rc $?"
+if [ -z "${DRY:-}" ]; then
+  echo "== 4. 7B block at ${SECONDS}s"
+  timeout -s KILL ${S4:-170} python3 benchmarks/perf/llm_7b_block.py --windows 2 --seqlen 2048 \
+    --steps 10,210 --sparsegpt-windows 8 --out "$OUT/llm_7b_block_gpu.json" || echo "step 4: rc $?"
+fi
+echo "== done at ${SECONDS}s"
