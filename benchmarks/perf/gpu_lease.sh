@@ -5,11 +5,15 @@
 #      lease found vmapped packs slower than a lone run in float32);
 #   2. the same with NVIDIA's MPS daemon, where the machine has one (kernels of processes at once);
 #   3. bfloat16 packs of 15 and 30 (the only packs that gained);
-#   4. the LLaMA-2-7B-shaped block, all three methods (SparseGPT was cut by the first lease's time).
+#   4. SAFE in float32 against bfloat16, 3 seeds, a few epochs of real CIFAR-10 (issue 31 item 2's
+#      GPU report; the first lease ran no training);
+#   5. SparseGPT on the LLaMA-2-7B-shaped block (cut by the first lease's time; SAFE and SAFE+ are in
+#      results/leases/2026-11-27_h200_llm_7b_block.log).
 # Each step has its own timeout and writes its JSON as it goes, so a step cut short keeps its cells.
 #
 # Prepare here once (the folder is git-ignored): .gpu/ holds the wheels the image lacks
-# (ml_collections, tensorboardX; `pip download --no-deps ... -d .gpu`, see the device tool's README).
+# (ml_collections, tensorboardX; `pip download --no-deps ... -d .gpu`, see the device tool's README)
+# and CIFAR-10 as cifar10_jpg.tar.gz (the loader's JPEG archive, about 20 MB).
 # Then: run(command="bash benchmarks/perf/gpu_lease.sh", carry=[".gpu"], timeout_s=580).
 # Check it on a CPU first: DRY=1 bash benchmarks/perf/gpu_lease.sh (dry-run cells, no 7B block).
 set -u
@@ -24,23 +28,44 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>/dev/null
 python3 -c "import jax,flax,optax; print(jax.__version__, flax.__version__, optax.__version__, jax.devices())" || exit 4
 B=benchmarks/perf/cifar_pack_throughput.py
 DRY_FLAG=${DRY:+--dry-run}
+# a timeout kills the benchmark, not the --processes children it started: end those too
+reap() { pkill -9 -f "cifar_pack_throughpu[t].py" 2>/dev/null; true; }
 echo "== 1. processes, no MPS, at ${SECONDS}s"
-timeout -s KILL ${S1:-190} python3 $B --models resnet20x2 --packs 1 --processes 3 6 $DRY_FLAG \
-  --deadline-s ${D1:-140} --out "$OUT/cifar_processes_gpu.json" || echo "step 1: rc $?"
+timeout -s KILL ${S1:-130} python3 $B --models resnet20x2 --packs 1 --processes 3 6 $DRY_FLAG \
+  --deadline-s ${D1:-85} --out "$OUT/cifar_processes_gpu.json" || echo "step 1: rc $?"
+reap
 echo "== 2. processes under MPS at ${SECONDS}s"
 if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d; then
-  timeout -s KILL ${S2:-130} python3 $B --models resnet20x2 --packs --processes 3 6 $DRY_FLAG \
-    --deadline-s ${D2:-90} --out "$OUT/cifar_processes_mps_gpu.json" || echo "step 2: rc $?"
+  timeout -s KILL ${S2:-90} python3 $B --models resnet20x2 --packs --processes 3 6 $DRY_FLAG \
+    --deadline-s ${D2:-50} --out "$OUT/cifar_processes_mps_gpu.json" || echo "step 2: rc $?"
+  reap
   echo quit | nvidia-cuda-mps-control
 else
   echo "no MPS daemon here"
 fi
 echo "== 3. bfloat16 packs at ${SECONDS}s"
-timeout -s KILL ${S3:-80} python3 $B --models resnet20x2 --dtypes bfloat16 --packs 15 30 $DRY_FLAG \
+timeout -s KILL ${S3:-50} python3 $B --models resnet20x2 --dtypes bfloat16 --packs 15 30 $DRY_FLAG \
   --out "$OUT/cifar_bf16_packs_gpu.json" || echo "step 3: rc $?"
+reap
+echo "== 4. SAFE float32 against bfloat16, 3 seeds, ${EPOCHS:-2} epochs, at ${SECONDS}s"
+if [ -f .gpu/cifar10_jpg.tar.gz ]; then
+  TX=${DRY:+--train-subset 256 --test-subset 256}
+  THROUGHPUT=benchmarks/perf/results/cifar_pack_throughput_${DRY:+cpu_dry_run}.json
+  [ -z "${DRY:-}" ] && THROUGHPUT=benchmarks/perf/results/cifar_pack_throughput_gpu.json
+  for dtype in float32 bfloat16; do
+    timeout -s KILL ${S4:-100} python3 benchmarks/claims/cifar_table.py \
+      --data-dir .gpu/cifar10_jpg.tar.gz --runs /tmp/runs_$dtype --methods safe \
+      --throughput "$THROUGHPUT" --epochs ${EPOCHS:-2} \
+      --dtype $dtype --deadline-s $(( ${S4:-100} - 15 )) --finish-s 20 $TX \
+      --table "$OUT/table_safe_$dtype.json" || echo "step 4 $dtype: rc $?"
+  done
+else
+  echo "no .gpu/cifar10_jpg.tar.gz: step 4 skipped"
+fi
 if [ -z "${DRY:-}" ]; then
-  echo "== 4. 7B block at ${SECONDS}s"
-  timeout -s KILL ${S4:-170} python3 benchmarks/perf/llm_7b_block.py --windows 2 --seqlen 2048 \
-    --steps 10,210 --sparsegpt-windows 8 --out "$OUT/llm_7b_block_gpu.json" || echo "step 4: rc $?"
+  echo "== 5. 7B block at ${SECONDS}s"
+  timeout -s KILL ${S5:-100} python3 benchmarks/perf/llm_7b_block.py --windows 2 --seqlen 2048 \
+    --steps 10,210 --sparsegpt-windows 8 --methods sparsegpt --out "$OUT/llm_7b_block_gpu.json" \
+    || echo "step 5: rc $?"
 fi
 echo "== done at ${SECONDS}s"

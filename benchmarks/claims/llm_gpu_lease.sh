@@ -1,0 +1,65 @@
+#!/bin/bash
+# SAFE / SAFE+ rows of the standard protocol (issue 33 item 2) on a GPU lease.
+#
+# The SmolLM2-135M GGUF (about 98 MB) is more than a device call carries (64 MiB with the tree),
+# so it travels in two halves, on two calls to the same warm machine (the second within its 30 s
+# idle window), and is checked against its SHA-256 there:
+#
+#   bash benchmarks/claims/llm_gpu_lease.sh prepare           # here, once: .llm/a, .llm/b
+#   run(command="bash benchmarks/claims/llm_gpu_lease.sh receive", carry=[".llm/a"], timeout_s=60)
+#   run(command="bash benchmarks/claims/llm_gpu_lease.sh run", carry=[".llm/b"], timeout_s=560)
+#   then here: tar xzf <files_at>/pieces.tar.gz; python benchmarks/report.py
+#
+# `run` works through llm_standard.py's pending SAFE+ and SAFE pieces (3 calibration seeds each,
+# lr / lambda / steps from the committed selection) and starts none past DEADLINE_S; the finished
+# pieces' JSON comes back in pieces.tar.gz. A later lease resumes with the pieces still pending.
+# `DRY=1 bash benchmarks/claims/llm_gpu_lease.sh receive && DRY=1 ... run` checks it here: the
+# halves join to the same file, the GGUF loads, and the pieces are listed instead of run.
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+STAGE=${STAGE:-/tmp/safe_optax_llm_lease}
+case "${1:-}" in
+prepare)
+  model=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks/claims'); import llm_results; print(llm_results.gguf_path())") || exit 2
+  grep -qx "/.llm/" .git/info/exclude 2>/dev/null || echo "/.llm/" >> .git/info/exclude
+  rm -rf .llm; mkdir -p .llm/a .llm/b/data/wikitext-2-raw .llm/b/data/wikitext-2 .llm/b/wheels
+  half=$(( ($(stat -c %s "$model") + 1) / 2 ))
+  head -c $half "$model" > .llm/a/model.part
+  tail -c +$(( half + 1 )) "$model" > .llm/b/model.part
+  sha256sum < "$model" | cut -d' ' -f1 > .llm/b/model.sha256
+  python3 - <<'PY' || exit 2
+import shutil, sys
+sys.path.insert(0, "benchmarks/claims")
+import llm_results
+shutil.copy(llm_results.EVALS["wikitext2"], ".llm/b/data/wikitext-2-raw/wiki.test.raw")
+shutil.copy(llm_results.CALIB, ".llm/b/data/wikitext-2/valid.txt")
+PY
+  version=$(python3 -c "import importlib.metadata as m; print(m.version('gguf'))")
+  python3 -m pip download -q --no-deps --only-binary=:all: -d .llm/b/wheels "gguf==$version" || exit 2
+  du -sh .llm/a .llm/b
+  ;;
+receive)
+  mkdir -p "$STAGE" && cp .llm/a/model.part "$STAGE/model.part_a" && ls -l "$STAGE"
+  ;;
+run)
+  [ -f "$STAGE/model.part_a" ] || { echo "no $STAGE/model.part_a: the receive call went to another machine (or was not made)"; exit 3; }
+  cat "$STAGE/model.part_a" .llm/b/model.part > "$STAGE/model.gguf"
+  [ "$(sha256sum < "$STAGE/model.gguf" | cut -d' ' -f1)" = "$(cat .llm/b/model.sha256)" ] \
+    || { echo "the joined GGUF does not match its SHA-256"; exit 4; }
+  if [ -z "${DRY:-}" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$STAGE/site" .llm/b/wheels/*.whl || exit 5
+    export PYTHONPATH=$STAGE/site:$PWD
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  fi
+  export SAFE_OPTAX_DATA=$PWD/.llm/b/data SAFE_OPTAX_REQUIRE_DATA=1
+  python3 -c "import jax, gguf; from safe_optax.llm import checkpoints; c, _ = checkpoints.load_gguf('$STAGE/model.gguf'); print(jax.__version__, jax.devices(), c.num_layers, 'layers')" || exit 6
+  python3 benchmarks/claims/llm_standard.py --methods ${METHODS:-safe-plus safe} --model "$STAGE/model.gguf" \
+    --work "$STAGE/work" --deadline-s ${DEADLINE_S:-420} ${DRY:+--list} 2>&1 | tee "$OUT/llm_standard.log"
+  tar czf "$OUT/pieces.tar.gz" results/llm_pruning/standard
+  echo "done at ${SECONDS}s"
+  ;;
+*)
+  echo "usage: $0 prepare|receive|run"; exit 1
+  ;;
+esac
