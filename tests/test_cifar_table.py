@@ -59,3 +59,73 @@ def test_merging_a_later_lease_keeps_earlier_runs_and_records_each_cells_budget(
   assert cells[("gmp", 0.95)]["epochs"] == [40] and cells[("safe", 0.9)]["epochs"] == [200]
   assert "| safe | 92.00 ± 1.53 | – |" in second["markdown"]
   assert len(second["runs"]) == 4
+
+
+def _bench(lone_ms, pack_ms):
+  cells = [{"model": "resnet20x2", "dtype": "float32", "runs": 1, "mean_step_ms": lone_ms},
+           {"model": "resnet20x2", "dtype": "float32", "runs": 3, "mean_step_ms": pack_ms},
+           # lone runs in 3 processes: another layout, never taken for the pack of 3
+           {"model": "resnet20x2", "dtype": "float32", "runs": 3, "layout": "processes",
+            "mean_step_ms": 1.0}]
+  return {"cells": cells}
+
+
+@pytest.mark.parametrize("lone_ms,pack_ms,layout", [(9.73, 48.21, "lone"), (20.0, 31.5, "pack")])
+def test_auto_takes_the_layout_measured_faster(lone_ms, pack_ms, layout):
+  seconds = cifar_table.layout_seconds(_bench(lone_ms, pack_ms), "resnet20x2", "float32", 3)
+  assert seconds == {"pack": pytest.approx(pack_ms / 1e3), "lone": pytest.approx(3 * lone_ms / 1e3)}
+  assert cifar_table.choose_layout(seconds, "auto") == layout
+  assert cifar_table.choose_layout(seconds, "pack") == "pack"
+
+
+def test_lone_runs_train_one_after_another_each_merged_as_it_finishes(tmp_path, monkeypatch):
+  import json  # pylint: disable=import-outside-toplevel
+  import types  # pylint: disable=import-outside-toplevel
+
+  from safe_optax.vision import checkpoint as checkpoint_lib  # pylint: disable=import-outside-toplevel
+  from safe_optax.vision import datasets, packing, sweeps, train  # pylint: disable=import-outside-toplevel
+  throughput = tmp_path / "bench.json"
+  throughput.write_text(json.dumps(_bench(9.73, 48.21)))
+  monkeypatch.setattr(datasets, "load_dataset",
+                      lambda config, data_dir: types.SimpleNamespace(train_labels=[0] * 256))
+  monkeypatch.setattr(packing, "train_packed", lambda *a, **k: pytest.fail("packed a lone cell"))
+  monkeypatch.setattr(sweeps, "record", lambda c, results: {
+      "method": c.method, "sparsity": c.sparsity, "seed": c.seed, "accuracy": results["acc"]})
+  trained = []
+
+  def train_and_evaluate(config, workdir, **kwargs):
+    assert kwargs["on_step"] is not None  # the deadline reaches the lone run
+    trained.append(pathlib.Path(workdir).name)
+    if config.seed == 2:  # the lease ends during the third run
+      raise checkpoint_lib.Interrupted(5, pathlib.Path(workdir) / "checkpoints")
+    return types.SimpleNamespace(results={"acc": 0.9 + config.seed / 100})
+
+  monkeypatch.setattr(train, "train_and_evaluate", train_and_evaluate)
+  table = tmp_path / "table.json"
+  argv = ["--data-dir", "unused", "--runs", str(tmp_path / "runs"), "--table", str(table),
+          "--throughput", str(throughput), "--deadline-s", "1000", "--finish-s", "1",
+          "--methods", "safe", "--epochs", "1"]
+  cifar_table.main(argv)
+  assert trained == ["safe-s0.9-seed0", "safe-s0.9-seed1", "safe-s0.9-seed2"]
+  runs = json.loads(table.read_text())["runs"]
+  assert sorted(runs) == ["safe-s0.9-seed0", "safe-s0.9-seed1"]
+  assert runs["safe-s0.9-seed1"]["accuracy"] == pytest.approx(0.91)
+  trained.clear()
+  monkeypatch.setattr(train, "train_and_evaluate", lambda config, workdir, **kwargs: (
+      trained.append(pathlib.Path(workdir).name) or types.SimpleNamespace(results={"acc": 0.5})))
+  cifar_table.main(argv)  # the next lease: only the unfinished run
+  assert trained == ["safe-s0.9-seed2"]
+  assert len(json.loads(table.read_text())["runs"]) == 3
+
+
+def test_a_layout_the_benchmark_did_not_measure_is_refused_before_the_data_loads(tmp_path,
+                                                                                 monkeypatch):
+  import json  # pylint: disable=import-outside-toplevel
+
+  from safe_optax.vision import datasets  # pylint: disable=import-outside-toplevel
+  throughput = tmp_path / "bench.json"
+  throughput.write_text(json.dumps({"cells": [_bench(9.73, 48.21)["cells"][1]]}))  # no lone cell
+  monkeypatch.setattr(datasets, "load_dataset", lambda *a: pytest.fail("loaded the data"))
+  with pytest.raises(ValueError, match="--layout lone: the throughput JSON has no lone-program"):
+    cifar_table.main(["--data-dir", "x", "--runs", str(tmp_path), "--throughput", str(throughput),
+                      "--deadline-s", "10", "--layout", "lone"])

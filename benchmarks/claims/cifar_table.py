@@ -6,7 +6,12 @@ Each lease runs, in order:
    the measured step time of a pack of ``--pack`` runs;
 2. this script: the table's cells (``--methods`` x ``--sparsities``, each a pack
    of the ``--seeds``) not yet in ``--table``, in order, :func:`plan`\\ ned
-   against the time left before ``--deadline-s`` with that step time; each pack
+   against the time left before ``--deadline-s`` with that step time. With
+   ``--layout auto`` (the default) a cell's seeds train as one pack or as lone
+   runs one after another, whichever the benchmark measured faster
+   (:func:`layout_seconds`; on the first H200 lease, lone runs in float32); a
+   lone run is :func:`safe_optax.vision.train.train_and_evaluate`, which
+   checkpoints every epoch. Each pack
    is trained by :func:`safe_optax.vision.packing.train_packed` in
    ``--runs/<method>-s<sparsity>-seed<seed>`` (the ``sweep`` command's folders),
    checkpointing every ``--checkpoint-seconds`` (a lease cut short loses at
@@ -48,6 +53,7 @@ from safe_optax.vision import sweeps  # noqa: E402  pylint: disable=wrong-import
 
 PRESET = "resnet20x2-cifar10"
 MODEL = "resnet20x2"
+LAYOUTS = ("pack", "lone")
 
 
 def step_seconds(throughput: dict[str, Any], model: str, dtype: str, runs: int) -> float:
@@ -67,8 +73,7 @@ def step_seconds(throughput: dict[str, Any], model: str, dtype: str, runs: int) 
     >>> round(step_seconds(bench, "m", "float32", 9), 6)
     0.045
   """
-  cells = {c["runs"]: c["mean_step_ms"] / 1e3 for c in throughput["cells"]
-           if c.get("model") == model and c.get("dtype") == dtype and "mean_step_ms" in c}
+  cells = {c["runs"]: c["mean_step_ms"] / 1e3 for c in _packs(throughput, model, dtype)}
   if not cells:
     raise ValueError(f"the throughput JSON has no measured cell of model {model!r}, dtype "
                      f"{dtype!r}; run benchmarks/perf/cifar_pack_throughput.py first.")
@@ -77,6 +82,54 @@ def step_seconds(throughput: dict[str, Any], model: str, dtype: str, runs: int) 
     return cells[min(above)]
   largest = max(cells)
   return cells[largest] * runs / largest
+
+
+def _packs(throughput: dict[str, Any], model: str, dtype: str) -> list[dict[str, Any]]:
+  """The measured pack cells (not ``--processes`` ones) of ``model`` and ``dtype``."""
+  return [c for c in throughput["cells"] if c.get("model") == model and c.get("dtype") == dtype
+          and "mean_step_ms" in c and c.get("layout", "pack") == "pack"]
+
+
+def layout_seconds(throughput: dict[str, Any], model: str, dtype: str, runs: int
+                   ) -> dict[str, float]:
+  """Seconds to move all ``runs`` runs of a cell one step on, per layout measured.
+
+  ``pack``: one step of the pack of ``runs`` (:func:`step_seconds`); ``lone``:
+  ``runs`` steps of the lone program, the runs trained one after another, where
+  the benchmark measured the lone program (its pack of one).
+
+  Examples:
+    >>> bench = {"cells": [{"model": "m", "dtype": "float32", "runs": r, "mean_step_ms": ms}
+    ...                    for r, ms in ((1, 10.0), (3, 50.0))]}
+    >>> layout_seconds(bench, "m", "float32", 3)
+    {'pack': 0.05, 'lone': 0.03}
+  """
+  seconds = {"pack": step_seconds(throughput, model, dtype, runs)}
+  lone = [c["mean_step_ms"] for c in _packs(throughput, model, dtype) if c["runs"] == 1]
+  if lone:
+    seconds["lone"] = runs * lone[0] / 1e3
+  return seconds
+
+
+def choose_layout(seconds: dict[str, float], layout: str) -> str:
+  """``layout``, or for ``auto`` the measured layout that takes the runs on fastest.
+
+  Examples:
+    >>> choose_layout({"pack": 0.05, "lone": 0.03}, "auto"), choose_layout({"pack": 0.05}, "auto")
+    ('lone', 'pack')
+    >>> choose_layout({"pack": 0.05}, "lone")
+    Traceback (most recent call last):
+    ...
+    ValueError: --layout lone: the throughput JSON has no lone-program cell (pack of 1) of this model and dtype; measured: ['pack']
+  """
+  if layout not in ("auto", *LAYOUTS):
+    raise ValueError(f"--layout must be one of {['auto', *LAYOUTS]}, got {layout!r}")
+  if layout == "auto":
+    return min(seconds, key=seconds.get)
+  if layout not in seconds:
+    raise ValueError(f"--layout {layout}: the throughput JSON has no lone-program cell (pack of "
+                     f"1) of this model and dtype; measured: {sorted(seconds)}")
+  return layout
 
 
 def plan(packs: Sequence[dict[str, Any]], seconds_per_step: float, budget_s: float,
@@ -169,6 +222,7 @@ def main(argv: Optional[list[str]] = None) -> None:
   from safe_optax.vision import datasets
   from safe_optax.vision import input_pipeline
   from safe_optax.vision import packing
+  from safe_optax.vision import train as train_lib
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--data-dir", required=True)
   parser.add_argument("--runs", required=True, help="run folders (kept between leases)")
@@ -181,10 +235,17 @@ def main(argv: Optional[list[str]] = None) -> None:
   parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
   parser.add_argument("--epochs", type=int, default=None, help="default: the preset's (200)")
   parser.add_argument("--dtype", default="float32", choices=configs.DTYPES)
+  parser.add_argument("--layout", default="auto", choices=["auto", *LAYOUTS],
+                      help="a cell's seeds as one pack, or as lone runs one after another; "
+                           "auto: whichever the throughput JSON measured faster")
   parser.add_argument("--checkpoint-seconds", type=float, default=60.0)
   parser.add_argument("--train-subset", type=int, default=None, help="CPU dry runs only")
   parser.add_argument("--test-subset", type=int, default=None, help="CPU dry runs only")
   args = parser.parse_args(argv)
+  # the layout before the data: a --layout the benchmark did not measure fails at once
+  seconds = layout_seconds(json.loads(pathlib.Path(args.throughput).read_text()), MODEL,
+                           args.dtype, len(args.seeds))
+  layout = choose_layout(seconds, args.layout)
   start = time.monotonic()
   deadline = start + args.deadline_s
   table_path = pathlib.Path(args.table)
@@ -195,39 +256,64 @@ def main(argv: Optional[list[str]] = None) -> None:
                             bnt_samples=min(10_000, args.train_subset or 10_000))
   data = datasets.load_dataset(base, args.data_dir)
   spe = input_pipeline.num_batches(len(data.train_labels), base.batch_size)
+  finished_runs = table.get("runs", {})
   packs = []
   for s in args.sparsities:
     for method in args.methods:
       names = [run_name(method, s, seed) for seed in args.seeds]
-      if all(n in table.get("runs", {}) for n in names):
+      if all(n in finished_runs for n in names):
         continue
-      done = sweeps.checkpoint_step(root / names[0]) or 0
-      packs.append({"method": method, "sparsity": s, "names": names,
-                    "steps_left": base.epochs * spe - done})
-  per_step = step_seconds(json.loads(pathlib.Path(args.throughput).read_text()), MODEL,
-                          args.dtype, len(args.seeds))
-  chosen = plan(packs, per_step, deadline - time.monotonic(), args.finish_s)
-  print(json.dumps({"seconds_per_step": per_step, "plan": chosen}, indent=1), flush=True)
+      done = [sweeps.checkpoint_step(root / n) or 0 for n in names]
+      # a pack's runs are at one step; lone runs each at their own, one after another
+      steps_left = (base.epochs * spe - done[0] if layout == "pack" else
+                    sum(base.epochs * spe - d for n, d in zip(names, done)
+                        if n not in finished_runs))
+      packs.append({"method": method, "sparsity": s, "names": names, "steps_left": steps_left})
+  per_step = seconds["pack"] if layout == "pack" else seconds["lone"] / len(args.seeds)
+  finish_s = args.finish_s * (1 if layout == "pack" else len(args.seeds))
+  chosen = plan(packs, per_step, deadline - time.monotonic(), finish_s)
+  print(json.dumps({"layout": layout, "seconds_per_step_of_all_runs": seconds,
+                    "seconds_per_step": per_step, "plan": chosen}, indent=1), flush=True)
   device = experiment.versions()["device_kind"]
   for pack in chosen:
     runs = [base.replace(method=pack["method"], sparsity=pack["sparsity"], seed=seed)
             for seed in args.seeds]
     try:
-      outcomes = packing.train_packed(runs, [root / n for n in pack["names"]], data=data,
-                                      checkpoint_seconds=args.checkpoint_seconds,
-                                      on_step=_deadline_guard(deadline))
+      if layout == "pack":
+        outcomes = packing.train_packed(runs, [root / n for n in pack["names"]], data=data,
+                                        checkpoint_seconds=args.checkpoint_seconds,
+                                        on_step=_deadline_guard(deadline))
+        table = _write(table, table_path, [_record(c, o, n, device) for c, o, n in
+                                           zip(runs, outcomes, pack["names"])], args.sparsities)
+        continue
+      for config, name in zip(runs, pack["names"]):
+        if name in table.get("runs", {}):
+          continue
+        # a lone run checkpoints every epoch and where the deadline stops it
+        outcome = train_lib.train_and_evaluate(config, root / name, data_dir=args.data_dir,
+                                               dataset=data, on_step=_deadline_guard(deadline))
+        table = _write(table, table_path, [_record(config, outcome, name, device)],
+                       args.sparsities)
     except checkpoint_lib.Interrupted as stopped:
       print(f"deadline: {pack['method']}@{pack['sparsity']:g} stopped, {stopped}", flush=True)
       break
-    finished = [{**sweeps.record(c, o.results), "name": n, "epochs": c.epochs,
-                 "device": device, "dtype": c.dtype}
-                for c, o, n in zip(runs, outcomes, pack["names"])]
-    table = merge(table, finished, args.sparsities)
-    table["versions"] = experiment.versions()
-    table_path.parent.mkdir(parents=True, exist_ok=True)
-    with experiment.atomic_write(table_path) as tmp:
-      tmp.write_text(json.dumps(table, indent=1) + "\n", encoding="utf-8")
-    print(table["markdown"], flush=True)
+
+
+def _record(config: Any, outcome: Any, name: str, device: str) -> dict[str, Any]:
+  return {**sweeps.record(config, outcome.results), "name": name, "epochs": config.epochs,
+          "device": device, "dtype": config.dtype}
+
+
+def _write(table: dict[str, Any], path: pathlib.Path, finished: list[dict[str, Any]],
+           sparsities: Sequence[float]) -> dict[str, Any]:
+  """Merges ``finished`` into the table and writes it at once (a lease may end any moment)."""
+  table = merge(table, finished, sparsities)
+  table["versions"] = experiment.versions()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  with experiment.atomic_write(path) as tmp:
+    tmp.write_text(json.dumps(table, indent=1) + "\n", encoding="utf-8")
+  print(table["markdown"], flush=True)
+  return table
 
 
 if __name__ == "__main__":
