@@ -79,11 +79,12 @@ def test_auto_takes_the_layout_measured_faster(lone_ms, pack_ms, layout):
 
 
 def test_lone_runs_train_one_after_another_each_merged_as_it_finishes(tmp_path, monkeypatch):
-  import json  # pylint: disable=import-outside-toplevel
-  import types  # pylint: disable=import-outside-toplevel
+  # pylint: disable=import-outside-toplevel
+  import json
+  import types
 
-  from safe_optax.vision import checkpoint as checkpoint_lib  # pylint: disable=import-outside-toplevel
-  from safe_optax.vision import datasets, packing, sweeps, train  # pylint: disable=import-outside-toplevel
+  from safe_optax.vision import checkpoint as checkpoint_lib
+  from safe_optax.vision import datasets, packing, sweeps, train
   throughput = tmp_path / "bench.json"
   throughput.write_text(json.dumps(_bench(9.73, 48.21)))
   monkeypatch.setattr(datasets, "load_dataset",

@@ -63,9 +63,10 @@ def test_rerunning_some_methods_keeps_the_others_with_how_they_were_measured(tmp
   assert bench._kept_methods(out, _report(), list(bench.METHODS)) == {}  # pylint: disable=protected-access
   with pytest.raises(SystemExit, match="measured another setting"):
     bench._kept_methods(out, _report(steps=[1, 2]), ["sparsegpt"])  # pylint: disable=protected-access
-  with pytest.raises(SystemExit, match="measured another setting"):  # a GPU run never joins a CPU file
-    bench._kept_methods(out, _report(backend="gpu", devices=["cuda:0"]),  # pylint: disable=protected-access
-                        ["sparsegpt"])
+  # a GPU run never joins a CPU file
+  with pytest.raises(SystemExit, match="measured another setting"):
+    bench._kept_methods(  # pylint: disable=protected-access
+        out, _report(backend="gpu", devices=["cuda:0"]), ["sparsegpt"])
   with pytest.raises(SystemExit, match="--methods"):
     bench._kept_methods(out, _report(), ["obs"])  # pylint: disable=protected-access
 
@@ -80,9 +81,9 @@ def test_a_window_count_below_one_is_refused_before_anything_runs(monkeypatch, c
 def test_the_table_shows_the_device_peak_only_where_the_backend_counts_one(capsys):
   assert bench.peak_device_mib() is None  # the CPU keeps no allocation count
   ex = bench.extrapolate(_result("safe", [(1, 20.0), (5, 60.0)]), windows=1, seqlen=256)
-  report = {"methods": {"safe": {"peak_rss_mib": 900.0, "peak_device_mib": None, "extrapolation": ex},
-                        "safe-plus": {"peak_rss_mib": 900.0, "peak_device_mib": 20480.0,
-                                      "extrapolation": ex}}}
+  report = {"methods": {
+      "safe": {"peak_rss_mib": 900.0, "peak_device_mib": None, "extrapolation": ex},
+      "safe-plus": {"peak_rss_mib": 900.0, "peak_device_mib": 20480.0, "extrapolation": ex}}}
   bench._table(report)  # pylint: disable=protected-access
   rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[2:]}
   assert rows["safe"][2] == "-" and rows["safe-plus"][2] == "20480"
