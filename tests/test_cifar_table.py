@@ -97,7 +97,9 @@ def test_lone_runs_train_one_after_another_each_merged_as_it_finishes(tmp_path, 
   def train_and_evaluate(config, workdir, **kwargs):
     assert kwargs["on_step"] is not None  # the deadline reaches the lone run
     trained.append(pathlib.Path(workdir).name)
-    if config.seed == 2:  # the lease ends during the third run
+    if config.seed == 2:  # the lease ends during the third run, after a checkpoint of step 5
+      (pathlib.Path(workdir) / "checkpoints" / "5").mkdir(parents=True)
+      (pathlib.Path(workdir) / "checkpoints" / "5" / "params").write_text("weights")
       raise checkpoint_lib.Interrupted(5, pathlib.Path(workdir) / "checkpoints")
     return types.SimpleNamespace(results={"acc": 0.9 + config.seed / 100})
 
@@ -106,16 +108,21 @@ def test_lone_runs_train_one_after_another_each_merged_as_it_finishes(tmp_path, 
   argv = ["--data-dir", "unused", "--runs", str(tmp_path / "runs"), "--table", str(table),
           "--throughput", str(throughput), "--deadline-s", "1000", "--finish-s", "1",
           "--methods", "safe", "--epochs", "1"]
-  cifar_table.main(argv)
+  cifar_table.main(argv + ["--bundle", str(tmp_path / "returned")])
   assert trained == ["safe-s0.9-seed0", "safe-s0.9-seed1", "safe-s0.9-seed2"]
+  bundle = json.loads((tmp_path / "returned" / "runs_bundle.json").read_text())
+  assert bundle["steps"] == {"safe-s0.9-seed2": 5}  # only the unfinished run travels
   runs = json.loads(table.read_text())["runs"]
   assert sorted(runs) == ["safe-s0.9-seed0", "safe-s0.9-seed1"]
   assert runs["safe-s0.9-seed1"]["accuracy"] == pytest.approx(0.91)
   trained.clear()
   monkeypatch.setattr(train, "train_and_evaluate", lambda config, workdir, **kwargs: (
       trained.append(pathlib.Path(workdir).name) or types.SimpleNamespace(results={"acc": 0.5})))
-  cifar_table.main(argv)  # the next lease: only the unfinished run
+  # the next lease, on a fresh machine: its --runs start from the returned bundle
+  fresh = tmp_path / "fresh_runs"
+  cifar_table.main([*argv[:3], str(fresh), *argv[4:], "--resume-from", str(tmp_path / "returned")])
   assert trained == ["safe-s0.9-seed2"]
+  assert (fresh / "safe-s0.9-seed2" / "checkpoints" / "5" / "params").read_text() == "weights"
   assert len(json.loads(table.read_text())["runs"]) == 3
 
 
@@ -130,3 +137,54 @@ def test_a_layout_the_benchmark_did_not_measure_is_refused_before_the_data_loads
   with pytest.raises(ValueError, match="--layout lone: the throughput JSON has no lone-program"):
     cifar_table.main(["--data-dir", "x", "--runs", str(tmp_path), "--throughput", str(throughput),
                       "--deadline-s", "10", "--layout", "lone"])
+
+
+def _fake_run(folder: pathlib.Path, steps, payload=b"x"):
+  folder.mkdir(parents=True)
+  for step in steps:
+    (folder / "checkpoints" / str(step) / "params").mkdir(parents=True)
+    (folder / "checkpoints" / str(step) / "params" / "data").write_bytes(payload * (100 + step))
+  (folder / "config.json").write_text('{"seed": 0}')
+  (folder / "metrics.jsonl").write_text('{"epoch": 1}\n')
+  (folder / "tensorboard").mkdir()
+  (folder / "tensorboard" / "events").write_text("not needed to resume")
+
+
+def test_a_bundle_carries_the_newest_checkpoint_of_unfinished_runs_in_small_parts(tmp_path):
+  import os  # pylint: disable=import-outside-toplevel
+  root, out, again = tmp_path / "runs", tmp_path / "out", tmp_path / "next_lease"
+  _fake_run(root / "safe-s0.9-seed0", [10, 20], payload=os.urandom(64))
+  _fake_run(root / "safe-s0.9-seed1", [])
+  manifest = cifar_table.bundle_runs(root, ["safe-s0.9-seed0", "safe-s0.9-seed1",
+                                            "safe-s0.9-seed2"], out, part_bytes=200)
+  assert manifest["steps"] == {"safe-s0.9-seed0": 20, "safe-s0.9-seed1": None}
+  parts = sorted(p.name for p in out.glob("runs_bundle.part*"))
+  assert len(parts) == len(manifest["parts"]) > 1
+  assert all((out / p).stat().st_size <= 200 for p in parts)
+  cifar_table.unbundle_runs(out, again)
+  run = again / "safe-s0.9-seed0"
+  assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["20"]
+  assert (run / "checkpoints" / "20" / "params" / "data").read_bytes() == (
+      root / "safe-s0.9-seed0" / "checkpoints" / "20" / "params" / "data").read_bytes()
+  assert (run / "metrics.jsonl").read_text() == '{"epoch": 1}\n'
+  assert not (run / "tensorboard").exists()
+  assert cifar_table.bundle_runs(root, ["gmp-s0.9-seed0"], tmp_path / "none") is None
+
+
+def test_a_damaged_or_missing_part_or_an_older_bundle_is_refused(tmp_path):
+  root, out = tmp_path / "runs", tmp_path / "out"
+  _fake_run(root / "safe-s0.9-seed0", [10])
+  cifar_table.bundle_runs(root, ["safe-s0.9-seed0"], out, part_bytes=200)
+  # the folder already holds step 10; a bundle of step 10 may land on it, an older one may not
+  cifar_table.unbundle_runs(out, root)
+  _fake_run(tmp_path / "newer" / "safe-s0.9-seed0", [30])
+  with pytest.raises(ValueError, match="already holds step 30, newer than the bundle's 10"):
+    cifar_table.unbundle_runs(out, tmp_path / "newer")
+  (out / "runs_bundle.part01").write_bytes(b"damaged")
+  with pytest.raises(ValueError, match="part runs_bundle.part01 does not match its SHA-256"):
+    cifar_table.unbundle_runs(out, tmp_path / "elsewhere")
+  (out / "runs_bundle.part01").unlink()
+  with pytest.raises(ValueError, match="part runs_bundle.part01 is missing"):
+    cifar_table.unbundle_runs(out, tmp_path / "elsewhere")
+  with pytest.raises(ValueError, match="no runs_bundle.json"):
+    cifar_table.unbundle_runs(tmp_path, tmp_path / "elsewhere")

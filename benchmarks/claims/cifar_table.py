@@ -16,8 +16,9 @@ Each lease runs, in order:
    ``--runs/<method>-s<sparsity>-seed<seed>`` (the ``sweep`` command's folders),
    checkpointing every ``--checkpoint-seconds`` (a lease cut short loses at
    most about that much) and stopping with a checkpoint at the deadline; the
-   next lease resumes it from those checkpoints when the folder comes back
-   (``--runs`` must persist between leases);
+   next lease resumes it from those checkpoints (``--bundle DIR`` packs what
+   the unfinished runs need into parts a device call can return,
+   ``--resume-from DIR`` unpacks them on the next machine);
 3. after every finished pack, :func:`merge` adds its runs to ``--table``
    (``results/cifar10_resnet20x2/table5.json``): per run the sweep record
    (accuracy after the final projection and BNT, seed, epochs, device), per
@@ -37,10 +38,13 @@ Usage (from the repository root on the GPU machine, after the benchmark)::
 from __future__ import annotations
 
 import argparse
+import hashlib
+import io
 import json
 import math
 import pathlib
 import sys
+import tarfile
 import time
 from collections.abc import Sequence
 from typing import Any, Optional
@@ -208,6 +212,81 @@ def merge(table: dict[str, Any], finished: Sequence[dict[str, Any]],
   return {"runs": runs, "cells": summary["rows"], "markdown": summary["markdown"]}
 
 
+BUNDLE = "runs_bundle"
+PART_BYTES = 15 * 2**20  # under the 16 MiB a device call returns per file
+
+
+def bundle_runs(root: pathlib.Path, names: Sequence[str], out: pathlib.Path,
+                part_bytes: int = PART_BYTES) -> Optional[dict[str, Any]]:
+  """Packs what the unfinished runs ``names`` under ``root`` need to resume into ``out``.
+
+  Per run: ``config.json``, ``metrics.jsonl`` and the newest checkpoint step
+  (the folder ``checkpoints/<step>``; older steps are left out). The tar.gz is
+  cut into parts of at most ``part_bytes`` (``runs_bundle.part00``, ...), and
+  ``runs_bundle.json`` lists the parts with their SHA-256 and the runs with
+  their steps. Runs with no folder are skipped; ``None`` when none is left.
+  """
+  steps = {}
+  buffer = io.BytesIO()
+  with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+    for name in names:
+      folder = root / name
+      if not folder.is_dir():
+        continue
+      numbered = [int(p.name) for p in (folder / "checkpoints").glob("*") if p.name.isdigit()]
+      steps[name] = max(numbered) if numbered else None
+      for item in ("config.json", "metrics.jsonl"):
+        if (folder / item).exists():
+          tar.add(folder / item, arcname=f"{name}/{item}")
+      if numbered:
+        tar.add(folder / "checkpoints" / str(steps[name]),
+                arcname=f"{name}/checkpoints/{steps[name]}")
+  if not steps:
+    return None
+  data = buffer.getvalue()
+  out.mkdir(parents=True, exist_ok=True)
+  parts = []
+  for i, start in enumerate(range(0, len(data), part_bytes)):
+    chunk = data[start:start + part_bytes]
+    (out / f"{BUNDLE}.part{i:02d}").write_bytes(chunk)
+    parts.append({"name": f"{BUNDLE}.part{i:02d}", "bytes": len(chunk),
+                  "sha256": hashlib.sha256(chunk).hexdigest()})
+  manifest = {"parts": parts, "steps": steps}
+  (out / f"{BUNDLE}.json").write_text(json.dumps(manifest, indent=1) + "\n")
+  return manifest
+
+
+def unbundle_runs(source: pathlib.Path, root: pathlib.Path) -> dict[str, Any]:
+  """Unpacks :func:`bundle_runs`'s parts in ``source`` into ``root`` (their runs resume there).
+
+  Raises:
+    ValueError: a part is missing or its SHA-256 differs (the message names it),
+      or a run's folder under ``root`` already holds a newer checkpoint.
+  """
+  manifest_path = source / f"{BUNDLE}.json"
+  if not manifest_path.exists():
+    raise ValueError(f"--resume-from: no {BUNDLE}.json in {source}")
+  manifest = json.loads(manifest_path.read_text())
+  chunks = []
+  for part in manifest["parts"]:
+    path = source / part["name"]
+    if not path.exists():
+      raise ValueError(f"--resume-from: part {part['name']} is missing from {source}")
+    chunk = path.read_bytes()
+    if hashlib.sha256(chunk).hexdigest() != part["sha256"]:
+      raise ValueError(f"--resume-from: part {part['name']} does not match its SHA-256")
+    chunks.append(chunk)
+  for name, step in manifest["steps"].items():
+    here = sweeps.checkpoint_step(root / name)
+    if here is not None and step is not None and here > step:
+      raise ValueError(f"--resume-from: {root / name} already holds step {here}, newer than "
+                       f"the bundle's {step}")
+  root.mkdir(parents=True, exist_ok=True)
+  with tarfile.open(fileobj=io.BytesIO(b"".join(chunks)), mode="r:gz") as tar:
+    tar.extractall(root, filter="data")
+  return manifest
+
+
 def _deadline_guard(deadline: float):
   def on_step(step: int) -> None:
     del step
@@ -239,6 +318,12 @@ def main(argv: Optional[list[str]] = None) -> None:
                       help="a cell's seeds as one pack, or as lone runs one after another; "
                            "auto: whichever the throughput JSON measured faster")
   parser.add_argument("--checkpoint-seconds", type=float, default=60.0)
+  parser.add_argument("--resume-from", type=pathlib.Path, default=None,
+                      help="a folder with an earlier lease's --bundle parts: unpacked into "
+                           "--runs first")
+  parser.add_argument("--bundle", type=pathlib.Path, default=None,
+                      help="at the end, pack what the unfinished runs need to resume into this "
+                           "folder (parts under 16 MiB, for a device call to return)")
   parser.add_argument("--train-subset", type=int, default=None, help="CPU dry runs only")
   parser.add_argument("--test-subset", type=int, default=None, help="CPU dry runs only")
   args = parser.parse_args(argv)
@@ -251,6 +336,8 @@ def main(argv: Optional[list[str]] = None) -> None:
   table_path = pathlib.Path(args.table)
   table = json.loads(table_path.read_text()) if table_path.exists() else {}
   root = pathlib.Path(args.runs)
+  if args.resume_from is not None:
+    print(f"resuming {unbundle_runs(args.resume_from, root)['steps']}", flush=True)
   base = configs.get_config(PRESET, epochs=args.epochs, dtype=args.dtype,
                             train_subset=args.train_subset, test_subset=args.test_subset,
                             bnt_samples=min(10_000, args.train_subset or 10_000))
@@ -297,6 +384,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     except checkpoint_lib.Interrupted as stopped:
       print(f"deadline: {pack['method']}@{pack['sparsity']:g} stopped, {stopped}", flush=True)
       break
+  if args.bundle is not None:
+    unfinished = [n for pack in packs for n in pack["names"] if n not in table.get("runs", {})]
+    manifest = bundle_runs(root, unfinished, args.bundle)
+    print(f"bundled {manifest['steps'] if manifest else 'nothing'} into {args.bundle}",
+          flush=True)
 
 
 def _record(config: Any, outcome: Any, name: str, device: str) -> dict[str, Any]:
