@@ -17,7 +17,7 @@ lowered, before the backend's passes (``jitted.lower(...).cost_analysis()``),
 over its median time. The lowered count is the same on every backend. The
 compiled program's count (``flops_per_step_compiled``) is kept as well, but on
 a GPU it leaves out the convolutions that XLA hands to cuDNN (on the H200 it
-counted about 1 % of a ResNet step), so it is not the FLOP/s.
+counted a small fraction of a ResNet step), so it is not the FLOP/s.
 ``--recount-flops FILE`` recounts an earlier measurement's FLOPs this way on
 this machine and rewrites its FLOP/s, saying so in the file. Inputs are
 random CIFAR-shaped uint8 batches (one per run), so the input
