@@ -137,3 +137,13 @@ def test_the_speedup_is_over_the_lone_program_before_a_lone_process():
             "images_per_second": 300.0}]
   speedups = [c["speedup_vs_lone_float32"] for c in bench.with_speedups({"cells": cells})["cells"]]
   assert speedups == [0.9, 1.0, 3.0]
+
+
+def test_cells_skipped_at_the_deadline_are_written_too(tmp_path):
+  out = tmp_path / "bench.json"
+  bench.main(["--models", "resnet20x2", "--dtypes", "float32", "--packs", "1", "3",
+              "--processes", "2", "--deadline-s", "0", "--out", str(out)])
+  cells = json.loads(out.read_text())["cells"]
+  assert [(c["runs"], c.get("layout"), c["skipped"]) for c in cells] == [
+      (1, None, "past --deadline-s"), (3, None, "past --deadline-s"),
+      (2, "processes", "past --deadline-s")]

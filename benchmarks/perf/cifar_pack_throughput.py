@@ -381,6 +381,8 @@ def main(argv: list[str] | None = None) -> None:
         with_speedups(report)
         print(row(report["cells"][-1]), flush=True)
         write_report(report, args.out, start)
+  # the cells skipped after the last measured one are in the file too
+  write_report(report, args.out, start)
 
 
 if __name__ == "__main__":
