@@ -14,7 +14,8 @@
 # Prepare here once (the folder is git-ignored): .gpu/ holds the wheels the image lacks
 # (ml_collections, tensorboardX; `pip download --no-deps ... -d .gpu`, see the device tool's README)
 # and CIFAR-10 as cifar10_jpg.tar.gz (the loader's JPEG archive, about 20 MB).
-# Then: run(command="bash benchmarks/perf/gpu_lease.sh", carry=[".gpu"], timeout_s=580).
+# Then: run(command="bash benchmarks/perf/gpu_lease.sh", carry=[".gpu"], timeout_s=590); each step
+# has its own timeout (S1..S5, seconds) and together they end inside the call.
 # Check it on a CPU first: DRY=1 bash benchmarks/perf/gpu_lease.sh (dry-run cells, no 7B block).
 set -u
 export PYTHONUNBUFFERED=1
@@ -64,7 +65,7 @@ else
 fi
 if [ -z "${DRY:-}" ]; then
   echo "== 5. 7B block at ${SECONDS}s"
-  timeout -s KILL ${S5:-100} python3 benchmarks/perf/llm_7b_block.py --windows 2 --seqlen 2048 \
+  timeout -s KILL ${S5:-85} python3 benchmarks/perf/llm_7b_block.py --windows 2 --seqlen 2048 \
     --steps 10,210 --sparsegpt-windows 8 --methods sparsegpt --out "$OUT/llm_7b_block_gpu.json" \
     || echo "step 5: rc $?"
 fi
