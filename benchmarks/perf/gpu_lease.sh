@@ -4,6 +4,8 @@
 #      --processes), beside the lone run, float32 and bfloat16 (issue 31's next step: the first H200
 #      lease found vmapped packs slower than a lone run in float32);
 #   2. the same with NVIDIA's MPS daemon, where the machine has one (kernels of processes at once);
+#   3a. one packed convolution written three ways (vmap's grouped convolution, im2col and a
+#      batched matmul, a loop of plain convolutions): which one a packed step should use;
 #   3. bfloat16 packs of 15 and 30 (the only packs that gained);
 #   4. SAFE in float32 against bfloat16, 3 seeds, a few epochs of real CIFAR-10 (issue 31 item 2's
 #      GPU report; the first lease ran no training);
@@ -32,20 +34,23 @@ DRY_FLAG=${DRY:+--dry-run}
 # a timeout kills the benchmark, not the --processes children it started: end those too
 reap() { pkill -9 -f "cifar_pack_throughpu[t].py" 2>/dev/null; true; }
 echo "== 1. processes, no MPS, at ${SECONDS}s"
-timeout -s KILL ${S1:-130} python3 $B --models resnet20x2 --packs 1 --processes 3 6 $DRY_FLAG \
-  --deadline-s ${D1:-85} --out "$OUT/cifar_processes_gpu.json" || echo "step 1: rc $?"
+timeout -s KILL ${S1:-120} python3 $B --models resnet20x2 --packs 1 --processes 3 6 $DRY_FLAG \
+  --deadline-s ${D1:-80} --out "$OUT/cifar_processes_gpu.json" || echo "step 1: rc $?"
 reap
 echo "== 2. processes under MPS at ${SECONDS}s"
 if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d; then
-  timeout -s KILL ${S2:-90} python3 $B --models resnet20x2 --packs --processes 3 6 $DRY_FLAG \
-    --deadline-s ${D2:-50} --out "$OUT/cifar_processes_mps_gpu.json" || echo "step 2: rc $?"
+  timeout -s KILL ${S2:-80} python3 $B --models resnet20x2 --packs --processes 3 6 $DRY_FLAG \
+    --deadline-s ${D2:-45} --out "$OUT/cifar_processes_mps_gpu.json" || echo "step 2: rc $?"
   reap
   echo quit | nvidia-cuda-mps-control
 else
   echo "no MPS daemon here"
 fi
+echo "== 3a. packed convolutions: grouped, im2col, loop, at ${SECONDS}s"
+timeout -s KILL ${S3A:-60} python3 benchmarks/perf/packed_conv.py --runs 3 15 \
+  ${DRY:+--batch 8 --steps 1} --out "$OUT/packed_conv_gpu.json" || echo "step 3a: rc $?"
 echo "== 3. bfloat16 packs at ${SECONDS}s"
-timeout -s KILL ${S3:-50} python3 $B --models resnet20x2 --dtypes bfloat16 --packs 15 30 $DRY_FLAG \
+timeout -s KILL ${S3:-45} python3 $B --models resnet20x2 --dtypes bfloat16 --packs 15 30 $DRY_FLAG \
   --out "$OUT/cifar_bf16_packs_gpu.json" || echo "step 3: rc $?"
 reap
 echo "== 4. SAFE float32 against bfloat16, 3 seeds, ${EPOCHS:-2} epochs, at ${SECONDS}s"
@@ -54,10 +59,10 @@ if [ -f .gpu/cifar10_jpg.tar.gz ]; then
   THROUGHPUT=benchmarks/perf/results/cifar_pack_throughput_${DRY:+cpu_dry_run}.json
   [ -z "${DRY:-}" ] && THROUGHPUT=benchmarks/perf/results/cifar_pack_throughput_gpu.json
   for dtype in float32 bfloat16; do
-    timeout -s KILL ${S4:-100} python3 benchmarks/claims/cifar_table.py \
+    timeout -s KILL ${S4:-90} python3 benchmarks/claims/cifar_table.py \
       --data-dir .gpu/cifar10_jpg.tar.gz --runs /tmp/runs_$dtype --methods safe \
       --throughput "$THROUGHPUT" --epochs ${EPOCHS:-2} \
-      --dtype $dtype --deadline-s $(( ${S4:-100} - 15 )) --finish-s 20 $TX \
+      --dtype $dtype --deadline-s $(( ${S4:-90} - 15 )) --finish-s 20 $TX \
       --table "$OUT/table_safe_$dtype.json" || echo "step 4 $dtype: rc $?"
   done
 else
@@ -65,7 +70,7 @@ else
 fi
 if [ -z "${DRY:-}" ]; then
   echo "== 5. 7B block at ${SECONDS}s"
-  timeout -s KILL ${S5:-85} python3 benchmarks/perf/llm_7b_block.py --windows 2 --seqlen 2048 \
+  timeout -s KILL ${S5:-75} python3 benchmarks/perf/llm_7b_block.py --windows 2 --seqlen 2048 \
     --steps 10,210 --sparsegpt-windows 8 --methods sparsegpt --out "$OUT/llm_7b_block_gpu.json" \
     || echo "step 5: rc $?"
 fi
