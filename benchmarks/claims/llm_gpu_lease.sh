@@ -11,8 +11,9 @@
 #   then here: tar xzf <files_at>/pieces.tar.gz; python benchmarks/report.py
 #
 # `run` works through llm_standard.py's pending SAFE+ and SAFE pieces (3 calibration seeds each,
-# lr / lambda / steps from the committed selection) and starts none past DEADLINE_S; the finished
-# pieces' JSON comes back in pieces.tar.gz. A later lease resumes with the pieces still pending.
+# lr / lambda / steps from the committed selection), starts none past DEADLINE_S (380) and stops the
+# last at RUN_S (500); the finished pieces' JSON comes back in pieces.tar.gz. A later lease resumes
+# with the pieces still pending (a piece stopped part-way starts over: its state goes with the machine).
 # `DRY=1 bash benchmarks/claims/llm_gpu_lease.sh receive && DRY=1 ... run` checks it here: the
 # halves join to the same file, the GGUF loads, and the pieces are listed instead of run.
 set -u
@@ -54,8 +55,11 @@ run)
   fi
   export SAFE_OPTAX_DATA=$PWD/.llm/b/data SAFE_OPTAX_REQUIRE_DATA=1
   python3 -c "import jax, gguf; from safe_optax.llm import checkpoints; c, _ = checkpoints.load_gguf('$STAGE/model.gguf'); print(jax.__version__, jax.devices(), c.num_layers, 'layers')" || exit 6
-  python3 benchmarks/claims/llm_standard.py --methods ${METHODS:-safe-plus safe} --model "$STAGE/model.gguf" \
-    --work "$STAGE/work" --deadline-s ${DEADLINE_S:-420} ${DRY:+--list} 2>&1 | tee "$OUT/llm_standard.log"
+  # a piece started just before the deadline may outrun the call: the timeout keeps time for the tar
+  timeout -s KILL ${RUN_S:-500} python3 benchmarks/claims/llm_standard.py --methods ${METHODS:-safe-plus safe} \
+    --model "$STAGE/model.gguf" --work "$STAGE/work" --deadline-s ${DEADLINE_S:-380} ${DRY:+--list} \
+    > "$OUT/llm_standard.log" 2>&1 || echo "llm_standard.py: rc $?"
+  tail -5 "$OUT/llm_standard.log"
   tar czf "$OUT/pieces.tar.gz" results/llm_pruning/standard
   echo "done at ${SECONDS}s"
   ;;
