@@ -188,3 +188,28 @@ def test_a_damaged_or_missing_part_or_an_older_bundle_is_refused(tmp_path):
     cifar_table.unbundle_runs(out, tmp_path / "elsewhere")
   with pytest.raises(ValueError, match="no runs_bundle.json"):
     cifar_table.unbundle_runs(tmp_path, tmp_path / "elsewhere")
+
+
+@pytest.mark.parametrize("has_data_filter", [True, False])
+def test_a_bundle_member_outside_the_runs_folder_is_refused(tmp_path, monkeypatch, has_data_filter):
+  import hashlib  # pylint: disable=import-outside-toplevel
+  import io  # pylint: disable=import-outside-toplevel
+  import json  # pylint: disable=import-outside-toplevel
+  import tarfile  # pylint: disable=import-outside-toplevel
+  buffer = io.BytesIO()
+  with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+    member = tarfile.TarInfo("../evil.txt")
+    member.size = 4
+    tar.addfile(member, io.BytesIO(b"evil"))
+  data = buffer.getvalue()
+  source = tmp_path / "bundle"
+  source.mkdir()
+  (source / "runs_bundle.part00").write_bytes(data)
+  (source / "runs_bundle.json").write_text(json.dumps({
+      "parts": [{"name": "runs_bundle.part00", "bytes": len(data),
+                 "sha256": hashlib.sha256(data).hexdigest()}], "steps": {}}))
+  if not has_data_filter:
+    monkeypatch.delattr(cifar_table.tarfile, "data_filter")
+  with pytest.raises((ValueError, tarfile.TarError)):
+    cifar_table.unbundle_runs(source, tmp_path / "runs")
+  assert not (tmp_path / "evil.txt").exists()
