@@ -213,3 +213,22 @@ def test_a_bundle_member_outside_the_runs_folder_is_refused(tmp_path, monkeypatc
   with pytest.raises((ValueError, tarfile.TarError)):
     cifar_table.unbundle_runs(source, tmp_path / "runs")
   assert not (tmp_path / "evil.txt").exists()
+
+
+def test_compare_pairs_two_tables_by_seed_and_needs_no_training_arguments(tmp_path, capsys):
+  import json  # pylint: disable=import-outside-toplevel
+  def table(accuracies):
+    return {"runs": {f"safe-s0.9-seed{s}": {"method": "safe", "sparsity": 0.9, "seed": s,
+                                            "accuracy": acc} for s, acc in accuracies.items()}}
+  a, b = tmp_path / "bf16.json", tmp_path / "f32.json"
+  a.write_text(json.dumps(table({0: 0.80, 1: 0.82, 2: 0.84, 3: 0.5})))
+  b.write_text(json.dumps(table({0: 0.90, 1: 0.91, 2: 0.95})))  # seed 3 only in a
+  cifar_table.main(["--compare", str(a), str(b)])
+  (row,) = json.loads(capsys.readouterr().out)
+  assert row["seeds"] == [0, 1, 2]
+  assert row["difference_mean"] == pytest.approx(-10.0)
+  assert row["difference_se"] == pytest.approx(((0.0 + 1.0 + 1.0) / 2) ** 0.5 / 3 ** 0.5)
+  assert row["verdict"] == "reversed"
+  with pytest.raises(SystemExit):
+    cifar_table.main(["--runs", str(tmp_path)])
+  assert "required to train: --data-dir, --throughput, --deadline-s" in capsys.readouterr().err

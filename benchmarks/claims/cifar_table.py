@@ -212,6 +212,44 @@ def merge(table: dict[str, Any], finished: Sequence[dict[str, Any]],
   return {"runs": runs, "cells": summary["rows"], "markdown": summary["markdown"]}
 
 
+def compare(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
+  """Per cell in both tables, accuracy ``a - b`` (points) paired by seed, under the report's rules.
+
+  For two tables of the same runs in two settings (float32 and bfloat16, say):
+  the mean and s.e. of the per-seed differences, and the evidence report's
+  verdict on them (``level``: within ``HOLD_SE`` standard errors, that is,
+  within seed noise).
+
+  Examples:
+    >>> rec = lambda seed, acc: {"method": "safe", "sparsity": 0.9, "seed": seed, "accuracy": acc}
+    >>> a = {"runs": {str(s): rec(s, v) for s, v in enumerate((0.900, 0.910, 0.905))}}
+    >>> b = {"runs": {str(s): rec(s, v) for s, v in enumerate((0.902, 0.906, 0.906))}}
+    >>> [(r["seeds"], round(r["difference_mean"], 2), r["verdict"]) for r in compare(a, b)]
+    [([0, 1, 2], 0.03, 'level')]
+  """
+  sys.path.insert(0, str(REPO / "benchmarks"))
+  import report  # pylint: disable=import-outside-toplevel
+  def by_cell(table):
+    cells: dict[tuple[str, float], dict[int, float]] = {}
+    for r in table.get("runs", {}).values():
+      cells.setdefault((r["method"], round(r["sparsity"], 6)), {})[r["seed"]] = 100 * r["accuracy"]
+    return cells
+  cells_a, cells_b = by_cell(a), by_cell(b)
+  rows = []
+  for key in sorted(set(cells_a) & set(cells_b)):
+    seeds = sorted(set(cells_a[key]) & set(cells_b[key]))
+    if not seeds:
+      continue
+    diffs = report.paired(cells_a[key], cells_b[key])
+    st = report.stat(diffs)
+    rows.append({"method": key[0], "sparsity": key[1], "seeds": seeds,
+                 "a_mean": report.stat([cells_a[key][s] for s in seeds]).mean,
+                 "b_mean": report.stat([cells_b[key][s] for s in seeds]).mean,
+                 "difference_mean": st.mean, "difference_se": st.se,
+                 "verdict": report.verdict(diffs)})
+  return rows
+
+
 BUNDLE = "runs_bundle"
 PART_BYTES = 15 * 2**20  # under the 16 MiB a device call returns per file
 
@@ -310,11 +348,11 @@ def main(argv: Optional[list[str]] = None) -> None:
   from safe_optax.vision import packing
   from safe_optax.vision import train as train_lib
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--data-dir", required=True)
-  parser.add_argument("--runs", required=True, help="run folders (kept between leases)")
+  parser.add_argument("--data-dir")
+  parser.add_argument("--runs", help="run folders (kept between leases)")
   parser.add_argument("--table", default="results/cifar10_resnet20x2/table5.json")
-  parser.add_argument("--throughput", required=True, help="cifar_pack_throughput.py's JSON")
-  parser.add_argument("--deadline-s", type=float, required=True)
+  parser.add_argument("--throughput", help="cifar_pack_throughput.py's JSON")
+  parser.add_argument("--deadline-s", type=float)
   parser.add_argument("--finish-s", type=float, default=60.0)
   parser.add_argument("--methods", nargs="+", default=["safe", "admm", "gmp"])
   parser.add_argument("--sparsities", nargs="+", type=float, default=[0.9])
@@ -333,7 +371,18 @@ def main(argv: Optional[list[str]] = None) -> None:
                            "folder (parts under 16 MiB, for a device call to return)")
   parser.add_argument("--train-subset", type=int, default=None, help="CPU dry runs only")
   parser.add_argument("--test-subset", type=int, default=None, help="CPU dry runs only")
+  parser.add_argument("--compare", nargs=2, type=pathlib.Path, metavar=("A", "B"), default=None,
+                      help="only compare two table JSONs (A - B per cell, paired by seed); "
+                           "trains nothing")
   args = parser.parse_args(argv)
+  if args.compare is not None:
+    rows = compare(*(json.loads(path.read_text()) for path in args.compare))
+    print(json.dumps(rows, indent=1))
+    return
+  missing = [f"--{k.replace('_', '-')}" for k in ("data_dir", "runs", "throughput", "deadline_s")
+             if getattr(args, k) is None]
+  if missing:
+    parser.error(f"the following arguments are required to train: {', '.join(missing)}")
   # the layout before the data: a --layout the benchmark did not measure fails at once
   seconds = layout_seconds(json.loads(pathlib.Path(args.throughput).read_text()), MODEL,
                            args.dtype, len(args.seeds))

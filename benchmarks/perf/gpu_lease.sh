@@ -65,6 +65,9 @@ if [ -f .gpu/cifar10_jpg.tar.gz ]; then
       --dtype $dtype --deadline-s $(( ${S4:-90} - 15 )) --finish-s 20 $TX \
       --table "$OUT/table_safe_$dtype.json" || echo "step 4 $dtype: rc $?"
   done
+  # bfloat16 - float32 per seed, under the evidence report's rules ("level": within seed noise)
+  python3 benchmarks/claims/cifar_table.py --compare "$OUT/table_safe_bfloat16.json" \
+    "$OUT/table_safe_float32.json" | tee "$OUT/precision_compare.json" || echo "compare: rc $?"
 else
   echo "no .gpu/cifar10_jpg.tar.gz: step 4 skipped"
 fi
