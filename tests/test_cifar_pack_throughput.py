@@ -147,3 +147,11 @@ def test_cells_skipped_at_the_deadline_are_written_too(tmp_path):
   assert [(c["runs"], c.get("layout"), c["skipped"]) for c in cells] == [
       (1, None, "past --deadline-s"), (3, None, "past --deadline-s"),
       (2, "processes", "past --deadline-s")]
+
+
+@pytest.mark.parametrize("flag", ["--packs", "--processes"])
+def test_a_count_below_one_is_refused_before_anything_runs(tmp_path, flag, capsys):
+  with pytest.raises(SystemExit):
+    bench.main([flag, "0", "--out", str(tmp_path / "x.json")])
+  assert "--packs and --processes take counts >= 1" in capsys.readouterr().err
+  assert not (tmp_path / "x.json").exists()

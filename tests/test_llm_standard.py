@@ -58,26 +58,31 @@ def test_safe_pieces_take_lr_lambda_and_steps_from_the_selection(tmp_path):
 
 
 
+def _fake_cli(calls, scores_exports=False):
+  """``cli.main`` that records each command and writes what it would write; with
+  ``scores_exports`` it also checks that a perplexity is scored from a prune's export."""
+  def fake_main(argv):
+    calls.append(argv[0])
+    if argv[0] == "prune":
+      folder = pathlib.Path(argv[argv.index("--out") + 1])
+      folder.mkdir(parents=True)
+      (folder / "report.json").write_text("{}")
+    else:
+      if scores_exports:
+        assert pathlib.Path(argv[argv.index("--model") + 1]).is_dir()  # scored from the export
+      pathlib.Path(argv[argv.index("--json") + 1]).write_text("{}")
+    return 0
+  return fake_main
+
+
 def test_a_done_prune_whose_export_is_gone_runs_again_before_its_perplexity(tmp_path, monkeypatch):
   out, work = tmp_path / "standard", tmp_path / "work"
   out.mkdir()
   (out / "dense.ppl.json").write_text("{}")
   (out / "magnitude_50pct.prune.json").write_text("{}")  # done, but its export is not in work/
   calls = []
-
-  def fake_main(argv):
-    calls.append(argv[0])
-    if argv[0] == "prune":
-      folder = pathlib.Path(argv[argv.index("--out") + 1])
-      folder.mkdir(parents=True)
-      (folder / "report.json").write_text('{"method": "magnitude"}')
-    else:
-      assert pathlib.Path(argv[argv.index("--model") + 1]).is_dir()  # scored from the export
-      pathlib.Path(argv[argv.index("--json") + 1]).write_text("{}")
-    return 0
-
   monkeypatch.setattr(llm_standard, "OUT", out)
-  monkeypatch.setattr(llm_standard.cli, "main", fake_main)
+  monkeypatch.setattr(llm_standard.cli, "main", _fake_cli(calls, scores_exports=True))
   monkeypatch.setattr(sys, "argv", ["llm_standard.py", "--methods", "magnitude",
                                     "--work", str(work)])
   llm_standard.main()
@@ -92,19 +97,6 @@ def test_a_model_path_replaces_the_installed_gguf_in_every_command(tmp_path):
   models = [argv[argv.index("--model") + 1] for name, argv, folder in todo
             if argv is not None and folder is not None or name == "dense.ppl.json"]
   assert models and set(models) == {str(tmp_path / "copied.gguf")}
-
-
-def _fake_cli(calls):
-  def fake_main(argv):
-    calls.append(argv[0])
-    if argv[0] == "prune":
-      folder = pathlib.Path(argv[argv.index("--out") + 1])
-      folder.mkdir(parents=True)
-      (folder / "report.json").write_text("{}")
-    else:
-      pathlib.Path(argv[argv.index("--json") + 1]).write_text("{}")
-    return 0
-  return fake_main
 
 
 def test_no_piece_starts_past_the_deadline_and_the_next_run_resumes(tmp_path, monkeypatch):

@@ -72,3 +72,9 @@ def test_the_benchmark_writes_each_cell_with_its_ratio_to_the_grouped_form(tmp_p
     assert cell["ratio_to_grouped"]["grouped"] == 1.0
     assert cell["ratio_to_grouped"]["im2col"] == pytest.approx(
         cell["forms"]["im2col"]["median_ms"] / cell["forms"]["grouped"]["median_ms"])
+
+
+def test_a_run_count_below_one_is_refused(tmp_path, capsys):
+  with pytest.raises(SystemExit):
+    packed_conv.main(["--runs", "0", "--out", str(tmp_path / "x.json")])
+  assert "--runs and --batch take counts >= 1, got [0] and 128" in capsys.readouterr().err
