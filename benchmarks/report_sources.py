@@ -77,8 +77,11 @@ def _percent(accuracy: Optional[float]) -> Optional[float]:
 
 
 def _grid_note(arm: Arm, name: str, value: float, grid: list[float], where: str,
-               on: str = "validation") -> None:
-  """Record how a value was picked from its grid: inside it, at an edge, or not chosen at all."""
+               on: str = "validation", bound: Optional[tuple[float, str]] = None) -> None:
+  """Record how a value was picked from its grid: inside it, at an edge, or not chosen at all.
+
+  ``bound``: ``(value, why)`` of the range's bound, where an end pick is settled, not an edge.
+  """
   grid = sorted(set(grid))
   if value not in grid:
     raise ValueError(f"{name} {value:g} is not in its selection grid {grid} ({where})")
@@ -89,8 +92,10 @@ def _grid_note(arm: Arm, name: str, value: float, grid: list[float], where: str,
     return
   edge = value in (grid[0], grid[-1])
   shown = "{" + ", ".join(f"{g:g}" for g in grid) + "}"
+  at_bound = bound is not None and value == bound[0]
   arm.hyper.append(f"{name} {value:g} ∈ {shown} on {on} ({where})"
-                   + (" AT GRID EDGE" if edge else ""))
+                   + (f", at the range's bound ({bound[1]})" if at_bound else
+                      " AT GRID EDGE" if edge else ""))
 
 
 def _chosen_lambda(arm: Arm, sel: dict, method: str, key: str, value: float, file: str,
@@ -342,10 +347,12 @@ def _standard_row(folder: pathlib.Path, r: dict) -> Row:
       steps = p["epochs"] * (calib["nsamples"] // p["batch_size"])
       pick = _load(folder / r["selection"])["selected"][method]
       where = f"held-out block-0 error, `{r['selection']}`"
-      for symbol, value, grid in (("lr", p["learning_rate"], pick["lr_grid"]),
-                                  ("λ", p["penalty"], pick["penalty_grid"]),
-                                  ("steps", pick["steps"], pick["steps_grid"])):
-        _grid_note(arm, symbol, value, grid, where)
+      bound = ((pick["steps_bound"], pick["steps_bound_why"]) if "steps_bound" in pick
+               else None)
+      for symbol, value, grid, end in (("lr", p["learning_rate"], pick["lr_grid"], None),
+                                       ("λ", p["penalty"], pick["penalty_grid"], None),
+                                       ("steps", pick["steps"], pick["steps_grid"], bound)):
+        _grid_note(arm, symbol, value, grid, where, bound=end)
       if structure != "50pct":
         arm.flags.add("unchosen")
         arm.hyper.append(f"NOT CHOSEN for {structure.replace('of', ':')} (the 50 % study's picks)")

@@ -1,11 +1,14 @@
-"""benchmarks/claims/llm_block_studies.py: the edge rule that extends a selection grid."""
+"""benchmarks/claims/llm_block_studies.py: the edge rule that extends a selection grid, up to a range bound."""
 
 import math
 import pathlib
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks" / "claims"))
+import llm_block_studies  # noqa: E402  pylint: disable=wrong-import-position
 from llm_block_studies import edge_rule_pick  # noqa: E402  pylint: disable=wrong-import-position
 
 
@@ -33,3 +36,46 @@ def test_an_interior_pick_keeps_the_grid_and_integer_grids_stay_integer():
 def test_the_extensions_are_bounded():
   pick, grid, inside = edge_rule_pick(lambda lr: lr, [1e-3, 3e-3, 1e-2], 3.0, max_extensions=2)
   assert not inside and pick == grid[0] and len(grid) == 5
+
+
+def test_a_top_pick_after_the_extensions_tries_the_range_bound_once_and_settles_there():
+  tried = []
+
+  def error(steps):  # more steps always help: the pick runs up to the bound
+    tried.append(steps)
+    return -steps
+
+  pick, grid, inside = edge_rule_pick(error, [60, 120, 250], 2.0, integer=True, upper=1920)
+  assert (pick, inside) == (1920, False)  # at the bound: an end, but not an extendable one
+  assert grid == [60, 120, 250, 500, 1000, 1920] and sorted(set(tried)) == grid
+
+
+def test_the_bound_can_move_the_pick_back_inside():
+  pick, grid, inside = edge_rule_pick(lambda steps: abs(steps - 1100), [60, 120, 250], 2.0,
+                                      integer=True, upper=1920)
+  assert (pick, inside) == (1000, True) and grid[-1] == 1920
+
+
+def test_an_extension_past_the_bound_stops_at_it_and_the_bottom_end_ignores_it():
+  pick, grid, inside = edge_rule_pick(lambda steps: -steps, [60, 120, 250], 2.0, integer=True,
+                                      upper=400)
+  assert (pick, grid, inside) == (400, [60, 120, 250, 400], False)
+  # A pick at the bottom end extends as without a bound, and the bound is never run.
+  pick, grid, inside = edge_rule_pick(lambda lr: lr, [1e-3, 3e-3, 1e-2], 3.0, upper=1.0)
+  assert not inside and pick == grid[0] and len(grid) == 5 and 1.0 not in grid
+
+
+def test_a_bound_below_the_grid_is_refused():
+  with pytest.raises(ValueError, match="upper=100"):
+    edge_rule_pick(lambda steps: steps, [60, 120, 250], 2.0, upper=100)
+
+
+def test_the_steps_bound_is_the_papers_block_budget_and_the_cli_refuses_one_below_the_grid(
+    monkeypatch, capsys):
+  # SPEC §3: 30 epochs over 128 sequences of 2,048 tokens, in batches of 8 x 512 tokens.
+  assert llm_block_studies.STEPS_BOUND * 8 * 512 == 30 * 128 * 2048
+  monkeypatch.setattr(sys, "argv", ["llm_block_studies.py", "select", "--steps-bound", "200"])
+  with pytest.raises(SystemExit):
+    llm_block_studies.main()
+  assert "--steps-bound must be at least the step grid's top value 250; got 200" in (
+      capsys.readouterr().err)

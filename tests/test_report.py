@@ -292,10 +292,13 @@ def test_a_block_study_setting_that_an_extension_beat_is_flagged_not_chosen(tmp_
       "SAFE+'s λ at the lower end of its grid"]
 
 
-def _standard_folder(tmp_path):
-  """llm_standard.py's pieces at 2:4: magnitude once, SparseGPT at seeds 0 and 1, SAFE+ at seed 0."""
+def _standard_folder(tmp_path, steps=120, steps_grid=(60, 120, 250), bound=None, upper=None):
+  """llm_standard.py's pieces at 2:4: magnitude once, SparseGPT at seeds 0 and 1, SAFE+ at seed 0.
+
+  ``bound``: the selection's recorded steps bound; ``upper``: the declared one.
+  """
   files = tmp_path / "standard"
-  files.mkdir()
+  files.mkdir(parents=True)
 
   def ppl(name, value):
     _write(files / f"{name}.ppl.json", {"perplexity": value, "tokens": 1000, "window": 100})
@@ -305,11 +308,14 @@ def _standard_folder(tmp_path):
   ppl("sparsegpt_2of4_64x512_seed1", 42.0)
   ppl("safe-plus_2of4_64x512_seed0", 38.0)
   _write(files / "safe-plus_2of4_64x512_seed0.prune.json", {
-      "prune_config": {"learning_rate": 0.003, "penalty": 0.001, "epochs": 15, "batch_size": 8},
+      "prune_config": {"learning_rate": 0.003, "penalty": 0.001, "epochs": steps // 8,
+                       "batch_size": 8},
       "calibration": {"nsamples": 64}})
+  bounds = {} if bound is None else {"steps_bound": bound, "steps_bound_why": "a budget"}
   _write(tmp_path / "sel.json", {"selected": {"safe-plus": {
       "lr": 0.003, "lr_grid": [0.001, 0.003, 0.01], "penalty": 0.001,
-      "penalty_grid": [0.0001, 0.001, 0.01], "steps": 120, "steps_grid": [60, 120, 250]}}})
+      "penalty_grid": [0.0001, 0.001, 0.01], "steps": steps, "steps_grid": list(steps_grid),
+      **bounds}}})
   row = {"source": "llm_standard", "dir": "standard", "calibration": "64x512", "seeds": [0, 1],
          "selection": "sel.json"}
   _write(tmp_path / "claim.json", {
@@ -319,7 +325,8 @@ def _standard_folder(tmp_path):
       "rows": [{**row, "label": "2:4", "structure": "2of4"}, {**row, "label": "50 %"}]})
   from claims import tuning  # pylint: disable=import-outside-toplevel
   specs = {"SAFE+": {"lr": tuning.grid(0.001, 0.003, 0.01), "λ": tuning.grid(0.0001, 0.001, 0.01),
-                     "steps": tuning.grid(60, 120, 250)}, "SparseGPT": {}, "magnitude": {}}
+                     "steps": tuning.grid(60, 120, 250, upper=upper)},
+           "SparseGPT": {}, "magnitude": {}}
   return tmp_path, lambda claim, row, method: specs[method]
 
 
@@ -337,3 +344,26 @@ def test_a_standard_protocol_row_reads_its_structures_pieces_per_seed(tmp_path):
   assert "1000 tokens in 100-token windows" in nm.ours.budget
   assert all(not arm.values for arm in (half.ours, *half.baselines))
   assert half.ours.hyper == ["not run yet"]
+
+
+def test_a_steps_pick_at_the_declared_bound_is_settled_and_without_it_is_unfinished(tmp_path):
+  """The step grid's two extensions ended at 1000 with the pick at the top; the bound 1920 is
+  tried once more (llm_block_studies.edge_rule_pick) and is not counted as an extension."""
+  import report_sources  # pylint: disable=import-outside-toplevel
+  extended = (60, 120, 250, 500, 1000, 1920)
+  nm, _ = report_sources.load_claim(*_standard_folder(
+      tmp_path / "a", 1920, extended, bound=1920, upper=1920)).rows
+  assert nm.ours.unfinished == []
+  assert any("steps 1920" in h and "at the range's bound (a budget)" in h
+             and "AT GRID EDGE" not in h for h in nm.ours.hyper)
+  # The bound can also move the pick back inside: 1000 after 1920 was tried.
+  nm, _ = report_sources.load_claim(*_standard_folder(
+      tmp_path / "b", 1000, extended, bound=1920, upper=1920)).rows
+  assert nm.ours.unfinished == [] and not any("AT GRID EDGE" in h for h in nm.ours.hyper)
+  # Without a declared bound, the third value above the grid is one extension too many.
+  with pytest.raises(ValueError, match="not the declared"):
+    report_sources.load_claim(*_standard_folder(tmp_path / "c", 1920, extended, bound=1920))
+  # Two extensions and no bound tried: the top pick is tuning left unfinished.
+  nm, _ = report_sources.load_claim(*_standard_folder(
+      tmp_path / "d", 1000, extended[:-1], upper=1920)).rows
+  assert nm.ours.unfinished == ["SAFE+'s steps at the upper end of its grid"]

@@ -61,6 +61,14 @@ SELECT_LR = (1e-3, 3e-3, 1e-2)
 SELECT_PENALTY = (1e-4, 1e-3, 1e-2)
 SELECT_STEPS = (60, 120, 250)
 MAX_EXTENSIONS = 2  # per axis, as benchmarks/claims/tuning.py's EDGE_RULE declares
+# The step count's upper bound: the paper's budget per block (SPEC §3: 30 epochs over 128
+# calibration sequences of 2,048 tokens) in steps of the standard rows' batches of 8 x 512 tokens
+# (llm_standard.py). Declared 2026-11-28, after the two extensions of the step grid ended at
+# 1,000 with the pick still at the top: the bound is tried once, and a pick there is settled.
+PAPER_BLOCK_TOKENS = 30 * 128 * 2048
+STEPS_BOUND = PAPER_BLOCK_TOKENS // (8 * 512)
+STEPS_BOUND_WHY = ("the paper's per-block budget, 30 epochs of 128 x 2,048 tokens, in steps of "
+                   "8 x 512 tokens")
 
 
 class Pending(Exception):
@@ -228,22 +236,40 @@ def _mean_se(values: list[float]) -> str:
 
 
 def edge_rule_pick(evaluate, grid: list[float], ratio: float, integer: bool = False,
-                   max_extensions: int = MAX_EXTENSIONS) -> tuple[float, list[float], bool]:
+                   max_extensions: int = MAX_EXTENSIONS,
+                   upper: Optional[float] = None) -> tuple[float, list[float], bool]:
   """The grid value with the lowest ``evaluate``, extending the grid past an edge pick.
 
-  Returns ``(pick, grid, inside)``; ``inside`` is False when the extensions ran out.
+  ``upper``: the range's upper bound, which EDGE_RULE does not extend past. An extension
+  that would pass it stops at it, and a pick still at the top end after the extensions
+  tries the bound itself (once). A pick at the bound is settled; the caller tells it by
+  ``pick == upper``.
+
+  Returns ``(pick, grid, inside)``; ``inside`` is False when the pick is at an end: at the
+  bound, or where the extensions ran out.
   """
   grid = sorted(grid)
-  for extension in range(max_extensions + 1):
+  if upper is not None and grid[-1] > upper:
+    raise ValueError(f"upper={upper:g} is below the grid's top value {grid[-1]:g}")
+  extensions = 0
+  while True:
     scores = {v: evaluate(v) for v in grid}
     pick = min(grid, key=scores.get)
     if grid[0] < pick < grid[-1]:
       return pick, grid, True
-    if extension == max_extensions:
-      break
-    beyond = pick * ratio if pick == grid[-1] else pick / ratio
+    at_top = pick == grid[-1]
+    if at_top and upper is not None and pick >= upper:
+      return pick, grid, False
+    if extensions >= max_extensions:
+      if not (at_top and upper is not None):
+        return pick, grid, False
+      beyond = upper  # the bound, once: after it, the pick is settled either way
+    else:
+      beyond = pick * ratio if at_top else pick / ratio
+      if at_top and upper is not None:
+        beyond = min(beyond, upper)
     grid = sorted(grid + [round(beyond) if integer else float(f"{beyond:.3g}")])
-  return pick, grid, False
+    extensions += 1
 
 
 def select_file(args) -> Study:
@@ -282,10 +308,13 @@ def select_study(args, study: Study) -> None:
                        "penalty_inside": lam_inside, "steps": "pending"}
     study.save()
     steps_pick, steps_grid, steps_inside = edge_rule_pick(
-        lambda steps: run(int(steps), lr_pick, lam_pick), list(SELECT_STEPS), 2.0, integer=True)
+        lambda steps: run(int(steps), lr_pick, lam_pick), list(SELECT_STEPS), 2.0, integer=True,
+        upper=args.steps_bound)
     picks[method] = {
         **partial.pop(method),
         "steps": int(steps_pick), "steps_grid": steps_grid, "steps_inside": steps_inside,
+        "steps_bound": args.steps_bound, "steps_bound_why": STEPS_BOUND_WHY,
+        "steps_at_bound": int(steps_pick) == args.steps_bound,
         "held_out_error": run(int(steps_pick), lr_pick, lam_pick)}
     study.save()
 
@@ -303,7 +332,9 @@ def select_table(study: Study) -> str:
                     **study.record.get("selected", {})}.items():
     cell = lambda key: ("pending" if p[key] == "pending" else
                         f"{p[key]:g} ({', '.join(f'{v:g}' for v in p[key + '_grid'])})"
-                        + ("" if p[key + "_inside"] else " AT AN EDGE"))
+                        + ("" if p[key + "_inside"] else
+                           f" at the range's bound ({p[key + '_bound_why']})"
+                           if p.get(key + "_at_bound") else " AT AN EDGE"))
     error = p.get("held_out_error")
     picks.append(f"| {method} | {cell('lr')} | {cell('penalty')} | {cell('steps')} | "
                  + ("pending" if error is None else f"{error:.4f}") + " |")
@@ -405,6 +436,9 @@ def main() -> None:
   parser.add_argument("--windows", type=int, default=64)
   parser.add_argument("--seqlen", type=int, default=128)
   parser.add_argument("--grid-steps", type=int, default=60)
+  parser.add_argument("--steps-bound", type=int, default=STEPS_BOUND,
+                      help=f"select: the step count's upper bound (default {STEPS_BOUND}: "
+                           f"{STEPS_BOUND_WHY})")
   parser.add_argument("--held-out", type=int, nargs=2, default=[16, 512],
                       metavar=("WINDOWS", "SEQLEN"))
   parser.add_argument("--sizes", nargs="+", default=["16x128", "64x128", "64x512"])
@@ -413,6 +447,9 @@ def main() -> None:
                            "'none': --lr and --penalty")
   parser.add_argument("--table-only", action="store_true")
   args = parser.parse_args()
+  if args.steps_bound < max(SELECT_STEPS):
+    parser.error(f"--steps-bound must be at least the step grid's top value {max(SELECT_STEPS)}; "
+                 f"got {args.steps_bound}")
   make, run, table = STUDIES[args.study]
   start = time.perf_counter()
   study = make(args)
