@@ -13,14 +13,26 @@
 #      results/leases/2026-11-27_h200_llm_7b_block.log).
 # Each step has its own timeout and writes its JSON as it goes, so a step cut short keeps its cells.
 #
-# Prepare here once (the folder is git-ignored): .gpu/ holds the wheels the image lacks
-# (ml_collections, tensorboardX; `pip download --no-deps ... -d .gpu`, see the device tool's README)
-# and CIFAR-10 as cifar10_jpg.tar.gz (the loader's JPEG archive, about 20 MB).
+# Prepare here once: `bash benchmarks/perf/gpu_lease.sh prepare` fills .gpu/ (git-excluded) with the
+# wheels the device image lacks (ml_collections, tensorboardX, at the versions installed here) and
+# CIFAR-10 as cifar10_jpg.tar.gz (the loader's JPEG archive, about 20 MB, found through
+# safe_optax.data_paths).
 # Then: run(command="bash benchmarks/perf/gpu_lease.sh", carry=[".gpu"], timeout_s=590); each step
 # has its own timeout (S1..S5, seconds) and together they end inside the call.
 # Check it on a CPU first: DRY=1 bash benchmarks/perf/gpu_lease.sh (dry-run cells, no 7B block).
 set -u
 export PYTHONUNBUFFERED=1
+if [ "${1:-}" = prepare ]; then
+  mkdir -p .git/info && { grep -qx "/.gpu/" .git/info/exclude 2>/dev/null || echo "/.gpu/" >> .git/info/exclude; }
+  rm -rf .gpu && mkdir -p .gpu
+  for name in ml_collections tensorboardX; do
+    version=$(python3 -c "import importlib.metadata as m; print(m.version('$name'))") || exit 2
+    python3 -m pip download -q --no-deps --only-binary=:all: -d .gpu "$name==$version" || exit 2
+  done
+  cifar=$(python3 -c "from safe_optax import data_paths; print(data_paths.require('cifar10/cifar10_jpg.tar.gz'))") || exit 2
+  cp "$cifar" .gpu/cifar10_jpg.tar.gz && du -sh .gpu && ls .gpu
+  exit 0
+fi
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 exec > >(tee -a "$OUT/log.txt") 2>&1
 if compgen -G ".gpu/*.whl" >/dev/null; then
