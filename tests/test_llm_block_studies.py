@@ -74,6 +74,11 @@ def test_the_steps_bound_is_the_papers_block_budget_and_the_cli_refuses_one_belo
     monkeypatch, capsys):
   # SPEC §3: 30 epochs over 128 sequences of 2,048 tokens, in batches of 8 x 512 tokens.
   assert llm_block_studies.STEPS_BOUND * 8 * 512 == 30 * 128 * 2048
+  # The report checks the recorded grids against tuning.py's declaration of the same bound.
+  import tuning  # pylint: disable=import-outside-toplevel
+  rows = tuning.DECLARED["llm_pruning"]["rows"]
+  assert {rows[label][name]["steps"]["upper"] for label in rows for name in rows[label]
+          if "steps" in rows[label][name]} == {llm_block_studies.STEPS_BOUND}
   monkeypatch.setattr(sys, "argv", ["llm_block_studies.py", "select", "--steps-bound", "200"])
   with pytest.raises(SystemExit):
     llm_block_studies.main()

@@ -313,7 +313,9 @@ def select_study(args, study: Study) -> None:
     picks[method] = {
         **partial.pop(method),
         "steps": int(steps_pick), "steps_grid": steps_grid, "steps_inside": steps_inside,
-        "steps_bound": args.steps_bound, "steps_bound_why": STEPS_BOUND_WHY,
+        "steps_bound": args.steps_bound,
+        "steps_bound_why": (STEPS_BOUND_WHY if args.steps_bound == STEPS_BOUND
+                            else "set by --steps-bound"),
         "steps_at_bound": int(steps_pick) == args.steps_bound,
         "held_out_error": run(int(steps_pick), lr_pick, lam_pick)}
     study.save()
