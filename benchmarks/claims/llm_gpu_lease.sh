@@ -12,8 +12,10 @@
 #
 # `run` works through llm_standard.py's pending SAFE+ and SAFE pieces (3 calibration seeds each,
 # lr / lambda / steps from the committed selection), starts none past DEADLINE_S (380) and stops the
-# last at RUN_S (500); the finished pieces' JSON comes back in pieces.tar.gz. A later lease resumes
-# with the pieces still pending (a piece stopped part-way starts over: its state goes with the machine).
+# last at RUN_S (500); the finished pieces' JSON comes back in pieces.tar.gz. Another `run` call on
+# the same warm machine continues a prune stopped part-way from its next block (its work folder is
+# under $STAGE); a later lease resumes with the pieces still pending, and a piece stopped part-way
+# there starts over (its state goes with the machine).
 # `DRY=1 bash benchmarks/claims/llm_gpu_lease.sh receive && DRY=1 ... run` checks it here: the
 # halves join to the same file, the GGUF loads, and the pieces are listed instead of run.
 set -u
