@@ -26,7 +26,7 @@ python benchmarks/claims/llm_block_studies.py grouping --block 0 --seeds 0
 # paper's per-block token budget in 8 x 512-token steps (1920; declared after the two extensions
 # ended at 1000 with both picks at the top), which is tried once
 python benchmarks/claims/llm_block_studies.py select --windows 64 --seqlen 128 --grid-steps 60
-python benchmarks/claims/llm_block_studies.py calib --selection none --lr 3e-3 --penalty 1e-3 --steps 60 --sizes 16x128 64x128 64x512
+python benchmarks/claims/llm_block_studies.py calib --selection none --lr 3e-3 --penalty 1e-3 --steps 60 --sizes 16x128 64x128 64x512 128x512
 # The 50 % rows on the standard protocol, 64 x 512 calibration tokens, seeds 0 1 2: one JSON per prune
 # and per perplexity in standard/, each skipped when present (--list shows what is pending;
 # --pieces 1 runs the next piece only). ~21 min of the whole 2-core machine per perplexity.
