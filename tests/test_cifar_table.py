@@ -64,9 +64,9 @@ def test_merging_a_later_lease_keeps_earlier_runs_and_records_each_cells_budget(
 def _bench(lone_ms, pack_ms):
   cells = [{"model": "resnet20x2", "dtype": "float32", "runs": 1, "mean_step_ms": lone_ms},
            {"model": "resnet20x2", "dtype": "float32", "runs": 3, "mean_step_ms": pack_ms},
-           # lone runs in 3 processes: another layout, never taken for the pack of 3
+           # lone runs in 3 processes under the MPS daemon: a layout only while one runs
            {"model": "resnet20x2", "dtype": "float32", "runs": 3, "layout": "processes",
-            "mean_step_ms": 1.0}]
+            "mps_daemon": True, "mean_step_ms": 1.0}]
   return {"cells": cells}
 
 
@@ -76,6 +76,14 @@ def test_auto_takes_the_layout_measured_faster(lone_ms, pack_ms, layout):
   assert seconds == {"pack": pytest.approx(pack_ms / 1e3), "lone": pytest.approx(3 * lone_ms / 1e3)}
   assert cifar_table.choose_layout(seconds, "auto") == layout
   assert cifar_table.choose_layout(seconds, "pack") == "pack"
+  with pytest.raises(ValueError, match="--layout processes: the throughput JSON has no --proc"):
+    cifar_table.choose_layout(seconds, "processes")
+  # with the daemon running, the processes cell is measured for these 3 runs (not for 4)
+  seconds = cifar_table.layout_seconds(_bench(lone_ms, pack_ms), "resnet20x2", "float32", 3,
+                                       mps=True)
+  assert cifar_table.choose_layout(seconds, "auto") == "processes"
+  assert "processes" not in cifar_table.layout_seconds(_bench(lone_ms, pack_ms), "resnet20x2",
+                                                       "float32", 4, mps=True)
 
 
 def test_lone_runs_train_one_after_another_each_merged_as_it_finishes(tmp_path, monkeypatch):
@@ -232,3 +240,118 @@ def test_compare_pairs_two_tables_by_seed_and_needs_no_training_arguments(tmp_pa
   with pytest.raises(SystemExit):
     cifar_table.main(["--runs", str(tmp_path)])
   assert "required to train: --data-dir, --throughput, --deadline-s" in capsys.readouterr().err
+
+
+def _processes_bench():
+  bench = _bench(9.73, 48.21)
+  # 3 lone runs at once without MPS: faster than 3 one after another
+  bench["cells"][2].update(mean_step_ms=12.0, mps_daemon=False)
+  return bench
+
+
+class _FakeChild:
+  """A child ``cifar_table.py`` (``_start_child``) that runs its ``main`` in this process when
+  waited for (so the tests' monkeypatches reach it); a raised error is rc 1 and a log line."""
+
+  events: list = []
+
+  def __init__(self, command, log, env):
+    self.command, self.env, self.log, self.returncode = command, env, log, None
+    self.seed = int(command[command.index("--seeds") + 1])
+    _FakeChild.events.append(("start", self.seed))
+
+  def wait(self):
+    _FakeChild.events.append(("wait", self.seed))
+    assert pathlib.Path(self.command[1]).name == "cifar_table.py"
+    try:
+      cifar_table.main(self.command[2:])
+      self.returncode = 0
+    except Exception as err:  # pylint: disable=broad-except
+      self.log.write(f"Traceback: {err!r}\n")
+      self.returncode = 1
+    return self.returncode
+
+
+def _processes_setup(tmp_path, monkeypatch, train_and_evaluate):
+  # pylint: disable=import-outside-toplevel
+  import json
+  import types
+
+  from safe_optax.vision import datasets, packing, sweeps, train
+  throughput = tmp_path / "bench.json"
+  throughput.write_text(json.dumps(_processes_bench()))
+  monkeypatch.setattr(datasets, "load_dataset",
+                      lambda config, data_dir: types.SimpleNamespace(train_labels=[0] * 256))
+  monkeypatch.setattr(packing, "train_packed", lambda *a, **k: pytest.fail("packed a cell"))
+  monkeypatch.setattr(sweeps, "record", lambda c, results: {
+      "method": c.method, "sparsity": c.sparsity, "seed": c.seed, "accuracy": results["acc"]})
+  monkeypatch.setattr(train, "train_and_evaluate", train_and_evaluate)
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+  monkeypatch.setattr(cifar_table, "_start_child", _FakeChild)
+  _FakeChild.events = []
+  table = tmp_path / "table.json"
+  return table, ["--data-dir", "unused", "--runs", str(tmp_path / "runs"), "--table", str(table),
+                 "--throughput", str(throughput), "--deadline-s", "1000", "--finish-s", "1",
+                 "--methods", "safe", "--epochs", "1"]
+
+
+def test_processes_start_a_lone_child_per_seed_at_once_and_merge_the_runs_they_finish(
+    tmp_path, monkeypatch, capsys):
+  # pylint: disable=import-outside-toplevel
+  import json
+  import types
+
+  from safe_optax.vision import checkpoint as checkpoint_lib
+
+  def train_and_evaluate(config, workdir, **kwargs):
+    assert kwargs["on_step"] is not None  # each child keeps the deadline
+    if config.seed == 2:  # the deadline stops this child after a checkpoint of step 5
+      (pathlib.Path(workdir) / "checkpoints" / "5").mkdir(parents=True)
+      raise checkpoint_lib.Interrupted(5, pathlib.Path(workdir) / "checkpoints")
+    return types.SimpleNamespace(results={"acc": 0.9 + config.seed / 100})
+
+  table, argv = _processes_setup(tmp_path, monkeypatch, train_and_evaluate)
+  cifar_table.main(argv + ["--bundle", str(tmp_path / "returned")])  # auto picks processes
+  assert '"layout": "processes"' in capsys.readouterr().out
+  # all three children start before the first is waited for
+  assert _FakeChild.events[:3] == [("start", 0), ("start", 1), ("start", 2)]
+  runs = json.loads(table.read_text())["runs"]
+  assert sorted(runs) == ["safe-s0.9-seed0", "safe-s0.9-seed1"]
+  assert runs["safe-s0.9-seed1"]["accuracy"] == pytest.approx(0.91)
+  bundle = json.loads((tmp_path / "returned" / "runs_bundle.json").read_text())
+  assert bundle["steps"] == {"safe-s0.9-seed2": 5}
+
+
+def test_a_processes_child_gets_a_share_of_the_memory_and_a_failed_one_is_named(
+    tmp_path, monkeypatch):
+  import json  # pylint: disable=import-outside-toplevel
+  import types  # pylint: disable=import-outside-toplevel
+  children = []
+  real = _FakeChild.__init__
+
+  def spy(self, command, log, env):
+    real(self, command, log, env)
+    children.append(self)
+
+  monkeypatch.setattr(_FakeChild, "__init__", spy)
+
+  def train_and_evaluate(config, workdir, **kwargs):
+    del workdir, kwargs
+    if config.seed == 1:
+      raise FloatingPointError("NaN in the loss")
+    return types.SimpleNamespace(results={"acc": 0.8})
+
+  table, argv = _processes_setup(tmp_path, monkeypatch, train_and_evaluate)
+  with pytest.raises(RuntimeError, match=r"(?s)a child failed: safe-s0\.9-seed1 \(rc 1\).*NaN"):
+    cifar_table.main(argv + ["--layout", "processes", "--seeds", "0", "1"])
+  # the child that finished is in the table; each child had half of 0.9 of the device memory
+  assert sorted(json.loads(table.read_text())["runs"]) == ["safe-s0.9-seed0"]
+  assert {c.env["XLA_PYTHON_CLIENT_MEM_FRACTION"] for c in children} == {"0.4500"}
+  command = children[0].command
+  assert command[command.index("--layout") + 1] == "lone"
+  assert float(command[command.index("--deadline-s") + 1]) <= 1000
+  # the rerun starts only the run still missing
+  children.clear()
+  with pytest.raises(RuntimeError, match="seed1"):
+    cifar_table.main(argv + ["--layout", "processes", "--seeds", "0", "1"])
+  assert [c.seed for c in children] == [1]

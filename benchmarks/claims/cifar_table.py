@@ -7,11 +7,13 @@ Each lease runs, in order:
 2. this script: the table's cells (``--methods`` x ``--sparsities``, each a pack
    of the ``--seeds``) not yet in ``--table``, in order, :func:`plan`\\ ned
    against the time left before ``--deadline-s`` with that step time. With
-   ``--layout auto`` (the default) a cell's seeds train as one pack or as lone
-   runs one after another, whichever the benchmark measured faster
-   (:func:`layout_seconds`; on the first H200 lease, lone runs in float32); a
-   lone run is :func:`safe_optax.vision.train.train_and_evaluate`, which
-   checkpoints every epoch. Each pack
+   ``--layout auto`` (the default) a cell's seeds train as one pack, as lone
+   runs one after another, or as lone runs in as many processes at once,
+   whichever the benchmark measured faster (:func:`layout_seconds`; on the
+   first H200 lease, lone runs in float32); a lone run is
+   :func:`safe_optax.vision.train.train_and_evaluate`, which checkpoints every
+   epoch, and ``processes`` starts one ``--layout lone`` child of this script
+   per seed and merges the runs they finish. Each pack
    is trained by :func:`safe_optax.vision.packing.train_packed` in
    ``--runs/<method>-s<sparsity>-seed<seed>`` (the ``sweep`` command's folders),
    checkpointing every ``--checkpoint-seconds`` (a lease cut short loses at
@@ -42,7 +44,9 @@ import hashlib
 import io
 import json
 import math
+import os
 import pathlib
+import subprocess
 import sys
 import tarfile
 import time
@@ -57,7 +61,7 @@ from safe_optax.vision import sweeps  # noqa: E402  pylint: disable=wrong-import
 
 PRESET = "resnet20x2-cifar10"
 MODEL = "resnet20x2"
-LAYOUTS = ("pack", "lone")
+LAYOUTS = ("pack", "lone", "processes")
 
 
 def step_seconds(throughput: dict[str, Any], model: str, dtype: str, runs: int) -> float:
@@ -94,24 +98,39 @@ def _packs(throughput: dict[str, Any], model: str, dtype: str) -> list[dict[str,
           and "mean_step_ms" in c and c.get("layout", "pack") == "pack"]
 
 
-def layout_seconds(throughput: dict[str, Any], model: str, dtype: str, runs: int
-                   ) -> dict[str, float]:
+def layout_seconds(throughput: dict[str, Any], model: str, dtype: str, runs: int,
+                   mps: bool = False) -> dict[str, float]:
   """Seconds to move all ``runs`` runs of a cell one step on, per layout measured.
 
   ``pack``: one step of the pack of ``runs`` (:func:`step_seconds`); ``lone``:
   ``runs`` steps of the lone program, the runs trained one after another, where
-  the benchmark measured the lone program (its pack of one).
+  the benchmark measured the lone program (its pack of one); ``processes``:
+  the span of one step of ``runs`` lone runs in as many processes at once,
+  where a ``--processes`` cell of at least ``runs`` was measured with the MPS
+  daemon running as it does now (``mps``) or not.
 
   Examples:
     >>> bench = {"cells": [{"model": "m", "dtype": "float32", "runs": r, "mean_step_ms": ms}
     ...                    for r, ms in ((1, 10.0), (3, 50.0))]}
     >>> layout_seconds(bench, "m", "float32", 3)
     {'pack': 0.05, 'lone': 0.03}
+    >>> bench["cells"].append({"model": "m", "dtype": "float32", "runs": 3, "mean_step_ms": 20.0,
+    ...                        "layout": "processes", "mps_daemon": True})
+    >>> layout_seconds(bench, "m", "float32", 3, mps=True)["processes"]
+    0.02
+    >>> sorted(layout_seconds(bench, "m", "float32", 3, mps=False))  # measured under MPS only
+    ['lone', 'pack']
   """
   seconds = {"pack": step_seconds(throughput, model, dtype, runs)}
   lone = [c["mean_step_ms"] for c in _packs(throughput, model, dtype) if c["runs"] == 1]
   if lone:
     seconds["lone"] = runs * lone[0] / 1e3
+  processes = {c["runs"]: c["mean_step_ms"] / 1e3 for c in throughput["cells"]
+               if c.get("model") == model and c.get("dtype") == dtype
+               and c.get("layout") == "processes" and "mean_step_ms" in c
+               and c["runs"] >= runs and bool(c.get("mps_daemon")) == mps}
+  if processes:
+    seconds["processes"] = processes[min(processes)]
   return seconds
 
 
@@ -131,8 +150,11 @@ def choose_layout(seconds: dict[str, float], layout: str) -> str:
   if layout == "auto":
     return min(seconds, key=seconds.get)
   if layout not in seconds:
-    raise ValueError(f"--layout {layout}: the throughput JSON has no lone-program cell (pack of "
-                     f"1) of this model and dtype; measured: {sorted(seconds)}")
+    what = {"lone": "lone-program cell (pack of 1)",
+            "processes": "--processes cell of at least this many runs, with the MPS daemon "
+                         "running as it is now or not,"}[layout]
+    raise ValueError(f"--layout {layout}: the throughput JSON has no {what} of this model and "
+                     f"dtype; measured: {sorted(seconds)}")
   return layout
 
 
@@ -351,7 +373,8 @@ def main(argv: Optional[list[str]] = None) -> None:
   parser.add_argument("--data-dir")
   parser.add_argument("--runs", help="run folders (kept between leases)")
   parser.add_argument("--table", default="results/cifar10_resnet20x2/table5.json")
-  parser.add_argument("--throughput", help="cifar_pack_throughput.py's JSON")
+  parser.add_argument("--throughput", nargs="+",
+                      help="cifar_pack_throughput.py's JSON (several: their cells together)")
   parser.add_argument("--deadline-s", type=float)
   parser.add_argument("--finish-s", type=float, default=60.0)
   parser.add_argument("--methods", nargs="+", default=["safe", "admm", "gmp"])
@@ -360,8 +383,9 @@ def main(argv: Optional[list[str]] = None) -> None:
   parser.add_argument("--epochs", type=int, default=None, help="default: the preset's (200)")
   parser.add_argument("--dtype", default="float32", choices=configs.DTYPES)
   parser.add_argument("--layout", default="auto", choices=["auto", *LAYOUTS],
-                      help="a cell's seeds as one pack, or as lone runs one after another; "
-                           "auto: whichever the throughput JSON measured faster")
+                      help="a cell's seeds as one pack, as lone runs one after another, or as "
+                           "lone runs in as many processes at once; auto: whichever the "
+                           "throughput JSON measured faster")
   parser.add_argument("--checkpoint-seconds", type=float, default=60.0)
   parser.add_argument("--resume-from", type=pathlib.Path, default=None,
                       help="a folder with an earlier lease's --bundle parts: unpacked into "
@@ -384,8 +408,12 @@ def main(argv: Optional[list[str]] = None) -> None:
   if missing:
     parser.error(f"the following arguments are required to train: {', '.join(missing)}")
   # the layout before the data: a --layout the benchmark did not measure fails at once
-  seconds = layout_seconds(json.loads(pathlib.Path(args.throughput).read_text()), MODEL,
-                           args.dtype, len(args.seeds))
+  sys.path.insert(0, str(REPO / "benchmarks" / "perf"))
+  from cifar_pack_throughput import mps_daemon_running
+  throughput = {"cells": [c for path in args.throughput
+                          for c in json.loads(pathlib.Path(path).read_text())["cells"]]}
+  seconds = layout_seconds(throughput, MODEL, args.dtype, len(args.seeds),
+                           mps=mps_daemon_running())
   layout = choose_layout(seconds, args.layout)
   start = time.monotonic()
   deadline = start + args.deadline_s
@@ -407,13 +435,14 @@ def main(argv: Optional[list[str]] = None) -> None:
       if all(n in finished_runs for n in names):
         continue
       done = [sweeps.checkpoint_step(root / n) or 0 for n in names]
-      # a pack's runs are at one step; lone runs each at their own, one after another
-      steps_left = (base.epochs * spe - done[0] if layout == "pack" else
-                    sum(base.epochs * spe - d for n, d in zip(names, done)
-                        if n not in finished_runs))
+      # a pack's runs are at one step; lone runs each at their own, one after another, or
+      # all at once in processes (the furthest behind sets the time)
+      left = [base.epochs * spe - d for n, d in zip(names, done) if n not in finished_runs]
+      steps_left = {"pack": base.epochs * spe - done[0], "lone": sum(left),
+                    "processes": max(left)}[layout]
       packs.append({"method": method, "sparsity": s, "names": names, "steps_left": steps_left})
-  per_step = seconds["pack"] if layout == "pack" else seconds["lone"] / len(args.seeds)
-  finish_s = args.finish_s * (1 if layout == "pack" else len(args.seeds))
+  per_step = seconds["lone"] / len(args.seeds) if layout == "lone" else seconds[layout]
+  finish_s = args.finish_s * (len(args.seeds) if layout == "lone" else 1)
   chosen = plan(packs, per_step, deadline - time.monotonic(), finish_s)
   print(json.dumps({"layout": layout, "seconds_per_step_of_all_runs": seconds,
                     "seconds_per_step": per_step, "plan": chosen}, indent=1), flush=True)
@@ -421,6 +450,11 @@ def main(argv: Optional[list[str]] = None) -> None:
   for pack in chosen:
     runs = [base.replace(method=pack["method"], sparsity=pack["sparsity"], seed=seed)
             for seed in args.seeds]
+    if layout == "processes":
+      if time.monotonic() > deadline:
+        break
+      table = _train_in_processes(args, pack, root, table, table_path, deadline)
+      continue
     try:
       if layout == "pack":
         outcomes = packing.train_packed(runs, [root / n for n in pack["names"]], data=data,
@@ -445,6 +479,69 @@ def main(argv: Optional[list[str]] = None) -> None:
     manifest = bundle_runs(root, unfinished, args.bundle)
     print(f"bundled {manifest['steps'] if manifest else 'nothing'} into {args.bundle}",
           flush=True)
+
+
+def _child_command(args: argparse.Namespace, pack: dict[str, Any], seed: int, table: pathlib.Path,
+                   seconds_left: float) -> list[str]:
+  """This script for one seed of ``pack`` as a lone run (``--layout lone``), into ``table``."""
+  command = [sys.executable, str(pathlib.Path(__file__).resolve()), "--layout", "lone",
+             "--data-dir", str(args.data_dir), "--runs", str(args.runs), "--table", str(table),
+             "--throughput", *map(str, args.throughput), "--dtype", args.dtype,
+             "--methods", pack["method"], "--sparsities", repr(pack["sparsity"]),
+             "--seeds", str(seed), "--deadline-s", f"{seconds_left:.1f}",
+             "--finish-s", repr(args.finish_s),
+             "--checkpoint-seconds", repr(args.checkpoint_seconds)]
+  for flag, value in (("--epochs", args.epochs), ("--train-subset", args.train_subset),
+                      ("--test-subset", args.test_subset)):
+    if value is not None:
+      command += [flag, str(value)]
+  return command
+
+
+def _start_child(command: list[str], log: Any, env: dict[str, str]) -> subprocess.Popen:
+  return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def _train_in_processes(args: argparse.Namespace, pack: dict[str, Any], root: pathlib.Path,
+                        table: dict[str, Any], table_path: pathlib.Path,
+                        deadline: float) -> dict[str, Any]:
+  """The runs of ``pack`` not yet in ``table``, each a lone run in its own process, at once.
+
+  Each child writes its run's record to ``<run>/lone_table.json`` (its log to
+  ``<run>/child.log``) and stops with a checkpoint at the deadline; the
+  records of the runs that finished are merged into ``table``. Each child may
+  use 0.9 / N of the device's memory (``XLA_PYTHON_CLIENT_MEM_FRACTION``, unless
+  set).
+
+  Raises:
+    RuntimeError: a child failed (after the others' runs were merged); the
+      message names its run and ends with its log.
+  """
+  todo = [(seed, name) for seed, name in zip(args.seeds, pack["names"])
+          if name not in table.get("runs", {})]
+  env = dict(os.environ)
+  env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / max(1, len(todo)):.4f}")
+  children = []
+  for seed, name in todo:
+    (root / name).mkdir(parents=True, exist_ok=True)
+    part = root / name / "lone_table.json"
+    part.unlink(missing_ok=True)
+    log = open(root / name / "child.log", "w", encoding="utf-8")  # pylint: disable=consider-using-with
+    command = _child_command(args, pack, seed, part, deadline - time.monotonic())
+    children.append((name, part, log, _start_child(command, log, env)))
+  failed = []
+  for name, part, log, child in children:
+    child.wait()
+    log.close()
+    if child.returncode != 0:
+      failed.append(f"{name} (rc {child.returncode}):\n"
+                    + (root / name / "child.log").read_text(encoding="utf-8")[-3000:])
+    elif part.exists():  # none when the deadline stopped it (it resumes from its checkpoint)
+      finished = list(json.loads(part.read_text())["runs"].values())
+      table = _write(table, table_path, finished, args.sparsities)
+  if failed:
+    raise RuntimeError("--layout processes: a child failed: " + "\n".join(failed))
+  return table
 
 
 def _record(config: Any, outcome: Any, name: str, device: str) -> dict[str, Any]:

@@ -8,7 +8,8 @@
 #      batched matmul, a loop of plain convolutions): which one a packed step should use;
 #   3. bfloat16 packs of 15 and 30 (the only packs that gained);
 #   4. SAFE in float32 against bfloat16, 3 seeds, a few epochs of real CIFAR-10 (issue 31 item 2's
-#      GPU report; the first lease ran no training);
+#      GPU report; the first lease ran no training), in the layout steps 1-3 measured fastest
+#      (cifar_table.py --layout auto: a pack, lone runs in turn, or lone runs in processes);
 #   5. SparseGPT on the LLaMA-2-7B-shaped block (cut by the first lease's time; SAFE and SAFE+ are in
 #      results/leases/2026-11-27_h200_llm_7b_block.log).
 # Each step has its own timeout and writes its JSON as it goes, so a step cut short keeps its cells.
@@ -70,13 +71,21 @@ if [ -f .gpu/cifar10_jpg.tar.gz ]; then
   TX=${DRY:+--train-subset 256 --test-subset 256}
   THROUGHPUT=benchmarks/perf/results/cifar_pack_throughput_${DRY:+cpu_dry_run}.json
   [ -z "${DRY:-}" ] && THROUGHPUT=benchmarks/perf/results/cifar_pack_throughput_gpu.json
+  # with steps 1-2's cells, --layout auto may take lone runs in processes (under MPS where it runs)
+  THROUGHPUT="$THROUGHPUT $(ls "$OUT"/cifar_processes*_gpu.json 2>/dev/null | tr '\n' ' ')"
+  MPS_ON=""
+  if [ -z "${DRY:-}" ] && command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d; then
+    MPS_ON=1
+  fi
   for dtype in float32 bfloat16; do
     timeout -s KILL ${S4:-90} python3 benchmarks/claims/cifar_table.py \
       --data-dir .gpu/cifar10_jpg.tar.gz --runs /tmp/runs_$dtype --methods safe \
-      --throughput "$THROUGHPUT" --epochs ${EPOCHS:-2} \
+      --throughput $THROUGHPUT --epochs ${EPOCHS:-2} \
       --dtype $dtype --deadline-s $(( ${S4:-90} - 15 )) --finish-s 20 $TX \
       --table "$OUT/table_safe_$dtype.json" || echo "step 4 $dtype: rc $?"
+    pkill -9 -f "cifar_tabl[e].py" 2>/dev/null  # a --layout processes child the timeout left
   done
+  [ -n "$MPS_ON" ] && echo quit | nvidia-cuda-mps-control
   # bfloat16 - float32 per seed, under the evidence report's rules ("level": within seed noise)
   python3 benchmarks/claims/cifar_table.py --compare "$OUT/table_safe_bfloat16.json" \
     "$OUT/table_safe_float32.json" | tee "$OUT/precision_compare.json" || echo "compare: rc $?"
