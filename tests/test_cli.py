@@ -213,3 +213,13 @@ def test_usage_errors_are_one_line_pointing_at_help(tmp_path, capsys, no_data_lo
     err = _one_line_error([*argv, "--data-dir", str(tmp_path), "--workdir", str(tmp_path / "o")],
                           capsys)
     assert flag in err and f"(see safe-optax-vision {argv[0]} --help)" in err, err
+
+
+def test_conv_impl_reaches_the_config_and_a_bad_one_names_the_choices(tmp_path, capsys):
+  args = cli.build_parser().parse_args(["train", "--preset", "resnet20x2-cifar10", "--data-dir",
+                                        str(tmp_path), "--workdir", str(tmp_path),
+                                        "--conv-impl", "im2col"])
+  assert cli._overrides(args)["conv_impl"] == "im2col"  # pylint: disable=protected-access
+  code, err = _run(["train", "--preset", "resnet20x2-cifar10", "--conv-impl", "winograd",
+                    "--data-dir", str(tmp_path), "--workdir", str(tmp_path)], capsys)
+  assert code == 2 and "--conv-impl" in err and "'xla', 'im2col'" in err

@@ -12,7 +12,8 @@ ways:
 * ``grouped``: ``jax.vmap`` of ``lax.conv_general_dilated`` (what a pack runs
   today);
 * ``im2col``: each run's padded input as its kernel-size shifted copies side by
-  side on the channel axis, then one batched matmul of
+  side on the channel axis (:func:`safe_optax.vision.models.im2col_conv`, which
+  the models use with ``conv_impl="im2col"``), then one batched matmul of
   ``[R, B*H*W, kh*kw*C]`` by ``[R, kh*kw*C, O]`` (more memory traffic, but one
   large GEMM that cuBLAS runs well);
 * ``loop``: R plain convolutions in one program (a Python loop under ``jit``).
@@ -39,6 +40,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import run_record, summary, write_report  # noqa: E402
+from safe_optax.vision import models  # noqa: E402
 
 # ResNet-20x2's 3 x 3 convolutions at batch 128: (height = width, in = out channels) per stage
 SHAPES = ((32, 32), (16, 64), (8, 128))
@@ -52,18 +54,10 @@ def conv(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def im2col_conv(x: jax.Array, w: jax.Array) -> jax.Array:
-  """:func:`conv` as a matmul: the kernel-size shifted copies of the padded input, then a dot.
-
-  Odd kernel sizes only (``SAME`` padding is then symmetric).
-  """
-  kh, kw, channels, out = w.shape
-  if kh % 2 == 0 or kw % 2 == 0:
-    raise ValueError(f"im2col_conv takes odd kernel sizes, got {kh} x {kw}")
-  height, width = x.shape[1:3]
-  padded = jnp.pad(x, ((0, 0), (kh // 2, kh // 2), (kw // 2, kw // 2), (0, 0)))
-  columns = jnp.concatenate([padded[:, i:i + height, j:j + width, :]
-                             for i in range(kh) for j in range(kw)], axis=-1)
-  return jnp.einsum("bhwk,ko->bhwo", columns, w.reshape(kh * kw * channels, out))
+  """:func:`conv` as the library's im2col form (:func:`safe_optax.vision.models.im2col_conv`)."""
+  return models.im2col_conv(x, w, (1, 1), "SAME",
+                            dimension_numbers=lax.conv_dimension_numbers(x.shape, w.shape,
+                                                                         DIMENSIONS))
 
 
 def packed(form: str) -> Callable[[jax.Array, jax.Array], jax.Array]:

@@ -89,6 +89,9 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
                     help="compute dtype (bfloat16: float32 weights, optimizer state, BN statistics)")
   over.add_argument("--matmul-precision", choices=configs.MATMUL_PRECISIONS,
                     help="precision of the convolutions and Dense layers")
+  over.add_argument("--conv-impl", choices=configs.CONV_IMPLS,
+                    help="convolutions as XLA's or as im2col matmuls (which a packed sweep "
+                         "batches as matmuls, not grouped convolutions)")
   over.add_argument("--batch-size", type=int)
   over.add_argument("--lr", dest="learning_rate", type=float, help="peak learning rate")
   over.add_argument("--warmup-epochs", type=int)
@@ -146,7 +149,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
            "admm_penalty",
            "rho", "dual_every", "saliency", "train_subset", "test_subset", "label_noise",
            "bnt_samples", "eval_every", "augment", "gmp_update_every", "validation", "log_every",
-           "rescale_dual", "structure", "dtype", "matmul_precision")
+           "rescale_dual", "structure", "dtype", "matmul_precision", "conv_impl")
   values = {name: getattr(args, name) for name in names}
   if args.test_only_split is not None:
     values["test_only_split"] = tuple(args.test_only_split)

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from typing import Any, Optional, Union
 
 from safe_optax import methods
+from safe_optax.vision import models
 
 METHODS = tuple(methods.REGISTRY)
 """Training methods understood by :func:`safe_optax.vision.train.train_and_evaluate`
@@ -40,6 +41,8 @@ DTYPES = ("float32", "bfloat16")
 """Compute dtypes of :attr:`Config.dtype`."""
 MATMUL_PRECISIONS = ("default", "high", "highest")
 """Values of :attr:`Config.matmul_precision` (``jax.lax.Precision``'s names)."""
+CONV_IMPLS = models.CONV_IMPLS
+"""Values of :attr:`Config.conv_impl` (:data:`safe_optax.vision.models.CONV_IMPLS`)."""
 STRUCTURES = tuple(methods.STRUCTURES)
 """Sparsity sets of :attr:`Config.structure`: one top-k over all prunable leaves
 (:class:`~safe_optax.Global`), the same fraction in each (:class:`~safe_optax.PerLeaf`) or
@@ -65,6 +68,11 @@ class Config(methods.Hyperparams):
   """``precision`` of every convolution and Dense layer (``jax.lax.Precision``): ``default``
   is TF32 for float32 on recent NVIDIA GPUs and one bfloat16 pass for bfloat16 (both
   accumulating in float32), full float32 on CPU; ``highest`` is full float32 everywhere."""
+  conv_impl: str = "xla"
+  """How convolutions are computed: ``xla`` (``lax.conv_general_dilated``) or ``im2col``
+  (:func:`safe_optax.vision.models.im2col_conv`: shifted slices and one matmul, which a
+  packed step batches as a matmul rather than a grouped convolution). Same parameters and
+  outputs up to the order of the sums."""
   mlp_features: tuple[int, ...] = (300, 100)
   dataset: str = "cifar10"
   batch_size: int = 128
@@ -108,6 +116,7 @@ def validate(config: Config) -> Config:
   methods.check_one_of(config.dataset, "dataset", DATASETS)
   methods.check_one_of(config.dtype, "dtype", DTYPES)
   methods.check_one_of(config.matmul_precision, "matmul_precision", MATMUL_PRECISIONS)
+  methods.check_one_of(config.conv_impl, "conv_impl", CONV_IMPLS)
   methods.validate(config)
   if not isinstance(config.augment, bool):
     raise ValueError(f"`augment` must be True or False, got {config.augment!r}.")

@@ -19,6 +19,10 @@ literature:
   small conv net for CPU-sized MNIST / Fashion-MNIST experiments.
 
 Convolutions followed by BatchNorm have no bias; Dense layers have biases.
+``conv_impl="im2col"`` computes every convolution as :func:`im2col_conv` (the
+same parameters and outputs): under ``jax.vmap`` over runs' kernels, as in a
+packed step, a convolution becomes a grouped convolution, and im2col a batched
+matmul instead.
 BatchNorm uses ``momentum=0.9, epsilon=1e-5`` (PyTorch's defaults) and the
 batch statistics in training mode, so call ``apply`` with
 ``mutable=['batch_stats']`` when ``train=True`` (see
@@ -50,14 +54,70 @@ if TYPE_CHECKING:
 
 ModuleDef = Any
 
-__all__ = ("LeNet5", "MLP", "ResNet", "ResNetBlock", "VGG", "VGG19", "lenet5", "mlp",
-           "resnet20", "resnet32", "vgg19")
+__all__ = ("CONV_IMPLS", "LeNet5", "MLP", "ResNet", "ResNetBlock", "VGG", "VGG19",
+           "im2col_conv", "lenet5", "mlp", "resnet20", "resnet32", "vgg19")
 
 BN_MOMENTUM = 0.9
 BN_EPSILON = 1e-5
 
 # He-normal (fan_out), as torchvision / the CIFAR ResNet reference code.
 conv_init = nn.initializers.variance_scaling(2.0, "fan_out", "normal")
+
+CONV_IMPLS = ("xla", "im2col")
+"""How the conv models compute a convolution: ``xla`` (``lax.conv_general_dilated``) or
+``im2col`` (:func:`im2col_conv`)."""
+
+
+def im2col_conv(lhs: jax.Array, rhs: jax.Array, window_strides: Sequence[int], padding: Any,
+                lhs_dilation: Optional[Sequence[int]] = None,
+                rhs_dilation: Optional[Sequence[int]] = None, dimension_numbers: Any = None,
+                feature_group_count: int = 1, batch_group_count: int = 1,
+                precision: Any = None, preferred_element_type: Any = None) -> jax.Array:
+  """``lax.conv_general_dilated`` for NHWC inputs and HWIO kernels, as slices and one matmul.
+
+  The padded input's ``kh * kw`` strided windows are laid side by side on the
+  channel axis (``[B, H', W', kh*kw*C]``) and multiplied by the kernel reshaped
+  to ``[kh*kw*C, O]``. The arguments are ``lax.conv_general_dilated``'s, so Flax's
+  ``nn.Conv(conv_general_dilated=im2col_conv)`` takes it; the values and
+  gradients are the same up to the order of the sums.
+
+  Raises:
+    ValueError: what it does not cover, by name: dimension numbers other than
+      NHWC / HWIO / NHWC, dilation, or feature / batch groups.
+  """
+  if lhs.ndim != 4 or rhs.ndim != 4:
+    raise ValueError(f"im2col_conv takes 2-D convolutions (4-D lhs and rhs), got lhs "
+                     f"{lhs.shape}, rhs {rhs.shape}")
+  expected = jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, ("NHWC", "HWIO", "NHWC"))
+  if dimension_numbers is None or jax.lax.conv_dimension_numbers(
+      lhs.shape, rhs.shape, dimension_numbers) != expected:
+    raise ValueError(f"im2col_conv takes dimension_numbers NHWC / HWIO / NHWC, got "
+                     f"{dimension_numbers!r}")
+  for name, value in (("lhs_dilation", lhs_dilation), ("rhs_dilation", rhs_dilation)):
+    if value is not None and any(d != 1 for d in value):
+      raise ValueError(f"im2col_conv takes no dilation, got {name}={tuple(value)}")
+  for name, value in (("feature_group_count", feature_group_count),
+                      ("batch_group_count", batch_group_count)):
+    if value != 1:
+      raise ValueError(f"im2col_conv takes no groups, got {name}={value}")
+  kh, kw, channels, out = rhs.shape
+  sh, sw = window_strides
+  pads = (jax.lax.padtype_to_pads(lhs.shape[1:3], (kh, kw), window_strides, padding)
+          if isinstance(padding, str) else padding)
+  x = jnp.pad(lhs, ((0, 0), tuple(pads[0]), tuple(pads[1]), (0, 0)))
+  out_h, out_w = (x.shape[1] - kh) // sh + 1, (x.shape[2] - kw) // sw + 1
+  columns = jnp.concatenate(
+      [x[:, i:i + sh * (out_h - 1) + 1:sh, j:j + sw * (out_w - 1) + 1:sw, :]
+       for i in range(kh) for j in range(kw)], axis=-1)
+  return jnp.einsum("bhwk,ko->bhwo", columns, rhs.reshape(kh * kw * channels, out),
+                    precision=precision, preferred_element_type=preferred_element_type)
+
+
+def _conv_function(conv_impl: str) -> Any:
+  """``nn.Conv``'s ``conv_general_dilated`` for ``conv_impl`` (``None``: Flax's default)."""
+  if conv_impl not in CONV_IMPLS:
+    raise ValueError(f"conv_impl must be one of {CONV_IMPLS}, got {conv_impl!r}")
+  return im2col_conv if conv_impl == "im2col" else None
 
 
 def _norm(train: bool, dtype: Any, axis_name: Optional[str]) -> ModuleDef:
@@ -111,11 +171,13 @@ class ResNet(nn.Module):
   dtype: Any = jnp.float32
   precision: Any = None
   bn_axis_name: Optional[str] = None
+  conv_impl: str = "xla"
 
   @nn.compact
   def __call__(self, x, train: bool):
     conv = functools.partial(nn.Conv, use_bias=False, padding="SAME", dtype=self.dtype,
-                             precision=self.precision, kernel_init=conv_init)
+                             precision=self.precision, kernel_init=conv_init,
+                             conv_general_dilated=_conv_function(self.conv_impl))
     norm = _norm(train, self.dtype, self.bn_axis_name)
     widths = (16 * self.width, 32 * self.width, 64 * self.width)
     x = conv(widths[0], (3, 3), name="conv_init")(x)
@@ -166,11 +228,13 @@ class VGG(nn.Module):
   dtype: Any = jnp.float32
   precision: Any = None
   bn_axis_name: Optional[str] = None
+  conv_impl: str = "xla"
 
   @nn.compact
   def __call__(self, x, train: bool):
     conv = functools.partial(nn.Conv, kernel_size=(3, 3), use_bias=False, padding="SAME",
-                             dtype=self.dtype, precision=self.precision, kernel_init=conv_init)
+                             dtype=self.dtype, precision=self.precision, kernel_init=conv_init,
+                             conv_general_dilated=_conv_function(self.conv_impl))
     norm = _norm(train, self.dtype, self.bn_axis_name)
     for stage in self.stages:
       for filters in stage:
@@ -230,12 +294,14 @@ class LeNet5(nn.Module):
   num_classes: int = 10
   dtype: Any = jnp.float32
   precision: Any = None
+  conv_impl: str = "xla"
 
   @nn.compact
   def __call__(self, x, train: bool = False):
     del train
     dense = functools.partial(nn.Dense, dtype=self.dtype, precision=self.precision)
-    conv = functools.partial(nn.Conv, dtype=self.dtype, precision=self.precision)
+    conv = functools.partial(nn.Conv, dtype=self.dtype, precision=self.precision,
+                             conv_general_dilated=_conv_function(self.conv_impl))
     x = nn.relu(conv(6, (5, 5), padding="SAME")(x))
     x = nn.max_pool(x, (2, 2), strides=(2, 2))
     x = nn.relu(conv(16, (5, 5), padding="VALID")(x))
@@ -269,14 +335,16 @@ def create_model(config: "Config", num_classes: int) -> nn.Module:
   """
   numerics = {"dtype": getattr(jnp, config.dtype),
               "precision": jax.lax.Precision(config.matmul_precision)}
+  _conv_function(config.conv_impl)  # an unknown conv_impl fails here, not at the first call
+  convs = {**numerics, "conv_impl": config.conv_impl}
   if config.model == "resnet8":
-    return ResNet(blocks_per_stage=1, num_classes=num_classes, width=config.width, **numerics)
+    return ResNet(blocks_per_stage=1, num_classes=num_classes, width=config.width, **convs)
   if config.model == "resnet20":
-    return resnet20(num_classes, width=config.width, **numerics)
+    return resnet20(num_classes, width=config.width, **convs)
   if config.model == "resnet32":
-    return resnet32(num_classes, width=config.width, **numerics)
+    return resnet32(num_classes, width=config.width, **convs)
   if config.model == "vgg19":
-    return vgg19(num_classes, **numerics)
+    return vgg19(num_classes, **convs)
   if config.model == "lenet5":
-    return lenet5(num_classes, **numerics)
+    return lenet5(num_classes, **convs)
   return MLP(features=tuple(config.mlp_features), num_classes=num_classes, **numerics)
