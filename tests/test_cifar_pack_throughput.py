@@ -155,3 +155,41 @@ def test_a_count_below_one_is_refused_before_anything_runs(tmp_path, flag, capsy
     bench.main([flag, "0", "--out", str(tmp_path / "x.json")])
   assert "--packs and --processes take counts >= 1" in capsys.readouterr().err
   assert not (tmp_path / "x.json").exists()
+
+
+def test_each_conv_impl_is_its_own_set_of_cells_and_the_speedup_is_over_xlas_lone_run(
+    tmp_path, monkeypatch):
+  built = []
+
+  def fake_bench(config, runs, *args):
+    del args
+    built.append((config.conv_impl, runs))
+    step_ms = 10.0 if config.conv_impl == "xla" else 4.0 * runs  # im2col: faster per run
+    return {"runs": runs, "mean_step_ms": step_ms, "compile_s": 1.0,
+            "images_per_second": runs * 128e3 / step_ms,
+            "images_per_second_per_run": 128e3 / step_ms, "flops_per_second": None}
+
+  monkeypatch.setattr(bench, "bench", fake_bench)
+  out = tmp_path / "bench.json"
+  bench.main(["--models", "resnet20x2", "--dtypes", "float32", "--packs", "1", "3",
+              "--conv-impls", "xla", "im2col", "--out", str(out)])
+  assert built == [("xla", 1), ("xla", 3), ("im2col", 1), ("im2col", 3)]
+  cells = json.loads(out.read_text())["cells"]
+  assert [(c["conv_impl"], c["runs"]) for c in cells] == built
+  # one baseline for every cell: the lone float32 run with XLA's convolutions
+  assert [round(c["speedup_vs_lone_float32"], 2) for c in cells] == [1.0, 3.0, 2.5, 2.5]
+
+
+def test_a_processes_child_is_told_the_conv_impl(monkeypatch):
+  commands = []
+
+  def popen(command, **kwargs):
+    del kwargs
+    commands.append(command)
+    return _Child({"timed_from": 0.0, "timed_to": 1.0, "compile_s": 1.0, "flops_per_step": None})
+
+  monkeypatch.setattr(bench.subprocess, "Popen", popen)
+  monkeypatch.setattr(bench, "mps_daemon_running", lambda: False)
+  cell = bench.concurrent_cell(_args(), "resnet20x2", "float32", 2, "im2col")
+  assert cell["conv_impl"] == "im2col"
+  assert all(c[c.index("--conv-impls") + 1] == "im2col" for c in commands)

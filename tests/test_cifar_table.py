@@ -355,3 +355,16 @@ def test_a_processes_child_gets_a_share_of_the_memory_and_a_failed_one_is_named(
   with pytest.raises(RuntimeError, match="seed1"):
     cifar_table.main(argv + ["--layout", "processes", "--seeds", "0", "1"])
   assert [c.seed for c in children] == [1]
+
+
+def test_the_plan_reads_the_cells_of_its_conv_impl_only():
+  bench = _bench(9.73, 48.21)
+  bench["cells"] += [{"model": "resnet20x2", "dtype": "float32", "runs": r, "mean_step_ms": ms,
+                      "conv_impl": "im2col"} for r, ms in ((1, 8.0), (3, 12.0))]
+  # cells written before the flag are XLA's convolutions
+  assert cifar_table.layout_seconds(bench, "resnet20x2", "float32", 3) == {
+      "pack": pytest.approx(0.04821), "lone": pytest.approx(0.02919)}
+  assert cifar_table.layout_seconds(bench, "resnet20x2", "float32", 3, conv_impl="im2col") == {
+      "pack": pytest.approx(0.012), "lone": pytest.approx(0.024)}
+  with pytest.raises(ValueError, match="conv_impl 'im2col'"):
+    cifar_table.step_seconds(bench, "resnet20x2", "bfloat16", 3, conv_impl="im2col")

@@ -64,7 +64,8 @@ MODEL = "resnet20x2"
 LAYOUTS = ("pack", "lone", "processes")
 
 
-def step_seconds(throughput: dict[str, Any], model: str, dtype: str, runs: int) -> float:
+def step_seconds(throughput: dict[str, Any], model: str, dtype: str, runs: int,
+                 conv_impl: str = "xla") -> float:
   """Seconds of one packed step (dual updates averaged in) of ``runs`` runs, as measured.
 
   The cell of ``runs`` runs, else the smallest measured pack above it, else
@@ -81,10 +82,12 @@ def step_seconds(throughput: dict[str, Any], model: str, dtype: str, runs: int) 
     >>> round(step_seconds(bench, "m", "float32", 9), 6)
     0.045
   """
-  cells = {c["runs"]: c["mean_step_ms"] / 1e3 for c in _packs(throughput, model, dtype)}
+  cells = {c["runs"]: c["mean_step_ms"] / 1e3
+           for c in _packs(throughput, model, dtype, conv_impl)}
   if not cells:
     raise ValueError(f"the throughput JSON has no measured cell of model {model!r}, dtype "
-                     f"{dtype!r}; run benchmarks/perf/cifar_pack_throughput.py first.")
+                     f"{dtype!r}, conv_impl {conv_impl!r}; run "
+                     "benchmarks/perf/cifar_pack_throughput.py first.")
   above = [r for r in cells if r >= runs]
   if above:
     return cells[min(above)]
@@ -92,14 +95,23 @@ def step_seconds(throughput: dict[str, Any], model: str, dtype: str, runs: int) 
   return cells[largest] * runs / largest
 
 
-def _packs(throughput: dict[str, Any], model: str, dtype: str) -> list[dict[str, Any]]:
-  """The measured pack cells (not ``--processes`` ones) of ``model`` and ``dtype``."""
+def _cells(throughput: dict[str, Any], model: str, dtype: str, conv_impl: str,
+           layout: str) -> list[dict[str, Any]]:
+  """The measured cells of ``model``, ``dtype``, ``conv_impl`` (files older than the flag:
+  ``xla``) and ``layout`` (``pack`` or ``processes``)."""
   return [c for c in throughput["cells"] if c.get("model") == model and c.get("dtype") == dtype
-          and "mean_step_ms" in c and c.get("layout", "pack") == "pack"]
+          and c.get("conv_impl", "xla") == conv_impl and "mean_step_ms" in c
+          and c.get("layout", "pack") == layout]
+
+
+def _packs(throughput: dict[str, Any], model: str, dtype: str,
+           conv_impl: str = "xla") -> list[dict[str, Any]]:
+  """The measured pack cells (not ``--processes`` ones) of ``model``, ``dtype``, ``conv_impl``."""
+  return _cells(throughput, model, dtype, conv_impl, "pack")
 
 
 def layout_seconds(throughput: dict[str, Any], model: str, dtype: str, runs: int,
-                   mps: bool = False) -> dict[str, float]:
+                   mps: bool = False, conv_impl: str = "xla") -> dict[str, float]:
   """Seconds to move all ``runs`` runs of a cell one step on, per layout measured.
 
   ``pack``: one step of the pack of ``runs`` (:func:`step_seconds`); ``lone``:
@@ -121,14 +133,14 @@ def layout_seconds(throughput: dict[str, Any], model: str, dtype: str, runs: int
     >>> sorted(layout_seconds(bench, "m", "float32", 3, mps=False))  # measured under MPS only
     ['lone', 'pack']
   """
-  seconds = {"pack": step_seconds(throughput, model, dtype, runs)}
-  lone = [c["mean_step_ms"] for c in _packs(throughput, model, dtype) if c["runs"] == 1]
+  seconds = {"pack": step_seconds(throughput, model, dtype, runs, conv_impl)}
+  lone = [c["mean_step_ms"] for c in _packs(throughput, model, dtype, conv_impl)
+          if c["runs"] == 1]
   if lone:
     seconds["lone"] = runs * lone[0] / 1e3
-  processes = {c["runs"]: c["mean_step_ms"] / 1e3 for c in throughput["cells"]
-               if c.get("model") == model and c.get("dtype") == dtype
-               and c.get("layout") == "processes" and "mean_step_ms" in c
-               and c["runs"] >= runs and bool(c.get("mps_daemon")) == mps}
+  processes = {c["runs"]: c["mean_step_ms"] / 1e3
+               for c in _cells(throughput, model, dtype, conv_impl, "processes")
+               if c["runs"] >= runs and bool(c.get("mps_daemon")) == mps}
   if processes:
     seconds["processes"] = processes[min(processes)]
   return seconds
@@ -382,6 +394,8 @@ def main(argv: Optional[list[str]] = None) -> None:
   parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
   parser.add_argument("--epochs", type=int, default=None, help="default: the preset's (200)")
   parser.add_argument("--dtype", default="float32", choices=configs.DTYPES)
+  parser.add_argument("--conv-impl", default="xla", choices=configs.CONV_IMPLS,
+                      help="the models' convolutions; the plan reads that conv_impl's cells")
   parser.add_argument("--layout", default="auto", choices=["auto", *LAYOUTS],
                       help="a cell's seeds as one pack, as lone runs one after another, or as "
                            "lone runs in as many processes at once; auto: whichever the "
@@ -413,7 +427,7 @@ def main(argv: Optional[list[str]] = None) -> None:
   throughput = {"cells": [c for path in args.throughput
                           for c in json.loads(pathlib.Path(path).read_text())["cells"]]}
   seconds = layout_seconds(throughput, MODEL, args.dtype, len(args.seeds),
-                           mps=mps_daemon_running())
+                           mps=mps_daemon_running(), conv_impl=args.conv_impl)
   layout = choose_layout(seconds, args.layout)
   start = time.monotonic()
   deadline = start + args.deadline_s
@@ -423,6 +437,7 @@ def main(argv: Optional[list[str]] = None) -> None:
   if args.resume_from is not None:
     print(f"resuming {unbundle_runs(args.resume_from, root)['steps']}", flush=True)
   base = configs.get_config(PRESET, epochs=args.epochs, dtype=args.dtype,
+                            conv_impl=args.conv_impl,
                             train_subset=args.train_subset, test_subset=args.test_subset,
                             bnt_samples=min(10_000, args.train_subset or 10_000))
   data = datasets.load_dataset(base, args.data_dir)
@@ -487,6 +502,7 @@ def _child_command(args: argparse.Namespace, pack: dict[str, Any], seed: int, ta
   command = [sys.executable, str(pathlib.Path(__file__).resolve()), "--layout", "lone",
              "--data-dir", str(args.data_dir), "--runs", str(args.runs), "--table", str(table),
              "--throughput", *map(str, args.throughput), "--dtype", args.dtype,
+             "--conv-impl", args.conv_impl,
              "--methods", pack["method"], "--sparsities", repr(pack["sparsity"]),
              "--seeds", str(seed), "--deadline-s", f"{seconds_left:.1f}",
              "--finish-s", repr(args.finish_s),

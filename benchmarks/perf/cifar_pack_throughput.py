@@ -188,8 +188,8 @@ def mps_daemon_running() -> bool:
                         check=False).returncode == 0
 
 
-def concurrent_cell(args: argparse.Namespace, model: str, dtype: str, count: int
-                    ) -> dict[str, Any]:
+def concurrent_cell(args: argparse.Namespace, model: str, dtype: str, count: int,
+                    conv_impl: str = "xla") -> dict[str, Any]:
   """``count`` lone runs, each in its own process on the same device, timed together.
 
   Each process compiles and warms up its lone step, waits at a barrier, then
@@ -202,6 +202,7 @@ def concurrent_cell(args: argparse.Namespace, model: str, dtype: str, count: int
   env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / count:.4f}")
   with tempfile.TemporaryDirectory() as folder:
     command = [sys.executable, os.path.abspath(__file__), "--models", model, "--dtypes", dtype,
+               "--conv-impls", conv_impl,
                "--method", args.method, "--sparsity", str(args.sparsity), "--batch",
                str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--barrier", folder, "--barrier-count", str(count)]
@@ -216,7 +217,8 @@ def concurrent_cell(args: argparse.Namespace, model: str, dtype: str, count: int
   span = max(c["timed_to"] for c in children) - min(c["timed_from"] for c in children)
   images = count * args.batch * args.steps
   flops = children[0]["flops_per_step"]
-  return {"model": model, "dtype": dtype, "runs": count, "layout": "processes",
+  return {"model": model, "dtype": dtype, "conv_impl": conv_impl, "runs": count,
+          "layout": "processes",
           "mps_daemon": mps_daemon_running(), "span_s": span,
           "compile_s": max(c["compile_s"] for c in children),
           "mean_step_ms": 1e3 * span / args.steps,
@@ -240,7 +242,8 @@ def with_speedups(report: dict[str, Any]) -> dict[str, Any]:
   lone: dict[str, float] = {}
   # the lone program run as today (not a ``--processes 1`` child) where the file has it
   for cell in sorted(report["cells"], key=lambda c: c.get("layout") == "processes"):
-    if cell["runs"] == 1 and cell["dtype"] == "float32" and "images_per_second" in cell:
+    if (cell["runs"] == 1 and cell["dtype"] == "float32" and "images_per_second" in cell
+        and cell.get("conv_impl", "xla") == "xla"):
       lone.setdefault(cell["model"], cell["images_per_second"])
   for cell in report["cells"]:
     if "images_per_second" in cell and cell["model"] in lone:
@@ -249,7 +252,7 @@ def with_speedups(report: dict[str, Any]) -> dict[str, Any]:
 
 
 HEADER = (f"{'model':>10} {'dtype':>8} {'runs':>4} {'step ms':>8} {'img/s/run':>10} "
-          f"{'img/s':>9} {'x lone32':>8} {'TFLOP/s':>8} {'compile s':>9}")
+          f"{'img/s':>9} {'x lone32':>8} {'TFLOP/s':>8} {'compile s':>9} {'conv':>6}")
 
 
 def row(cell: dict[str, Any]) -> str:
@@ -261,7 +264,8 @@ def row(cell: dict[str, Any]) -> str:
   runs = f"{cell['runs']}{'p' if cell.get('layout') == 'processes' else ''}"
   return (f"{cell['model']:>10} {cell['dtype']:>8} {runs:>4} {cell['mean_step_ms']:8.2f} "
           f"{cell['images_per_second_per_run']:10.0f} {cell['images_per_second']:9.0f} "
-          f"{speedup:8.2f} {tflops:8.2f} {cell['compile_s']:9.1f}")
+          f"{speedup:8.2f} {tflops:8.2f} {cell['compile_s']:9.1f} "
+          f"{cell.get('conv_impl', 'xla'):>6}")
 
 
 def recount_flops(path: str) -> dict[str, Any]:
@@ -281,7 +285,7 @@ def recount_flops(path: str) -> dict[str, Any]:
       continue
     config = configs.get_config(PRESETS[cell["model"]], method=settings["method"],
                                 sparsity=settings["sparsity"], batch_size=settings["batch"],
-                                dtype=cell["dtype"])
+                                dtype=cell["dtype"], conv_impl=cell.get("conv_impl", "xla"))
     flops = flops_of(lowered_step(config, cell["runs"]).lowered)
     cell.setdefault("flops_per_step_compiled", cell["flops_per_step"])
     cell["flops_per_step"] = flops
@@ -299,6 +303,26 @@ def recount_flops(path: str) -> dict[str, Any]:
   return report
 
 
+def measure_cells(args: argparse.Namespace, report: dict[str, Any], model: str, dtype: str,
+                  conv_impl: str, start: float) -> None:
+  """The pack cells, then the ``--processes`` cells, of one model, dtype and conv_impl."""
+  config = configs.get_config(PRESETS[model], method=args.method, sparsity=args.sparsity,
+                              batch_size=args.batch, dtype=dtype, conv_impl=conv_impl)
+  key = {"model": model, "dtype": dtype, "conv_impl": conv_impl}
+  for layout, counts in (("pack", args.packs), ("processes", args.processes)):
+    for runs in counts:
+      if args.deadline_s is not None and time.perf_counter() - start > args.deadline_s:
+        report["cells"].append({**key, "runs": runs, "skipped": "past --deadline-s",
+                                **({"layout": "processes"} if layout == "processes" else {})})
+        continue
+      report["cells"].append(
+          {**key, **bench(config, runs, args.steps, args.warmup, args.dual_steps)}
+          if layout == "pack" else concurrent_cell(args, model, dtype, runs, conv_impl))
+      with_speedups(report)
+      print(row(report["cells"][-1]), flush=True)
+      write_report(report, args.out, start)
+
+
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--models", nargs="+", default=list(PRESETS), choices=list(PRESETS))
@@ -312,6 +336,9 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
   parser.add_argument("--barrier", default=None, help=argparse.SUPPRESS)
   parser.add_argument("--barrier-count", type=int, default=1, help=argparse.SUPPRESS)
+  parser.add_argument("--conv-impls", nargs="+", default=["xla"], choices=configs.CONV_IMPLS,
+                      help="how the models compute convolutions, one set of cells each (im2col: "
+                           "a packed step batches matmuls instead of grouped convolutions)")
   parser.add_argument("--method", default="safe", choices=configs.METHODS)
   parser.add_argument("--sparsity", type=float, default=0.9)
   parser.add_argument("--batch", type=int, default=128)
@@ -337,7 +364,7 @@ def main(argv: list[str] | None = None) -> None:
   if args.child is not None:  # one process of a --processes cell: its lone run, as JSON
     config = configs.get_config(PRESETS[args.models[0]], method=args.method,
                                 sparsity=args.sparsity, batch_size=args.batch,
-                                dtype=args.dtypes[0])
+                                dtype=args.dtypes[0], conv_impl=args.conv_impls[0])
     barrier = file_barrier(args.barrier, args.child, args.barrier_count)
     print(json.dumps(bench(config, 1, args.steps, args.warmup, 0, barrier)))
     return
@@ -359,28 +386,8 @@ def main(argv: list[str] | None = None) -> None:
   print(HEADER)
   for model in args.models:
     for dtype in args.dtypes:
-      config = configs.get_config(PRESETS[model], method=args.method, sparsity=args.sparsity,
-                                  batch_size=args.batch, dtype=dtype)
-      for runs in args.packs:
-        if args.deadline_s is not None and time.perf_counter() - start > args.deadline_s:
-          report["cells"].append({"model": model, "dtype": dtype, "runs": runs,
-                                  "skipped": "past --deadline-s"})
-          continue
-        cell = {"model": model, "dtype": dtype, **bench(config, runs, args.steps, args.warmup,
-                                                          args.dual_steps)}
-        report["cells"].append(cell)
-        with_speedups(report)
-        print(row(cell), flush=True)
-        write_report(report, args.out, start)
-      for count in args.processes:
-        if args.deadline_s is not None and time.perf_counter() - start > args.deadline_s:
-          report["cells"].append({"model": model, "dtype": dtype, "runs": count,
-                                  "layout": "processes", "skipped": "past --deadline-s"})
-          continue
-        report["cells"].append(concurrent_cell(args, model, dtype, count))
-        with_speedups(report)
-        print(row(report["cells"][-1]), flush=True)
-        write_report(report, args.out, start)
+      for conv_impl in args.conv_impls:
+        measure_cells(args, report, model, dtype, conv_impl, start)
   # the cells skipped after the last measured one are in the file too
   write_report(report, args.out, start)
 

@@ -6,6 +6,9 @@
 #   2. the same with NVIDIA's MPS daemon, where the machine has one (kernels of processes at once);
 #   3a. one packed convolution written three ways (vmap's grouped convolution, im2col and a
 #      batched matmul, a loop of plain convolutions): which one a packed step should use;
+#   3b. the whole step with the models' im2col convolutions beside XLA's (--conv-impls im2col
+#      xla), lone and in packs of 15, float32 then bfloat16: whether a pack pays once its
+#      convolutions are batched matmuls instead of grouped convolutions;
 #   3. bfloat16 packs of 15 and 30 (the only packs that gained);
 #   4. SAFE in float32 against bfloat16, 3 seeds, a few epochs of real CIFAR-10 (issue 31 item 2's
 #      GPU report; the first lease ran no training), in the layout steps 1-3 measured fastest
@@ -19,10 +22,13 @@
 # CIFAR-10 as cifar10_jpg.tar.gz (the loader's JPEG archive, about 20 MB, found through
 # safe_optax.data_paths).
 # Then: run(command="bash benchmarks/perf/gpu_lease.sh", carry=[".gpu"], timeout_s=590); each step
-# has its own timeout (S1..S5, seconds) and together they end inside the call.
+# has its own timeout (S1..S5, seconds). All steps together take longer than one call: STEPS picks
+# some, e.g. STEPS="1 2 3a 3b" on the first call and STEPS="3 4 5" on the next (same warm machine).
 # Check it on a CPU first: DRY=1 bash benchmarks/perf/gpu_lease.sh (dry-run cells, no 7B block).
 set -u
 export PYTHONUNBUFFERED=1
+STEPS=" ${STEPS:-1 2 3a 3b 3 4 5} "
+want() { [[ "$STEPS" == *" $1 "* ]]; }
 if [ "${1:-}" = prepare ]; then
   mkdir -p .git/info && { grep -qx "/.gpu/" .git/info/exclude 2>/dev/null || echo "/.gpu/" >> .git/info/exclude; }
   rm -rf .gpu && mkdir -p .gpu
@@ -44,35 +50,53 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>/dev/null
 python3 -c "import jax,flax,optax; print(jax.__version__, flax.__version__, optax.__version__, jax.devices())" || exit 4
 B=benchmarks/perf/cifar_pack_throughput.py
 DRY_FLAG=${DRY:+--dry-run}
-# a timeout kills the benchmark, not the --processes children it started: end those too
-reap() { pkill -9 -f "cifar_pack_throughpu[t].py" 2>/dev/null; true; }
+# a timeout kills the benchmark, not the --processes children it started: end those too. $OUT is
+# empty on each call: the measured JSONs are also kept in $KEEP for a later call's step 4
+KEEP=${KEEP:-/tmp/gpu_lease_keep}; mkdir -p "$KEEP"
+reap() { pkill -9 -f "cifar_pack_throughpu[t].py" 2>/dev/null; cp "$OUT"/cifar_*_gpu.json "$KEEP" 2>/dev/null; true; }
+if want 1; then
 echo "== 1. processes, no MPS, at ${SECONDS}s"
 timeout -s KILL ${S1:-120} python3 $B --models resnet20x2 --packs 1 --processes 3 6 $DRY_FLAG \
   --deadline-s ${D1:-80} --out "$OUT/cifar_processes_gpu.json" || echo "step 1: rc $?"
 reap
+fi
+if want 2; then
 echo "== 2. processes under MPS at ${SECONDS}s"
-if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d; then
+fi
+if want 2 && command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d; then
   timeout -s KILL ${S2:-80} python3 $B --models resnet20x2 --packs --processes 3 6 $DRY_FLAG \
     --deadline-s ${D2:-45} --out "$OUT/cifar_processes_mps_gpu.json" || echo "step 2: rc $?"
   reap
   echo quit | nvidia-cuda-mps-control
-else
+elif want 2; then
   echo "no MPS daemon here"
 fi
+if want 3a; then
 echo "== 3a. packed convolutions: grouped, im2col, loop, at ${SECONDS}s"
 timeout -s KILL ${S3A:-60} python3 benchmarks/perf/packed_conv.py --runs 3 15 \
   ${DRY:+--batch 8 --steps 1} --out "$OUT/packed_conv_gpu.json" || echo "step 3a: rc $?"
+fi
+if want 3b; then
+echo "== 3b. the models' im2col convolutions, lone and packed, at ${SECONDS}s"
+timeout -s KILL ${S3B:-120} python3 $B --models resnet20x2 --conv-impls im2col xla --packs 1 15 \
+  $DRY_FLAG --deadline-s ${D3B:-90} --out "$OUT/cifar_im2col_gpu.json" || echo "step 3b: rc $?"
+reap
+fi
+if want 3; then
 echo "== 3. bfloat16 packs at ${SECONDS}s"
 timeout -s KILL ${S3:-45} python3 $B --models resnet20x2 --dtypes bfloat16 --packs 15 30 $DRY_FLAG \
   --out "$OUT/cifar_bf16_packs_gpu.json" || echo "step 3: rc $?"
 reap
+fi
+if want 4; then
 echo "== 4. SAFE float32 against bfloat16, 3 seeds, ${EPOCHS:-2} epochs, at ${SECONDS}s"
-if [ -f .gpu/cifar10_jpg.tar.gz ]; then
+fi
+if want 4 && [ -f .gpu/cifar10_jpg.tar.gz ]; then
   TX=${DRY:+--train-subset 256 --test-subset 256}
   THROUGHPUT=benchmarks/perf/results/cifar_pack_throughput_${DRY:+cpu_dry_run}.json
   [ -z "${DRY:-}" ] && THROUGHPUT=benchmarks/perf/results/cifar_pack_throughput_gpu.json
   # with steps 1-2's cells, --layout auto may take lone runs in processes (under MPS where it runs)
-  THROUGHPUT="$THROUGHPUT $(ls "$OUT"/cifar_processes*_gpu.json 2>/dev/null | tr '\n' ' ')"
+  THROUGHPUT="$THROUGHPUT $(ls "$KEEP"/cifar_processes*_gpu.json 2>/dev/null | tr '\n' ' ')"
   MPS_ON=""
   if [ -z "${DRY:-}" ] && command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d; then
     MPS_ON=1
@@ -89,10 +113,10 @@ if [ -f .gpu/cifar10_jpg.tar.gz ]; then
   # bfloat16 - float32 per seed, under the evidence report's rules ("level": within seed noise)
   python3 benchmarks/claims/cifar_table.py --compare "$OUT/table_safe_bfloat16.json" \
     "$OUT/table_safe_float32.json" | tee "$OUT/precision_compare.json" || echo "compare: rc $?"
-else
+elif want 4; then
   echo "no .gpu/cifar10_jpg.tar.gz: step 4 skipped"
 fi
-if [ -z "${DRY:-}" ]; then
+if want 5 && [ -z "${DRY:-}" ]; then
   echo "== 5. 7B block at ${SECONDS}s"
   timeout -s KILL ${S5:-75} python3 benchmarks/perf/llm_7b_block.py --windows 2 --seqlen 2048 \
     --steps 10,210 --sparsegpt-windows 8 --methods sparsegpt --out "$OUT/llm_7b_block_gpu.json" \
