@@ -89,8 +89,10 @@ def _document_new_public_names(app, docname, source):
     title = f"Other public names in ``{module_name}``"
     lines += ["", title, "-" * len(title), "", f".. currentmodule:: {module_name}", ""]
     for name in missing:
-      is_class = inspect.isclass(getattr(module, name))
-      lines += [f".. {'autoclass' if is_class else 'autofunction'}:: {name}", ""]
+      obj = getattr(module, name)
+      is_class = inspect.isclass(obj)
+      kind = "autoclass" if is_class else "autofunction" if callable(obj) else "autodata"
+      lines += [f".. {kind}:: {name}", ""]
       if is_class:
         lines += ["   :members:", ""]
   source[0] = text + "\n".join(lines)
