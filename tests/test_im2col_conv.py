@@ -39,8 +39,7 @@ def _im2col(x, w, strides, padding):
        seed=st.integers(0, 2**16))
 def test_values_and_gradients_match_lax_conv(batch, height, width, channels, out, kh, kw, strides,
                                              padding, seed):
-  if padding == "VALID" and (kh > height or kw > width):
-    return  # no output position: both refuse or return empty; nothing to compare
+  # A VALID window larger than the image has no output position: both give an empty output.
   rng = np.random.default_rng(seed)
   x = jnp.asarray(rng.standard_normal((batch, height, width, channels)), jnp.float32)
   w = jnp.asarray(rng.standard_normal((kh, kw, channels, out)), jnp.float32)
