@@ -416,3 +416,56 @@ def test_lr_scale_rms_multiplies_each_matrix_step():
     assert float(jnp.abs(up_p["a"]["kernel"]).max()) > 0
     jax.tree.map(lambda p, s, c: np.testing.assert_allclose(s, p * c, rtol=1e-6),
                  up_p, up_s, scales)
+
+
+@pytest.mark.parametrize("method", ["safe", "safe-plus"])
+def test_safe_block_keeps_calibration_on_the_device(method):
+  """One device: bit for bit what host minibatches over a one-device mesh give.
+
+  The one-device path sends the windows, targets and each epoch's minibatch
+  indices in explicit ``device_put`` calls and gathers minibatches in the step;
+  the several-device path gathers them on the host and places them over the
+  mesh. Both see the same minibatches, so weights and losses are identical.
+  """
+  block_params, x, y, stats = _block_data(seed=2, n=12)
+  norms = (block.map_linears(lambda key: jnp.sqrt(stats[model_lib.LINEAR_INPUTS[key]]["sq"]))
+           if method == "safe-plus" else None)
+  # 12 windows in batches of 5: 2 steps an epoch, and two windows left out of each epoch.
+  cfg = prune_config.PruneConfig(method, epochs=5, batch_size=5, learning_rate=3e-3,
+                                 warmup_epochs=1, penalty=0.3, dual_every=3, rho=1e-3)
+  x, y = np.asarray(x), np.asarray(y)
+  on_device, info = block.safe_block(CFG, block_params, x, y, cfg, norms)
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("data",))
+  from_host, host_info = block.safe_block(CFG, block_params, x, y, cfg, norms, mesh)
+  assert info == host_info and info["steps"] == 10 and len(info["epoch_last_loss"]) == 5
+  for a, b in zip(jax.tree.leaves(on_device), jax.tree.leaves(from_host)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("leak", ["numpy batch", "numpy indices"])
+def test_safe_block_steps_refuse_implicit_transfers(monkeypatch, leak):
+  """One device: the step loop runs under ``jax.transfer_guard("disallow")``.
+
+  A step handed a numpy minibatch, or numpy minibatch indices, raises instead
+  of costing a host-to-device transfer every step. (Reading a loss back is
+  refused too on an accelerator; on the CPU backend that read is no transfer.)
+  """
+  block_params, x, y, _ = _block_data(seed=3)
+  cfg = prune_config.PruneConfig("safe", epochs=2, batch_size=4, dual_every=2)
+  real = block.safe_step
+
+  def leaky_step(*args):
+    step = real(*args)
+
+    def wrapped(linears, norms, input_norms, scales, opt_state, x, y, idx=None, *, dual_due):
+      if leak == "numpy batch":
+        x, y, idx = np.asarray(x)[:4], np.asarray(y)[:4], None
+      else:
+        idx = np.asarray(idx)
+      return step(linears, norms, input_norms, scales, opt_state, x, y, idx, dual_due=dual_due)
+
+    return wrapped
+
+  monkeypatch.setattr(block, "safe_step", leaky_step)
+  with pytest.raises(Exception, match="Disallowed (host-to-device|device-to-host) transfer"):
+    block.safe_block(CFG, block_params, np.asarray(x), np.asarray(y), cfg)

@@ -10,6 +10,11 @@
 #   run(command="bash benchmarks/claims/llm_gpu_lease.sh run", carry=[".llm/b"], timeout_s=560)
 #   then here: tar xzf <files_at>/pieces.tar.gz; python benchmarks/report.py
 #
+# Optional, on any call of the lease (it needs no model): SAFE's block step with the calibration
+# on the device against minibatches from the host (docs/performance.md), about a minute there:
+#   run(command="python3 benchmarks/perf/llm_safe_step.py --out $OUT/llm_safe_step_gpu.json",
+#       timeout_s=150)
+#
 # `run` works through llm_standard.py's pending SAFE+ and SAFE pieces (3 calibration seeds each,
 # lr / lambda / steps from the committed selection), starts none past DEADLINE_S (380) and stops the
 # last at RUN_S (500); the finished pieces' JSON comes back in pieces.tar.gz. Another `run` call on

@@ -10,6 +10,7 @@ reconstruction loss with ``sam_perturb -> admm_penalty -> adam`` and projects.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable, Optional
 
@@ -165,8 +166,13 @@ def safe_step(config: model_lib.LlamaConfig, cfg: PruneConfig, steps_per_epoch: 
 
   # Two programs, picked by the host's step counter: the one for steps without a
   # dual update does not carry the projection (see safe_optax.admm_penalty's dual_due).
+  # ``idx`` given: ``x`` and ``y`` are the block's device-resident windows and
+  # targets, and the minibatch is gathered here (one device); ``None``: they are
+  # the minibatch, placed over the mesh by the caller.
   @functools.partial(jax.jit, static_argnames="dual_due")
-  def step(linears, norms, input_norms, scales, opt_state, x, y, *, dual_due):
+  def step(linears, norms, input_norms, scales, opt_state, x, y, idx=None, *, dual_due):
+    if idx is not None:
+      x, y = x[idx], y[idx]
     # The transform is rebuilt inside the trace so this block's Wanda norms and
     # step scales are data, not constants baked into a per-block compilation.
     tx = safe_transform(cfg, steps_per_epoch, input_norms, scales)
@@ -214,20 +220,34 @@ def safe_block(
   params = linears
   scales = lr_scales(cfg, linears)
   opt_state = safe_transform(cfg, steps_per_epoch, input_norms, scales).init(params)
-  params, norms, input_norms, scales, opt_state = replicate(
-      mesh, (params, norms, input_norms, scales, opt_state))
+  state = (params, norms, input_norms, scales, opt_state)
+  if mesh is None:
+    # One device: the state, windows and targets go to it once, each epoch's
+    # minibatch indices in one transfer, and the step gathers its minibatch there.
+    # The loop runs under a transfer guard, so a step that moved anything between
+    # host and device implicitly (a numpy batch, a Python scalar, a loss read
+    # back) would raise instead of slowing every step down.
+    state, inputs, targets = jax.device_put((state, inputs, targets))
+    guard = jax.transfer_guard("disallow")
+  else:
+    state, guard = replicate(mesh, state), contextlib.nullcontext()
+  params, norms, input_norms, scales, opt_state = state
   rng = np.random.default_rng(cfg.seed)
   losses = []
-  for epoch in range(cfg.epochs):
-    order = rng.permutation(n)
-    for b in range(steps_per_epoch):
-      idx = order[b * batch:(b + 1) * batch]
-      params, opt_state, loss = step(
-          params, norms, input_norms, scales, opt_state,
-          *place(mesh, (inputs[idx], targets[idx])),
-          dual_due=safe_optax.experimental.is_dual_step(epoch * steps_per_epoch + b,
-                                                        cfg.dual_every))
-    losses.append(float(loss))
+  with guard:
+    for epoch in range(cfg.epochs):
+      order = rng.permutation(n)[:steps_per_epoch * batch].reshape(steps_per_epoch, batch)
+      if mesh is None:
+        order = jax.device_put(list(order))
+      for b in range(steps_per_epoch):
+        data = ((inputs, targets, order[b]) if mesh is None else
+                place(mesh, (inputs[order[b]], targets[order[b]])))
+        params, opt_state, loss = step(
+            params, norms, input_norms, scales, opt_state, *data,
+            dual_due=safe_optax.experimental.is_dual_step(epoch * steps_per_epoch + b,
+                                                          cfg.dual_every))
+      losses.append(loss)  # read once, after the loop
+  losses = [float(loss) for loss in jax.device_get(losses)]
   final_scores = None
   if input_norms is not None:
     final_scores = safe_optax.wanda_scores(params, input_norms)

@@ -1,0 +1,123 @@
+"""SAFE's block step with the calibration windows on the device against minibatches from the host.
+
+``safe_optax.llm.block.safe_block`` on one device keeps a block's calibration
+windows and dense targets on the device and gathers each minibatch inside the
+jitted step (``device``). Before, every step gathered its minibatch on the
+host and sent it over (``host``; still the several-device path, here over a
+one-device mesh): two copies of ``batch x seqlen x hidden`` floats a step.
+Both give the same weights bit for bit (``tests/test_llm_prune.py``); this
+script times them side by side in one process, alternating, on one block of
+SmolLM2-135M's shape (the standard rows of issue 33) or LLaMA-2-7B's.
+
+Time a step: each layout runs ``--epochs`` A and B (one compiled warm-up of
+each first); the step time is the difference of the two block times over the
+extra steps, which cancels the setup and the final projection. ``--repeats``
+alternations; the table gives the median and the ratio host / device.
+
+  python benchmarks/perf/llm_safe_step.py                                # SmolLM2 block, 64 x 512
+  python benchmarks/perf/llm_safe_step.py --windows 8 --seqlen 128 --epochs 1,3   # CPU dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
+
+OUT = pathlib.Path(__file__).resolve().parent / "results" / "llm_safe_step.json"
+SHAPES = {
+    "smollm2": {"hidden_size": 576, "intermediate_size": 1536, "num_heads": 9, "num_kv_heads": 3},
+    "llama7b": {"hidden_size": 4096, "intermediate_size": 11008, "num_heads": 32,
+                "num_kv_heads": 32},
+}
+LAYOUTS = ("device", "host")
+
+
+def _epochs(text: str) -> tuple[int, int]:
+  try:
+    a, b = (int(v) for v in text.split(","))
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(f"--epochs: expected A,B (two integers), got {text!r}") from e
+  if not 1 <= a < b:
+    raise argparse.ArgumentTypeError(f"--epochs: need 1 <= A < B, got {a},{b}")
+  return a, b
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
+  parser.add_argument("--windows", type=int, default=64)
+  parser.add_argument("--seqlen", type=int, default=512)
+  parser.add_argument("--batch-size", type=int, default=8)
+  parser.add_argument("--epochs", type=_epochs, default=(2, 6), help="A,B epochs (A < B)")
+  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--method", choices=("safe", "safe-plus"), default="safe")
+  parser.add_argument("--out", default=str(OUT))
+  args = parser.parse_args()
+  if args.windows < args.batch_size:
+    parser.error(f"--windows ({args.windows}) must be at least --batch-size ({args.batch_size})")
+
+  import jax  # pylint: disable=import-outside-toplevel
+  from safe_optax.llm import block, model, prune_config  # pylint: disable=import-outside-toplevel
+
+  start = time.perf_counter()
+  config = model.LlamaConfig(vocab_size=256, num_layers=1, **SHAPES[args.shape])
+  params = model.init_params(config)["layers_0"]
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(args.windows, args.seqlen, config.hidden_size)).astype(np.float32)
+  _, forward_with_stats = block.block_fns(config, with_hessian=False)
+  y, stats = forward_with_stats(params, x)
+  y = np.asarray(y)
+  norms = (block.map_linears(lambda k: jax.numpy.sqrt(stats[model.LINEAR_INPUTS[k]]["sq"]))
+           if args.method == "safe-plus" else None)
+  meshes = {"device": None,
+            "host": jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("data",))}
+  steps_per_epoch = args.windows // args.batch_size
+
+  def block_seconds(layout: str, epochs: int) -> float:
+    cfg = prune_config.PruneConfig(args.method, epochs=epochs, warmup_epochs=1,
+                                   batch_size=args.batch_size)
+    t0 = time.perf_counter()
+    pruned, _ = block.safe_block(config, params, x, y, cfg, norms, meshes[layout])
+    jax.block_until_ready(pruned)
+    return time.perf_counter() - t0
+
+  for layout in LAYOUTS:  # compile both layouts at both epoch counts
+    for epochs in args.epochs:
+      block_seconds(layout, epochs)
+  extra_steps = (args.epochs[1] - args.epochs[0]) * steps_per_epoch
+  step_ms: dict[str, list[float]] = {layout: [] for layout in LAYOUTS}
+  for _ in range(args.repeats):
+    for layout in LAYOUTS:
+      short, long = (block_seconds(layout, e) for e in args.epochs)
+      step_ms[layout].append(1e3 * (long - short) / extra_steps)
+  median = {layout: float(np.median(v)) for layout, v in step_ms.items()}
+  report = {
+      "benchmark": "llm_safe_step", "shape": args.shape, "config": SHAPES[args.shape],
+      "method": args.method, "windows": args.windows, "seqlen": args.seqlen,
+      "batch_size": args.batch_size, "epochs": list(args.epochs), "repeats": args.repeats,
+      "steps_per_epoch": steps_per_epoch, "step_ms": step_ms, "median_step_ms": median,
+      "host_over_device": median["host"] / median["device"],
+      "tokens_per_step": args.batch_size * args.seqlen,
+      **_common.run_record(),
+  }
+  print(f"{args.shape} block, {args.method}, {args.batch_size} x {args.seqlen} tokens a step, "
+        f"{jax.devices()[0].device_kind}")
+  print("| calibration | ms a step (median) | runs |")
+  print("|---|---|---|")
+  for layout in LAYOUTS:
+    print(f"| {layout} | {median[layout]:.2f} | "
+          + ", ".join(f"{v:.2f}" for v in step_ms[layout]) + " |")
+  print(f"host / device: {report['host_over_device']:.3f}")
+  _common.write_report(report, args.out, start)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,46 @@
+"""benchmarks/perf/llm_safe_step.py: its arguments, and a tiny run's record."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "perf" / "llm_safe_step.py"
+sys.path.insert(0, str(SCRIPT.parent))
+import llm_safe_step  # noqa: E402  pylint: disable=wrong-import-position
+
+
+@pytest.mark.parametrize("text, match", [("3", "A,B"), ("2,2", "A < B"), ("0,3", "A < B"),
+                                         ("a,b", "A,B")])
+def test_epochs_refuses_bad_pairs(text, match):
+  with pytest.raises(Exception, match=match):
+    llm_safe_step._epochs(text)
+
+
+def test_epochs_pair():
+  assert llm_safe_step._epochs("2,6") == (2, 6)
+
+
+def test_fewer_windows_than_a_batch_is_refused(tmp_path):
+  proc = subprocess.run([sys.executable, str(SCRIPT), "--windows", "2", "--batch-size", "4",
+                         "--out", str(tmp_path / "x.json")], capture_output=True, text=True,
+                        check=False, timeout=120)
+  assert proc.returncode == 2 and "--windows (2) must be at least --batch-size (4)" in proc.stderr
+
+
+def test_tiny_run_records_both_layouts(tmp_path):
+  """Both layouts timed every repeat; the ratio is host over device; versions recorded."""
+  out = tmp_path / "step.json"
+  subprocess.run([sys.executable, str(SCRIPT), "--windows", "2", "--seqlen", "4",
+                  "--batch-size", "1", "--epochs", "1,2", "--repeats", "2", "--out", str(out)],
+                 check=True, capture_output=True, timeout=600)
+  report = json.loads(out.read_text())
+  assert set(report["step_ms"]) == {"device", "host"}
+  assert all(len(v) == 2 for v in report["step_ms"].values())
+  assert report["steps_per_epoch"] == 2
+  assert report["host_over_device"] == pytest.approx(
+      report["median_step_ms"]["host"] / report["median_step_ms"]["device"])
+  assert report["versions"]["jax"] and report["backend"] == "cpu"
