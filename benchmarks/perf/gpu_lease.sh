@@ -15,6 +15,9 @@
 #      (cifar_table.py --layout auto: a pack, lone runs in turn, or lone runs in processes);
 #   5. SparseGPT on the LLaMA-2-7B-shaped block (cut by the first lease's time; SAFE and SAFE+ are in
 #      results/leases/2026-11-27_h200_llm_7b_block.log).
+#   6. SAFE's LLM block step with the calibration windows on the device against minibatches sent
+#      from the host (llm_safe_step.py), on SmolLM2's block (the standard rows of issue 33) and on
+#      the 7B-shaped one: the first lease's 7B step time was measured with minibatches from the host.
 # Each step has its own timeout and writes its JSON as it goes, so a step cut short keeps its cells.
 #
 # Prepare here once: `bash benchmarks/perf/gpu_lease.sh prepare` fills .gpu/ (git-excluded) with the
@@ -22,12 +25,12 @@
 # CIFAR-10 as cifar10_jpg.tar.gz (the loader's JPEG archive, about 20 MB, found through
 # safe_optax.data_paths).
 # Then: run(command="bash benchmarks/perf/gpu_lease.sh", carry=[".gpu"], timeout_s=590); each step
-# has its own timeout (S1..S5, seconds). All steps together take longer than one call: STEPS picks
-# some, e.g. STEPS="1 2 3a 3b" on the first call and STEPS="3 4 5" on the next (same warm machine).
+# has its own timeout (S1..S6B, seconds). All steps together take longer than one call: STEPS picks
+# some, e.g. STEPS="1 2 3a 3b" on the first call and STEPS="3 4 5 6" on the next (same warm machine).
 # Check it on a CPU first: DRY=1 bash benchmarks/perf/gpu_lease.sh (dry-run cells, no 7B block).
 set -u
 export PYTHONUNBUFFERED=1
-STEPS=" ${STEPS:-1 2 3a 3b 3 4 5} "
+STEPS=" ${STEPS:-1 2 3a 3b 3 4 5 6} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 if [ "${1:-}" = prepare ]; then
   mkdir -p .git/info && { grep -qx "/.gpu/" .git/info/exclude 2>/dev/null || echo "/.gpu/" >> .git/info/exclude; }
@@ -121,5 +124,14 @@ if want 5 && [ -z "${DRY:-}" ]; then
   timeout -s KILL ${S5:-75} python3 benchmarks/perf/llm_7b_block.py --windows 2 --seqlen 2048 \
     --steps 10,210 --sparsegpt-windows 8 --methods sparsegpt --out "$OUT/llm_7b_block_gpu.json" \
     || echo "step 5: rc $?"
+fi
+if want 6; then
+  echo "== 6. LLM SAFE step, calibration on the device or from the host, at ${SECONDS}s"
+  L=benchmarks/perf/llm_safe_step.py
+  timeout -s KILL ${S6:-100} python3 $L ${DRY:+--windows 4 --seqlen 16 --batch-size 2 --epochs 1,2 --repeats 1} \
+    --out "$OUT/llm_safe_step_gpu.json" || echo "step 6 smollm2: rc $?"
+  [ -z "${DRY:-}" ] && { timeout -s KILL ${S6B:-120} python3 $L --shape llama7b --windows 2 \
+    --seqlen 2048 --batch-size 2 --epochs 10,60 --repeats 2 --out "$OUT/llm_safe_step_7b_gpu.json" \
+    || echo "step 6 llama7b: rc $?"; }
 fi
 echo "== done at ${SECONDS}s"
