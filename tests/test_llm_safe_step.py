@@ -24,11 +24,17 @@ def test_epochs_pair():
   assert llm_safe_step._epochs("2,6") == (2, 6)
 
 
-def test_fewer_windows_than_a_batch_is_refused(tmp_path):
-  proc = subprocess.run([sys.executable, str(SCRIPT), "--windows", "2", "--batch-size", "4",
-                         "--out", str(tmp_path / "x.json")], capture_output=True, text=True,
-                        check=False, timeout=120)
-  assert proc.returncode == 2 and "--windows (2) must be at least --batch-size (4)" in proc.stderr
+@pytest.mark.parametrize("argv, message", [
+    (["--windows", "2", "--batch-size", "4"], "--windows (2) must be at least --batch-size (4)"),
+    (["--repeats", "0"], "--repeats must be at least 1, got 0"),
+    (["--seqlen", "-1"], "--seqlen must be at least 1, got -1"),
+    (["--epochs", "3,1"], "need 1 <= A < B"),
+])
+def test_bad_arguments_are_refused_before_any_work(tmp_path, argv, message):
+  proc = subprocess.run([sys.executable, str(SCRIPT), *argv, "--out", str(tmp_path / "x.json")],
+                        capture_output=True, text=True, check=False, timeout=120)
+  assert proc.returncode == 2 and message in proc.stderr
+  assert not (tmp_path / "x.json").exists()
 
 
 def test_tiny_run_records_both_layouts(tmp_path):

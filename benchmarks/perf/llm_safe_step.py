@@ -61,6 +61,9 @@ def main() -> None:
   parser.add_argument("--method", choices=("safe", "safe-plus"), default="safe")
   parser.add_argument("--out", default=str(OUT))
   args = parser.parse_args()
+  for flag in ("windows", "seqlen", "batch_size", "repeats"):
+    if getattr(args, flag) < 1:
+      parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
   if args.windows < args.batch_size:
     parser.error(f"--windows ({args.windows}) must be at least --batch-size ({args.batch_size})")
 
