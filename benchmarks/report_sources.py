@@ -345,7 +345,8 @@ def _standard_row(folder: pathlib.Path, r: dict) -> Row:
       p = _load(prune)["prune_config"]
       calib = _load(prune)["calibration"]
       steps = p["epochs"] * (calib["nsamples"] // p["batch_size"])
-      pick = _load(folder / r["selection"])["selected"][method]
+      study = _load(folder / r["selection"])
+      pick = study["selected"][method]
       where = f"held-out block-0 error, `{r['selection']}`"
       bound = ((pick["steps_bound"], pick["steps_bound_why"]) if "steps_bound" in pick
                else None)
@@ -353,9 +354,12 @@ def _standard_row(folder: pathlib.Path, r: dict) -> Row:
                                        ("λ", p["penalty"], pick["penalty_grid"], None),
                                        ("steps", pick["steps"], pick["steps_grid"], bound)):
         _grid_note(arm, symbol, value, grid, where, bound=end)
-      if structure != "50pct":
+      # A study file without the field is the unstructured one (llm_block_studies.py select).
+      chosen_at = study.get("structure", "50pct")
+      if chosen_at != structure:
         arm.flags.add("unchosen")
-        arm.hyper.append(f"NOT CHOSEN for {structure.replace('of', ':')} (the 50 % study's picks)")
+        arm.hyper.append(f"NOT CHOSEN for {structure.replace('of', ':')} (the "
+                         f"{chosen_at.replace('pct', ' %').replace('of', ':')} study's picks)")
       arm.hyper.append(f"{steps} steps per block")
     elif method in PENALIZED:
       arm.hyper.append("not run yet")

@@ -84,3 +84,27 @@ def test_the_steps_bound_is_the_papers_block_budget_and_the_cli_refuses_one_belo
     llm_block_studies.main()
   assert "--steps-bound must be at least the step grid's top value 250; got 200" in (
       capsys.readouterr().err)
+
+
+def test_select_at_2of4_has_its_own_file_and_run_keys(monkeypatch, tmp_path, capsys):
+  """``select --nm 2:4`` writes ``..._2of4`` files and keys its runs by the structure, so a
+  2:4 run is never taken for the 50 % study's run of the same lr, lambda and steps."""
+  monkeypatch.setattr(llm_block_studies, "OUT", tmp_path)
+  path = llm_block_studies.select_path(0, 64, 128, (2, 4))
+  assert path == tmp_path / "selection_block0_64x128_2of4.json"
+  assert llm_block_studies.select_path(0, 64, 128, None).name == "selection_block0_64x128.json"
+  monkeypatch.setattr(sys, "argv", ["llm_block_studies.py", "select", "--nm", "2:4",
+                                    "--table-only"])
+  llm_block_studies.main()
+  out = capsys.readouterr().out
+  assert "stops at a run not done yet: safe-plus|default|n64x128|seed0|steps60|" in out
+  assert out.split("not done yet: ")[1].split("\n")[0].endswith("|2of4")
+  assert path.with_suffix(".md").exists()
+
+
+@pytest.mark.parametrize("study", ["grouping", "calib"])
+def test_nm_is_refused_outside_select(monkeypatch, capsys, study):
+  monkeypatch.setattr(sys, "argv", ["llm_block_studies.py", study, "--nm", "2:4"])
+  with pytest.raises(SystemExit):
+    llm_block_studies.main()
+  assert f"--nm is for the select study only, not {study}" in capsys.readouterr().err

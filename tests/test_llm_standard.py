@@ -57,6 +57,13 @@ def test_safe_pieces_take_lr_lambda_and_steps_from_the_selection(tmp_path):
       "0.003", "0.001", "125", "8")
 
 
+@pytest.mark.parametrize("nm,name", [(None, "selection_block0_64x128.json"),
+                                     ("2:4", "selection_block0_64x128_2of4.json")])
+def test_each_structure_reads_the_selection_made_at_it(nm, name):
+  """The 2:4 pieces take their lr, lambda and steps from the study made at 2:4, not the 50 % one."""
+  path = llm_standard.default_selection(None if nm is None else cli.parse_nm(nm))
+  assert path.name == name and path.parent == llm_standard.run_results.HERE
+
 
 def _fake_cli(calls, scores_exports=False):
   """``cli.main`` that records each command and writes what it would write; with

@@ -292,10 +292,12 @@ def test_a_block_study_setting_that_an_extension_beat_is_flagged_not_chosen(tmp_
       "SAFE+'s λ at the lower end of its grid"]
 
 
-def _standard_folder(tmp_path, steps=120, steps_grid=(60, 120, 250), bound=None, upper=None):
+def _standard_folder(tmp_path, steps=120, steps_grid=(60, 120, 250), bound=None, upper=None,
+                     chosen_at=None):
   """llm_standard.py's pieces at 2:4: magnitude once, SparseGPT at seeds 0 and 1, SAFE+ at seed 0.
 
-  ``bound``: the selection's recorded steps bound; ``upper``: the declared one.
+  ``bound``: the selection's recorded steps bound; ``upper``: the declared one; ``chosen_at``:
+  the structure the selection study recorded (none: an unstructured study's file).
   """
   files = tmp_path / "standard"
   files.mkdir(parents=True)
@@ -315,7 +317,7 @@ def _standard_folder(tmp_path, steps=120, steps_grid=(60, 120, 250), bound=None,
   _write(tmp_path / "sel.json", {"selected": {"safe-plus": {
       "lr": 0.003, "lr_grid": [0.001, 0.003, 0.01], "penalty": 0.001,
       "penalty_grid": [0.0001, 0.001, 0.01], "steps": steps, "steps_grid": list(steps_grid),
-      **bounds}}})
+      **bounds}}, **({} if chosen_at is None else {"structure": chosen_at})})
   row = {"source": "llm_standard", "dir": "standard", "calibration": "64x512", "seeds": [0, 1],
          "selection": "sel.json"}
   _write(tmp_path / "claim.json", {
@@ -344,6 +346,16 @@ def test_a_standard_protocol_row_reads_its_structures_pieces_per_seed(tmp_path):
   assert "1000 tokens in 100-token windows" in nm.ours.budget
   assert all(not arm.values for arm in (half.ours, *half.baselines))
   assert half.ours.hyper == ["not run yet"]
+
+
+def test_a_2of4_row_whose_study_was_made_at_2of4_is_chosen(tmp_path):
+  """``llm_block_studies.py select --nm 2:4`` records ``structure: 2of4``: its picks are the 2:4
+  row's own, so no NOT CHOSEN flag; the same file read by a 50 % row would be flagged."""
+  import report_sources  # pylint: disable=import-outside-toplevel
+  nm, _ = report_sources.load_claim(*_standard_folder(tmp_path, chosen_at="2of4")).rows
+  assert "unchosen" not in nm.ours.flags
+  assert not any("NOT CHOSEN" in h for h in nm.ours.hyper)
+  assert "120 steps per block" in nm.ours.hyper
 
 
 def test_a_steps_pick_at_the_declared_bound_is_settled_and_without_it_is_unfinished(tmp_path):

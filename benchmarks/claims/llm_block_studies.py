@@ -14,13 +14,15 @@ runs present) and writes a Markdown table beside it.
 * ``select``: lr x lambda at a fixed step count, each axis extended by the edge
   rule (one grid step beyond an edge pick, repeated) until both picks are
   inside, then the step count the same way at the picked lr and lambda.
-  ``selection_block<B>_<n>x<L>.json``.
+  ``selection_block<B>_<n>x<L>.json``; with ``--nm 2:4`` the 2:4 structure,
+  ``selection_block<B>_<n>x<L>_2of4.json``.
 * ``calib``: the calibration set's size (windows x tokens) at the selected
   setting, for SAFE, SAFE+, SparseGPT, Wanda and magnitude, all scored on one
   held-out set. ``calibration_size_block<B>.json``.
 
   python benchmarks/claims/llm_block_studies.py grouping --block 11 --seeds 0 1 2
   python benchmarks/claims/llm_block_studies.py select --windows 64 --seqlen 128
+  python benchmarks/claims/llm_block_studies.py select --windows 64 --seqlen 128 --nm 2:4
   python benchmarks/claims/llm_block_studies.py calib --sizes 16x128 64x128 64x512
 """
 
@@ -43,6 +45,7 @@ import llm_block_selection as selection  # pylint: disable=wrong-import-position
 
 from safe_optax.experiment import versions  # pylint: disable=wrong-import-position
 from safe_optax.llm import checkpoints  # pylint: disable=wrong-import-position
+from safe_optax.llm import cli  # pylint: disable=wrong-import-position
 from safe_optax.llm import model as model_lib  # pylint: disable=wrong-import-position
 from safe_optax.llm import prune  # pylint: disable=wrong-import-position
 
@@ -117,8 +120,11 @@ class Study:
 
   def do(self, method: str, *, n: int = 16, seqlen: int = 128, seed: int = 0,
          grouping: Optional[str] = None, steps: int = 0, lr: Optional[float] = None,
-         penalty: Optional[float] = None, tag: str = "") -> dict[str, Any]:
-    """One pruning of the block, or its stored result (by its key)."""
+         penalty: Optional[float] = None, tag: str = "",
+         nm: Optional[tuple[int, int]] = None) -> dict[str, Any]:
+    """One pruning of the block (unstructured 50 %, or ``nm``), or its stored result (by its key)."""
+    if nm is not None:
+      tag = "|".join(t for t in ("{}of{}".format(*nm), tag) if t)
     key = "|".join(str(x) for x in (method, grouping or "default", f"n{n}x{seqlen}",
                                     f"seed{seed}", f"steps{steps}", f"lr{lr:g}" if lr else "-",
                                     f"lam{penalty:g}" if penalty else "-") + ((tag,) if tag else ()))
@@ -127,13 +133,14 @@ class Study:
     if self.dry:
       raise Pending(key)
     if method.startswith("safe"):
-      cfg = selection.safe_config(method, None, steps, lr, penalty, n, grouping=grouping,
+      cfg = selection.safe_config(method, nm, steps, lr, penalty, n, grouping=grouping,
                                   seed=seed)
     else:
-      cfg = prune.PruneConfig(method, sparsity=0.5, grouping=grouping)
+      cfg = prune.PruneConfig(method, sparsity=0.5, nm=nm, grouping=grouping)
     load_before = os.getloadavg()[0]
     result = self.block_for(n, seqlen, seed).run(cfg)
     result.update(method=method, grouping=grouping, per_row=cfg.per_row, scores=SCORES[method],
+                  structure=structure_name(nm),
                   n=n, seqlen=seqlen, calibration_seed=seed, steps_requested=steps, lr=lr,
                   penalty=penalty, prune_config=dataclasses.asdict(cfg),
                   load_average=[load_before, os.getloadavg()[0]])
@@ -272,12 +279,27 @@ def edge_rule_pick(evaluate, grid: list[float], ratio: float, integer: bool = Fa
     extensions += 1
 
 
+def structure_name(nm: Optional[tuple[int, int]]) -> str:
+  """``50pct`` (unstructured 50 %) or ``NofM``: as llm_standard.py names its pieces."""
+  return "50pct" if nm is None else "{}of{}".format(*nm)
+
+
+def select_path(block: int, windows: int, seqlen: int, nm: Optional[tuple[int, int]]) -> pathlib.Path:
+  """``selection_block<B>_<n>x<L>.json``; with ``nm``, ``..._<N>of<M>.json``."""
+  suffix = "" if nm is None else "_" + structure_name(nm)
+  return OUT / f"selection_block{block}_{windows}x{seqlen}{suffix}.json"
+
+
 def select_file(args) -> Study:
   n, seqlen = args.windows, args.seqlen
-  return Study(OUT / f"selection_block{args.block}_{n}x{seqlen}.json", args.block,
+  what = ("unstructured 50 %" if args.nm is None else "{}:{} along the input dimension"
+          .format(*args.nm))
+  study = Study(select_path(args.block, n, seqlen, args.nm), args.block,
                 tuple(args.held_out), f"lr x lambda at {args.grid_steps} steps, then the step "
-                f"count, chosen on held-out error with the edge rule; {n} x {seqlen} "
+                f"count, chosen on held-out error with the edge rule; {what}; {n} x {seqlen} "
                 "calibration tokens, calibration seed 0.")
+  study.record["structure"] = structure_name(args.nm)
+  return study
 
 
 def select_study(args, study: Study) -> None:
@@ -287,7 +309,7 @@ def select_study(args, study: Study) -> None:
   partial = study.record.setdefault("selected_so_far", {})
   for method in args.methods:
     run = lambda steps, lr, lam, m=method: study.do(m, n=n, seqlen=seqlen, steps=steps, lr=lr,
-                                                     penalty=lam)["held_out_error"]
+                                                     penalty=lam, nm=args.nm)["held_out_error"]
     lam_pick, lam_grid, lam_inside = None, list(SELECT_PENALTY), False
     lr_grid = list(SELECT_LR)
     for extension in range(MAX_EXTENSIONS + 1):
@@ -441,6 +463,9 @@ def main() -> None:
   parser.add_argument("--steps-bound", type=int, default=STEPS_BOUND,
                       help=f"select: the step count's upper bound (default {STEPS_BOUND}: "
                            f"{STEPS_BOUND_WHY})")
+  parser.add_argument("--nm", type=cli.parse_nm, default=None,
+                      help="select: N:M structure (e.g. 2:4) instead of unstructured 50 %%; its "
+                           "own file, selection_block<B>_<n>x<L>_<N>of<M>.json")
   parser.add_argument("--held-out", type=int, nargs=2, default=[16, 512],
                       metavar=("WINDOWS", "SEQLEN"))
   parser.add_argument("--sizes", nargs="+", default=["16x128", "64x128", "64x512"])
@@ -449,6 +474,8 @@ def main() -> None:
                            "'none': --lr and --penalty")
   parser.add_argument("--table-only", action="store_true")
   args = parser.parse_args()
+  if args.nm is not None and args.study != "select":
+    parser.error(f"--nm is for the select study only, not {args.study}")
   if args.steps_bound < max(SELECT_STEPS):
     parser.error(f"--steps-bound must be at least the step grid's top value {max(SELECT_STEPS)}; "
                  f"got {args.steps_bound}")

@@ -18,7 +18,8 @@ context up to 2,048 tokens). Calibration: ``--nsamples`` x ``--seqlen`` tokens
 of WikiText-2 validation at each ``--seeds`` seed. Magnitude uses no
 calibration, so it runs once. SAFE / SAFE+ take lr, lambda and steps from
 the held-out selection study (``--selection``, written by
-``llm_block_studies.py select``).
+``llm_block_studies.py select``; the 2:4 pieces from the one made at 2:4,
+``select --nm 2:4``, and wait for it).
 
   python benchmarks/claims/llm_standard.py --list          # what is done and what is pending
   python benchmarks/claims/llm_standard.py --pieces 1      # run the next pending piece
@@ -40,12 +41,22 @@ from typing import Optional
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import llm_results as run_results  # pylint: disable=wrong-import-position
+from llm_block_studies import select_path  # pylint: disable=wrong-import-position
+from llm_block_studies import structure_name  # pylint: disable=wrong-import-position
 
 from safe_optax.llm import cli  # pylint: disable=wrong-import-position
 
 OUT = run_results.HERE / "standard"
 METHODS = ("magnitude", "wanda", "sparsegpt", "safe", "safe-plus")
-SELECTION = run_results.HERE / "selection_block0_64x128.json"
+# The held-out block-0 selection at 64 x 128 calibration tokens (llm_block_studies.py select);
+# the N:M pieces read the study made at their structure (select --nm).
+SELECTION_WINDOWS = (64, 128)
+
+
+def default_selection(nm: Optional[tuple[int, int]]) -> pathlib.Path:
+  return select_path(0, *SELECTION_WINDOWS, nm)
+
+
 
 
 def safe_arguments(method: str, selection: pathlib.Path, nsamples: int,
@@ -63,11 +74,6 @@ def safe_arguments(method: str, selection: pathlib.Path, nsamples: int,
   return ["--epochs", str(epochs), "--warmup-epochs", str(max(1, round(epochs / 15))),
           "--batch-size", str(batch_size), "--lr", f"{pick['lr']:g}",
           "--penalty", f"{pick['penalty']:g}", "--dual-every", "32"]
-
-
-def structure_name(nm: Optional[tuple[int, int]]) -> str:
-  """``50pct`` (unstructured 50 %) or ``NofM`` for ``--nm N:M``: the pieces' names."""
-  return "50pct" if nm is None else "{}of{}".format(*nm)
 
 
 def piece_name(method: str, structure: str, calibration: str, seed: int) -> str:
@@ -111,7 +117,9 @@ def main() -> None:
                       help="N:M structure (e.g. 2:4) instead of unstructured 50 %%")
   parser.add_argument("--nsamples", type=int, default=64)
   parser.add_argument("--seqlen", type=int, default=512)
-  parser.add_argument("--selection", type=pathlib.Path, default=SELECTION)
+  parser.add_argument("--selection", type=pathlib.Path, default=None,
+                      help="the selection study's JSON (default: the block-0 study at the "
+                           "pieces' structure, e.g. selection_block0_64x128_2of4.json for --nm 2:4)")
   parser.add_argument("--work", type=pathlib.Path,
                       default=pathlib.Path("/tmp/safe_optax_evidence/llm_standard"),
                       help="where the exports (and a prune's resumable state) go")
@@ -124,6 +132,8 @@ def main() -> None:
                            "interrupted prune resumes from --work")
   parser.add_argument("--list", action="store_true", help="only say what is done and pending")
   args = parser.parse_args()
+  if args.selection is None:
+    args.selection = default_selection(args.nm)
   if args.model is not None and not args.model.is_file():
     parser.error(f"--model: no file {args.model}")
   OUT.mkdir(parents=True, exist_ok=True)

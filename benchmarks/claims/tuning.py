@@ -178,11 +178,13 @@ DECLARED: dict[str, dict[str, Any]] = {
                  # The steps' upper bound (the paper's per-block token budget in 8 x 512-token
                  # steps, llm_block_studies.STEPS_BOUND) was declared 2026-11-28, after the two
                  # extensions ended at 1,000 steps with both picks at the top.
+                 # The 2:4 rows: the same grids and bound in their own study at 2:4
+                 # (llm_block_studies.py select --nm 2:4), declared 2026-11-28 before its runs;
+                 # until it picks, their SAFE / SAFE+ pieces wait.
                  **{label: {name: {"lr": grid(0.001, 0.003, 0.01),
                                    "λ": grid(0.0001, 0.001, 0.01),
                                    "steps": grid(60, 120, 250, upper=1920)}
                             for name in ("SAFE+", "SAFE")}
-                    # The 2:4 rows reuse the 50 % study's grids and picks (flagged NOT CHOSEN).
                     for label in ("50 %, WikiText-2, standard protocol",
                                   "50 %, WikiText-2, standard protocol, SAFE",
                                   "2:4, WikiText-2, standard protocol",

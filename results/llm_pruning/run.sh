@@ -31,6 +31,8 @@ python benchmarks/claims/llm_block_studies.py calib --selection none --lr 3e-3 -
 # and per perplexity in standard/, each skipped when present (--list shows what is pending;
 # --pieces 1 runs the next piece only). ~21 min of the whole 2-core machine per perplexity.
 python benchmarks/claims/llm_standard.py
-# the 2:4 rows, the same way (SAFE / SAFE+ reuse the 50 % picks)
+# the 2:4 rows, the same way; SAFE / SAFE+ take lr, lambda and steps from the same selection made
+# at 2:4 (same grids and bound, declared before its runs)
+python benchmarks/claims/llm_block_studies.py select --windows 64 --seqlen 128 --grid-steps 60 --nm 2:4
 python benchmarks/claims/llm_standard.py --nm 2:4
 python benchmarks/report.py
