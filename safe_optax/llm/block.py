@@ -246,6 +246,9 @@ def safe_block(
             params, norms, input_norms, scales, opt_state, *data,
             dual_due=safe_optax.experimental.is_dual_step(epoch * steps_per_epoch + b,
                                                           cfg.dual_every))
+      if losses:
+        # Waits (no transfer) for the epoch before: at most two epochs of steps in flight.
+        losses[-1].block_until_ready()
       losses.append(loss)  # read once, after the loop
   losses = [float(loss) for loss in jax.device_get(losses)]
   final_scores = None
