@@ -1,5 +1,6 @@
 """benchmarks/claims/llm_block_studies.py: the edge rule that extends a selection grid, up to a range bound."""
 
+import json
 import math
 import pathlib
 import sys
@@ -108,3 +109,19 @@ def test_nm_is_refused_outside_select(monkeypatch, capsys, study):
   with pytest.raises(SystemExit):
     llm_block_studies.main()
   assert f"--nm is for the select study only, not {study}" in capsys.readouterr().err
+
+
+def test_calib_reuses_the_unstructured_selection_runs_only(monkeypatch, tmp_path):
+  """The calibration-size study compares unstructured 50 % prunes: it takes the 50 % select
+  study's runs (a file without ``structure`` is one) and none of the 2:4 study's."""
+  monkeypatch.setattr(llm_block_studies, "OUT", tmp_path)
+  held = {"windows": 16, "seqlen": 512}
+  for name, structure, key in (("selection_block0_64x128.json", None, "a"),
+                               ("selection_block0_64x128_2of4.json", "2of4", "b|2of4")):
+    record = {"held_out": held, "runs": {key: {"held_out_error": 0.1}}}
+    if structure:
+      record["structure"] = structure
+    (tmp_path / name).write_text(json.dumps(record))
+  study = llm_block_studies.Study(tmp_path / "calibration_size_block0.json", 0, (16, 512), "calib")
+  llm_block_studies._shared_runs(study)
+  assert set(study.runs) == {"a"} and study.runs["a"]["from"] == "selection_block0_64x128.json"

@@ -387,9 +387,11 @@ def calib_file(args) -> Study:
 
 
 def _shared_runs(study: Study) -> None:
-  """Runs of the select studies on this block and held-out set, reused under their keys."""
+  """Runs of the unstructured select studies on this block and held-out set, under their keys."""
   for path in OUT.glob(f"selection_block{study.block}_*.json"):
     other = json.loads(path.read_text())
+    if other.get("structure", "50pct") != "50pct":  # calib compares unstructured 50 % runs
+      continue
     if (other["held_out"]["windows"], other["held_out"]["seqlen"]) == study.held_out:
       for key, run in other["runs"].items():
         study.runs.setdefault(key, {**run, "from": path.name})
