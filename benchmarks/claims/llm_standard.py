@@ -54,9 +54,8 @@ SELECTION_WINDOWS = (64, 128)
 
 
 def default_selection(nm: Optional[tuple[int, int]]) -> pathlib.Path:
+  """The block-0 selection study made at the pieces' structure (``None``: unstructured 50 %)."""
   return select_path(0, *SELECTION_WINDOWS, nm)
-
-
 
 
 def safe_arguments(method: str, selection: pathlib.Path, nsamples: int,
