@@ -105,10 +105,15 @@ def im2col_conv(lhs: jax.Array, rhs: jax.Array, window_strides: Sequence[int], p
   pads = (jax.lax.padtype_to_pads(lhs.shape[1:3], (kh, kw), window_strides, padding)
           if isinstance(padding, str) else padding)
   x = jnp.pad(lhs, ((0, 0), tuple(pads[0]), tuple(pads[1]), (0, 0)))
-  out_h, out_w = (x.shape[1] - kh) // sh + 1, (x.shape[2] - kw) // sw + 1
-  columns = jnp.concatenate(
-      [x[:, i:i + sh * (out_h - 1) + 1:sh, j:j + sw * (out_w - 1) + 1:sw, :]
-       for i in range(kh) for j in range(kw)], axis=-1)
+  # A window larger than the padded image has no output position (0 rows or columns).
+  out_h, out_w = max(0, (x.shape[1] - kh) // sh + 1), max(0, (x.shape[2] - kw) // sw + 1)
+  if out_h == 0 or out_w == 0:
+    # Slicing to an empty window would wrap around (a negative stop): no columns at all.
+    columns = jnp.zeros((x.shape[0], out_h, out_w, kh * kw * channels), x.dtype)
+  else:
+    columns = jnp.concatenate(
+        [x[:, i:i + sh * (out_h - 1) + 1:sh, j:j + sw * (out_w - 1) + 1:sw, :]
+         for i in range(kh) for j in range(kw)], axis=-1)
   return jnp.einsum("bhwk,ko->bhwo", columns, rhs.reshape(kh * kw * channels, out),
                     precision=precision, preferred_element_type=preferred_element_type)
 
