@@ -16,7 +16,7 @@
 #       timeout_s=150)
 #
 # `run` works through llm_standard.py's pending SAFE+ and SAFE pieces (3 calibration seeds each,
-# lr / lambda / steps from the committed selection), starts none past DEADLINE_S (380) and stops the
+# lr / lambda / steps from the committed selection; NM=2:4 for the 2:4 pieces, from the 2:4 study), starts none past DEADLINE_S (380) and stops the
 # last at RUN_S (500); the finished pieces' JSON comes back in pieces.tar.gz. Another `run` call on
 # the same warm machine continues a prune stopped part-way from its next block (its work folder is
 # under $STAGE); a later lease resumes with the pieces still pending, and a piece stopped part-way
@@ -63,7 +63,7 @@ run)
   export SAFE_OPTAX_DATA=$PWD/.llm/b/data SAFE_OPTAX_REQUIRE_DATA=1
   python3 -c "import jax, gguf; from safe_optax.llm import checkpoints; c, _ = checkpoints.load_gguf('$STAGE/model.gguf'); print(jax.__version__, jax.devices(), c.num_layers, 'layers')" || exit 6
   # a piece started just before the deadline may outrun the call: the timeout keeps time for the tar
-  timeout -s KILL ${RUN_S:-500} python3 benchmarks/claims/llm_standard.py --methods ${METHODS:-safe-plus safe} \
+  timeout -s KILL ${RUN_S:-500} python3 benchmarks/claims/llm_standard.py --methods ${METHODS:-safe-plus safe} ${NM:+--nm "$NM"} \
     --model "$STAGE/model.gguf" --work "$STAGE/work" --deadline-s ${DEADLINE_S:-380} ${DRY:+--list} \
     > "$OUT/llm_standard.log" 2>&1 || echo "llm_standard.py: rc $?"
   tail -5 "$OUT/llm_standard.log"
