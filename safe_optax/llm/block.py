@@ -11,8 +11,9 @@ reconstruction loss with ``sam_perturb -> admm_penalty -> adam`` and projects.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -156,8 +157,15 @@ def safe_transform(
 
 
 @functools.lru_cache(maxsize=8)
-def safe_step(config: model_lib.LlamaConfig, cfg: PruneConfig, steps_per_epoch: int):
-  """The jitted SAFE / SAFE+ block step, compiled once for every block of a model."""
+def safe_step(config: model_lib.LlamaConfig, cfg: PruneConfig, steps_per_epoch: int,
+              pack: bool = False):
+  """The jitted SAFE / SAFE+ block step, compiled once for every block of a model.
+
+  ``pack=True``: the same step vmapped over a leading lane axis of the
+  weights, Wanda norms, optimizer state, windows, targets and minibatch
+  indices (one lane per calibration set, :func:`safe_blocks`); the dense
+  norms and step scales are shared.
+  """
   block = model_lib.Block(config)
 
   def loss_fn(linears, norms, x, y):
@@ -169,7 +177,6 @@ def safe_step(config: model_lib.LlamaConfig, cfg: PruneConfig, steps_per_epoch: 
   # ``idx`` given: ``x`` and ``y`` are the block's device-resident windows and
   # targets, and the minibatch is gathered here (one device); ``None``: they are
   # the minibatch, placed over the mesh by the caller.
-  @functools.partial(jax.jit, static_argnames="dual_due")
   def step(linears, norms, input_norms, scales, opt_state, x, y, idx=None, *, dual_due):
     if idx is not None:
       x, y = x[idx], y[idx]
@@ -181,7 +188,65 @@ def safe_step(config: model_lib.LlamaConfig, cfg: PruneConfig, steps_per_epoch: 
     updates, opt_state = tx.update(grads, opt_state, linears, grad_fn=grad_fn, dual_due=dual_due)
     return optax.apply_updates(linears, updates), opt_state, loss
 
-  return step
+  if not pack:
+    return jax.jit(step, static_argnames="dual_due")
+
+  @functools.partial(jax.jit, static_argnames="dual_due")
+  def packed(linears, norms, input_norms, scales, opt_state, x, y, idx, *, dual_due):
+    lanes = jax.vmap(functools.partial(step, dual_due=dual_due),
+                     in_axes=(0, None, 0, None, 0, 0, 0, 0))
+    return lanes(linears, norms, input_norms, scales, opt_state, x, y, idx)
+
+  return packed
+
+
+def _run_steps(step, state, inputs, targets, epoch_order: Callable[[], np.ndarray],
+               cfg: PruneConfig, steps_per_epoch: int,
+               mesh: Optional[jax.sharding.Mesh]) -> tuple[Any, list[Any]]:
+  """``cfg.epochs`` epochs of ``step``; returns the final weights and each epoch's last loss.
+
+  ``epoch_order()`` gives an epoch's minibatch indices, ``(steps_per_epoch,
+  ...)``. Without a mesh the state, windows and targets go to the device once,
+  each epoch's indices in one transfer, and the step gathers its minibatch
+  there; the loop runs under a transfer guard, so a step that moved anything
+  between host and device implicitly (a numpy batch, a Python scalar, a loss
+  read back) would raise instead of slowing every step down. With a mesh the
+  host gathers each minibatch and splits it over the mesh.
+  """
+  if mesh is None:
+    state, inputs, targets = jax.device_put((state, inputs, targets))
+    guard = jax.transfer_guard("disallow")
+  else:
+    state, guard = replicate(mesh, state), contextlib.nullcontext()
+  params, norms, input_norms, scales, opt_state = state
+  losses = []
+  with guard:
+    for epoch in range(cfg.epochs):
+      order = epoch_order()
+      if mesh is None:
+        order = jax.device_put(list(order))
+      for b in range(steps_per_epoch):
+        data = ((inputs, targets, order[b]) if mesh is None else
+                place(mesh, (inputs[order[b]], targets[order[b]])))
+        params, opt_state, loss = step(
+            params, norms, input_norms, scales, opt_state, *data,
+            dual_due=safe_optax.experimental.is_dual_step(epoch * steps_per_epoch + b,
+                                                          cfg.dual_every))
+      if losses:
+        # Waits (no transfer) for the epoch before: at most two epochs of steps in flight.
+        losses[-1].block_until_ready()
+      losses.append(loss)  # read once, after the loop
+  return params, jax.device_get(losses)
+
+
+def _project(cfg: PruneConfig, params: dict[str, Any],
+             input_norms: Optional[dict[str, Any]]) -> dict[str, Any]:
+  """The final projection: magnitude (SAFE) or Wanda scores (SAFE+)."""
+  final_scores = None
+  if input_norms is not None:
+    final_scores = safe_optax.wanda_scores(params, input_norms)
+  pruned, _ = safe_optax.finalize(params, **cfg.projection()._asdict(), scores=final_scores)
+  return pruned
 
 
 def safe_block(
@@ -215,44 +280,100 @@ def safe_block(
   n = inputs.shape[0]
   batch = min(cfg.batch_size, n)
   steps_per_epoch = n // batch
-  step = safe_step(config, cfg, steps_per_epoch)
-  projection = cfg.projection()
-  params = linears
   scales = lr_scales(cfg, linears)
-  opt_state = safe_transform(cfg, steps_per_epoch, input_norms, scales).init(params)
-  state = (params, norms, input_norms, scales, opt_state)
-  if mesh is None:
-    # One device: the state, windows and targets go to it once, each epoch's
-    # minibatch indices in one transfer, and the step gathers its minibatch there.
-    # The loop runs under a transfer guard, so a step that moved anything between
-    # host and device implicitly (a numpy batch, a Python scalar, a loss read
-    # back) would raise instead of slowing every step down.
-    state, inputs, targets = jax.device_put((state, inputs, targets))
-    guard = jax.transfer_guard("disallow")
-  else:
-    state, guard = replicate(mesh, state), contextlib.nullcontext()
-  params, norms, input_norms, scales, opt_state = state
+  opt_state = safe_transform(cfg, steps_per_epoch, input_norms, scales).init(linears)
   rng = np.random.default_rng(cfg.seed)
-  losses = []
-  with guard:
-    for epoch in range(cfg.epochs):
-      order = rng.permutation(n)[:steps_per_epoch * batch].reshape(steps_per_epoch, batch)
-      if mesh is None:
-        order = jax.device_put(list(order))
-      for b in range(steps_per_epoch):
-        data = ((inputs, targets, order[b]) if mesh is None else
-                place(mesh, (inputs[order[b]], targets[order[b]])))
-        params, opt_state, loss = step(
-            params, norms, input_norms, scales, opt_state, *data,
-            dual_due=safe_optax.experimental.is_dual_step(epoch * steps_per_epoch + b,
-                                                          cfg.dual_every))
-      if losses:
-        # Waits (no transfer) for the epoch before: at most two epochs of steps in flight.
-        losses[-1].block_until_ready()
-      losses.append(loss)  # read once, after the loop
-  losses = [float(loss) for loss in jax.device_get(losses)]
-  final_scores = None
-  if input_norms is not None:
-    final_scores = safe_optax.wanda_scores(params, input_norms)
-  pruned, _ = safe_optax.finalize(params, **projection._asdict(), scores=final_scores)
-  return pruned, {"epoch_last_loss": losses, "steps": cfg.epochs * steps_per_epoch}
+  params, losses = _run_steps(
+      safe_step(config, cfg, steps_per_epoch), (linears, norms, input_norms, scales, opt_state),
+      inputs, targets,
+      lambda: rng.permutation(n)[:steps_per_epoch * batch].reshape(steps_per_epoch, batch),
+      cfg, steps_per_epoch, mesh)
+  return _project(cfg, params, input_norms), {
+      "epoch_last_loss": [float(loss) for loss in losses],
+      "steps": cfg.epochs * steps_per_epoch}
+
+
+def check_pack(cfgs: Sequence[PruneConfig]) -> None:
+  """Configs that can share one packed program: SAFE or SAFE+, equal but for ``seed``.
+
+  Raises:
+    ValueError: naming the fields that differ, or the method.
+  """
+  if not cfgs:
+    raise ValueError("a pack needs at least one PruneConfig, got none.")
+  if cfgs[0].method not in ("safe", "safe-plus"):
+    raise ValueError(f"only SAFE and SAFE+ steps are packed (method 'safe' or 'safe-plus'), "
+                     f"got {cfgs[0].method!r}.")
+  first = dataclasses.asdict(dataclasses.replace(cfgs[0], seed=0))
+  for cfg in cfgs[1:]:
+    other = dataclasses.asdict(dataclasses.replace(cfg, seed=0))
+    differing = sorted(k for k in first if first[k] != other[k])
+    if differing:
+      raise ValueError(f"packed PruneConfigs may differ only in `seed`; these differ too: "
+                       f"{', '.join(differing)}.")
+
+
+def safe_blocks(
+    config: model_lib.LlamaConfig,
+    block_params: dict[str, Any],
+    inputs: np.ndarray,
+    targets: np.ndarray,
+    cfgs: Sequence[PruneConfig],
+    input_norms: Optional[dict[str, Any]] = None,
+) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+  """:func:`safe_block` for several calibration sets of one block at once, on one device.
+
+  Lane ``i`` runs SAFE / SAFE+ from the same dense block on its own windows
+  ``inputs[i]`` and targets ``targets[i]``, with its own Wanda norms, optimizer
+  state and minibatch order (``cfgs[i].seed``). All lanes step together in one
+  vmapped program (:func:`safe_step` with ``pack=True``): on an accelerator
+  the small matrices of a block fill more of the device, on a CPU it costs
+  what the lanes cost in turn. Each lane gives what ``safe_block(config,
+  block_params, inputs[i], targets[i], cfgs[i], input_norms[i])`` gives, up to
+  the rounding of batched matrix products (tested). SAFE's first steps can
+  scale that rounding up: at the dense start the reconstruction gradient is
+  itself rounding noise, which SAM and Adam normalise, so a lane and its lone
+  run differ about as much as two devices' lone runs do.
+
+  Args:
+    inputs, targets: ``(lanes, n, L, d)``.
+    cfgs: one per lane, equal but for ``seed`` (:func:`check_pack`).
+    input_norms: Wanda norms with a leading lane axis for SAFE+, ``None`` for SAFE.
+
+  Returns:
+    ``[(pruned_linears, info)]``, one per lane.
+  """
+  cfgs = list(cfgs)
+  check_pack(cfgs)
+  lanes = len(cfgs)
+  if inputs.shape[0] != lanes or targets.shape != inputs.shape:
+    raise ValueError(f"`inputs` and `targets` need the same shape with a leading axis of one "
+                     f"lane per config ({lanes}), got {inputs.shape} and {targets.shape}.")
+  cfg = dataclasses.replace(cfgs[0], seed=0)
+  linears, norms = split_block(block_params)
+  n = inputs.shape[1]
+  batch = min(cfg.batch_size, n)
+  steps_per_epoch = n // batch
+  scales = lr_scales(cfg, linears)
+  lane_norms = [None if input_norms is None else jax.tree.map(lambda a, i=i: a[i], input_norms)
+                for i in range(lanes)]
+  stack = lambda trees: jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
+  opt_state = stack([safe_transform(cfg, steps_per_epoch, norms_i, scales).init(linears)
+                     for norms_i in lane_norms])
+  rngs = [np.random.default_rng(c.seed) for c in cfgs]
+
+  def epoch_order():  # (steps, lanes, batch): each lane draws from its own generator
+    return np.stack([rng.permutation(n)[:steps_per_epoch * batch].reshape(steps_per_epoch, batch)
+                     for rng in rngs], axis=1)
+
+  params, losses = _run_steps(
+      safe_step(config, cfg, steps_per_epoch, pack=True),
+      (stack([linears] * lanes), norms, input_norms, scales, opt_state),
+      inputs, targets, epoch_order, cfg, steps_per_epoch, None)
+  results = []
+  for i in range(lanes):
+    lane_params = jax.tree.map(lambda a, i=i: a[i], params)
+    results.append((_project(cfg, lane_params, lane_norms[i]), {
+        "epoch_last_loss": [float(loss[i]) for loss in losses],
+        "steps": cfg.epochs * steps_per_epoch, "pack": lanes}))
+  return results

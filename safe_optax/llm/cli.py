@@ -229,17 +229,14 @@ def _finished(args: argparse.Namespace, out: pathlib.Path) -> Optional[dict[str,
   return saved
 
 
-def _prune(args: argparse.Namespace) -> dict[str, Any]:
-  # Cheap checks first: a bad text path or output folder should not cost a model load.
-  calib_text = data.read_text(args.calib)
-  for text in args.eval or []:
-    data.read_text(text)
-  cfg = prune_config.PruneConfig(
-      method=args.method, sparsity=args.sparsity, nm=args.nm, grouping=args.grouping,
-      epochs=args.epochs,
-      batch_size=args.batch_size, learning_rate=args.lr, warmup_epochs=args.warmup_epochs,
-      rho=args.rho, penalty=args.penalty, dual_every=args.dual_every, lr_scale=args.lr_scale,
-      seed=args.seed)
+def _lane_args(args: argparse.Namespace, seed: int) -> argparse.Namespace:
+  """The arguments of one calibration seed's prune: ``--seed`` one value, ``--out`` filled in."""
+  return argparse.Namespace(**{**vars(args), "seed": seed,
+                               "out": str(args.out).replace("{seed}", str(seed))})
+
+
+def _start_lane(args: argparse.Namespace) -> Optional[dict[str, Any]]:
+  """``--restart`` and the finished check for one seed's ``--out``: its report, or None."""
   out = pathlib.Path(args.out)
   state_dir = out / STATE_DIR
   # Several processes share OUT: process 0 alone removes, the others wait for it.
@@ -259,13 +256,38 @@ def _prune(args: argparse.Namespace) -> dict[str, Any]:
           "(--restart prunes it again).", file=sys.stderr)
     return finished
   _make_folder(out, "--out")
+  return None
+
+
+def _prune_config(args: argparse.Namespace) -> prune_config.PruneConfig:
+  return prune_config.PruneConfig(
+      method=args.method, sparsity=args.sparsity, nm=args.nm, grouping=args.grouping,
+      epochs=args.epochs,
+      batch_size=args.batch_size, learning_rate=args.lr, warmup_epochs=args.warmup_epochs,
+      rho=args.rho, penalty=args.penalty, dual_every=args.dual_every, lr_scale=args.lr_scale,
+      seed=args.seed)
+
+
+def _prune(args: argparse.Namespace) -> dict[str, Any]:
+  # Cheap checks first: a bad text path or output folder should not cost a model load.
+  calib_text = data.read_text(args.calib)
+  for text in args.eval or []:
+    data.read_text(text)
+  lanes = [_lane_args(args, seed) for seed in args.seed]
+  for lane in lanes:
+    _prune_config(lane)
+  finished = {lane.seed: _start_lane(lane) for lane in lanes}
+  pending = [lane for lane in lanes if finished[lane.seed] is None]
+  if not pending:
+    return _result(args, [finished[lane.seed] for lane in lanes])
   export_dtype = args.export_dtype or checkpoints.source_dtype(args.model)
   tokenizer = checkpoints.load_tokenizer(args.model)
   calib_tokens = data.tokenize(tokenizer, calib_text)
   if len(calib_tokens) <= args.seqlen:
     raise ValueError(f"--calib '{args.calib}' has {len(calib_tokens)} tokens, too few for "
                      f"--seqlen {args.seqlen}; give a longer text or a smaller --seqlen.")
-  calibration = data.calibration_windows(calib_tokens, args.nsamples, args.seqlen, args.seed)
+  calibrations = [data.calibration_windows(calib_tokens, args.nsamples, args.seqlen, lane.seed)
+                  for lane in pending]
   config, params = checkpoints.load_model(args.model)
   if args.dtype:
     config = dataclasses.replace(config, dtype=args.dtype)
@@ -273,18 +295,40 @@ def _prune(args: argparse.Namespace) -> dict[str, Any]:
   # export's range fails now rather than after hours of pruning (the export checks again).
   export.check_range(export.hf_tensors(config, params)[0], export_dtype, "--export-dtype")
   start = time.perf_counter()
-  pruned, prune_report = prune_lib.prune_model(
-      config, params, calibration, cfg, progress=not args.quiet, state_dir=state_dir,
-      identity=_identity(args), fixed_order=True if args.fixed_order else None)
+  state_dirs = [pathlib.Path(lane.out) / STATE_DIR for lane in pending]
+  if len(pending) == 1:
+    pruned = [prune_lib.prune_model(
+        config, params, calibrations[0], _prune_config(pending[0]), progress=not args.quiet,
+        state_dir=state_dirs[0], identity=_identity(pending[0]),
+        fixed_order=True if args.fixed_order else None)]
+  else:
+    pruned = prune_lib.prune_models(
+        config, params, calibrations, [_prune_config(lane) for lane in pending],
+        progress=not args.quiet, state_dirs=state_dirs,
+        identities=[_identity(lane) for lane in pending])
   total = time.perf_counter() - start
   # Every process holds the same pruned model; process 0 alone writes and evaluates.
   distributed.barrier("safe_optax_llm_pruned")
   if not distributed.is_primary():
     return {"process": jax.process_index(), "seconds_total": total}
+  context = model_context(args.model)
+  for lane, (lane_params, prune_report) in zip(pending, pruned):
+    finished[lane.seed] = _write_lane(lane, config, lane_params, prune_report, tokenizer,
+                                      export_dtype, context, total,
+                                      [p.seed for p in pending] if len(pending) > 1 else None)
+  return _result(args, [finished[lane.seed] for lane in lanes])
+
+
+def _write_lane(args: argparse.Namespace, config: model_lib.LlamaConfig, pruned: Any,
+                prune_report: dict[str, Any], tokenizer: Any, export_dtype: str,
+                context: Optional[int], total: float,
+                pack: Optional[list[int]]) -> dict[str, Any]:
+  """One seed's export, perplexities and ``report.json`` (last), then its state is removed."""
+  out = pathlib.Path(args.out)
+  cfg = _prune_config(args)
   # Only the blocks' matrices are pruned; the embedding (and untied head) stay dense.
   sparsity = safe_optax.sparsity_report(
       pruned, prunable=lambda path, leaf: "layers_" in path_str(path) and leaf.ndim == 2)
-  context = model_context(args.model)
   checkpoints.save_safetensors(
       out, config, pruned, tokenizer, dtype=export_dtype, prune_config=cfg,
       source_metadata=checkpoints.source_metadata(args.model))
@@ -296,7 +340,11 @@ def _prune(args: argparse.Namespace) -> dict[str, Any]:
                       "seqlen": args.seqlen, "seed": args.seed},
       "processes": jax.process_count(),
       "fixed_order": _fixed_order(args),
-      # Wall time of this process only; a resumed run's earlier blocks are in "blocks".
+      # The seeds pruned in one walk with this one (None: alone); their SAFE steps
+      # ran as one program on one device (safe_optax.llm.prune.prune_models).
+      "pack_seeds": pack,
+      # Wall time of this process (of the whole pack) only; a resumed run's earlier
+      # blocks are in "blocks".
       "seconds_total": total, "export_dtype": export_dtype, **prune_report,
       "sparsity": {"prunable": sparsity.sparsity, "overall": sparsity.overall_sparsity},
       "eval": [evaluate(config, pruned, tokenizer, text, args.eval_seqlen, args.eval_tokens,
@@ -308,8 +356,20 @@ def _prune(args: argparse.Namespace) -> dict[str, Any]:
   with experiment.atomic_write(out / "report.json") as tmp:
     tmp.write_text(json.dumps(report, indent=2) + "\n")
   # The export and report now hold everything the state was kept for.
-  shutil.rmtree(state_dir)
+  shutil.rmtree(out / STATE_DIR)
   return report
+
+
+def _result(args: argparse.Namespace, reports: list[dict[str, Any]]) -> dict[str, Any]:
+  """One seed: its report; several: ``{"seeds": [...], "reports": [...]}``."""
+  if len(args.seed) == 1:
+    return reports[0]
+  return {"seeds": list(args.seed), "reports": [_summary(r) for r in reports]}
+
+
+def _summary(result: dict[str, Any]) -> dict[str, Any]:
+  """What ``main`` prints of a result: all but the per-block entries, versions and arguments."""
+  return {k: v for k, v in result.items() if k not in ("blocks", "versions", "args")}
 
 
 def _ppl(args: argparse.Namespace) -> dict[str, Any]:
@@ -344,7 +404,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--calib", required=True, help="calibration text file or folder")
   p.add_argument("--nsamples", type=_count(1), default=128)
   p.add_argument("--seqlen", type=_count(2), default=2048)
-  p.add_argument("--out", required=True, help="output folder (safetensors + report.json)")
+  p.add_argument("--out", required=True,
+                 help="output folder (safetensors + report.json); '{seed}' is replaced by the "
+                      "seed")
   p.add_argument("--epochs", type=_count(1), default=30)
   p.add_argument("--batch-size", type=_count(1), default=8)
   p.add_argument("--lr", type=_non_negative, default=2e-4)
@@ -354,7 +416,10 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--rho", type=_non_negative, default=2e-4)
   p.add_argument("--penalty", type=_non_negative, default=1e-3)
   p.add_argument("--dual-every", type=_count(1), default=32)
-  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--seed", type=int, nargs="+", default=[0],
+                 help="calibration seed (windows and SAFE's minibatch order); several values "
+                      "prune one model per seed in one walk, SAFE / SAFE+ steps of all seeds "
+                      "as one program, and need '{seed}' in --out")
   p.add_argument("--dtype", choices=tuple(model_lib.DTYPES), default=None,
                  help="computation dtype while pruning and evaluating (default float32)")
   p.add_argument("--export-dtype", choices=tuple(checkpoints.EXPORT_DTYPES), default=None,
@@ -394,6 +459,20 @@ def _check_sparsity(parser: argparse.ArgumentParser, args: argparse.Namespace) -
   args.sparsity = implied
 
 
+def _check_seeds(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+  """Several ``--seed`` values: distinct, each with its own ``--out``, in one process."""
+  if len(set(args.seed)) != len(args.seed):
+    parser.error(f"--seed values must be distinct, got {' '.join(map(str, args.seed))}.")
+  if len(args.seed) == 1:
+    return
+  if "{seed}" not in args.out:
+    parser.error(f"--seed with several values writes one export per seed: put '{{seed}}' in "
+                 f"--out (e.g. {args.out}_seed{{seed}}), got --out {args.out}.")
+  if args.fixed_order or (args.num_processes or 1) > 1:
+    parser.error("--seed with several values packs the seeds in one process; --fixed-order "
+                 "and --num-processes prune one seed at a time.")
+
+
 def _check_protocol(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
   """A token limit belongs to the short protocol, and must hold one window; refused before
   any model is loaded."""
@@ -421,6 +500,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   args = parser.parse_args(argv)
   if args.command == "prune":
     _check_sparsity(parser, args)
+    _check_seeds(parser, args)
   _check_protocol(parser, args)
   if args.command == "prune":
     # Before anything touches a device.
@@ -432,15 +512,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"safe-optax-llm {args.command}: error: {err}", file=sys.stderr)
     return 2
   except KeyboardInterrupt:
-    state = pathlib.Path(args.out) / STATE_DIR if args.command == "prune" else None
-    saved = (f"the finished blocks are saved in {state}; rerun the same command to resume"
-             if state is not None and (state / "state.json").exists() else
-             "nothing was saved")
+    states = [] if args.command != "prune" else [
+        pathlib.Path(_lane_args(args, seed).out) / STATE_DIR for seed in args.seed]
+    states = [str(state) for state in states if (state / "state.json").exists()]
+    saved = (f"the finished blocks are saved in {', '.join(states)}; rerun the same command to "
+             "resume" if states else "nothing was saved")
     print(f"safe-optax-llm {args.command}: interrupted; {saved}", file=sys.stderr)
     return 130
-  summary = {k: v for k, v in result.items() if k not in ("blocks", "versions", "args")}
   if distributed.is_primary():
-    print(json.dumps(summary, indent=2, default=str))
+    print(json.dumps(_summary(result), indent=2, default=str))
   return 0
 
 

@@ -50,7 +50,7 @@ import hashlib
 import json
 import os
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -63,12 +63,14 @@ from safe_optax.llm import fixed_order as fixed_order_lib
 from safe_optax.llm import model as model_lib
 from safe_optax.llm.block import block_fns
 from safe_optax.llm.block import calibration_mesh
+from safe_optax.llm.block import check_pack
 from safe_optax.llm.block import chunks
 from safe_optax.llm.block import map_linears
 from safe_optax.llm.block import merge_block
 from safe_optax.llm.block import place
 from safe_optax.llm.block import replicate
 from safe_optax.llm.block import safe_block
+from safe_optax.llm.block import safe_blocks
 from safe_optax.llm.block import split_block
 from safe_optax.llm.prune_config import PruneConfig
 from safe_optax.llm.prune_state import PruneState
@@ -94,6 +96,11 @@ def _identity(config: model_lib.LlamaConfig, calibration: np.ndarray, cfg: Prune
 # ----------------------------------------------------------------------------- engine
 
 
+def _input_norms(stats: dict[str, Any]) -> dict[str, Any]:
+  """Wanda's ``||X_j||`` per linear map's input, from the block's statistics."""
+  return map_linears(lambda key: jnp.sqrt(stats[model_lib.LINEAR_INPUTS[key]]["sq"]))
+
+
 def prune_block(
     config: model_lib.LlamaConfig,
     block_params: dict[str, Any],
@@ -112,7 +119,7 @@ def prune_block(
   """
   linears, norms = split_block(block_params)
   num_rows = inputs.shape[0] * inputs.shape[1]
-  input_norms = map_linears(lambda key: jnp.sqrt(stats[model_lib.LINEAR_INPUTS[key]]["sq"]))
+  input_norms = _input_norms(stats)
   info: dict[str, Any] = {}
   if cfg.method == "magnitude":
     pruned, _ = safe_optax.project_topk(linears, **cfg.projection()._asdict())
@@ -132,6 +139,40 @@ def prune_block(
     pruned, info = safe_block(config, block_params, inputs, targets, cfg,
                               input_norms if cfg.method == "safe-plus" else None, mesh)
   return merge_block(pruned, norms), info
+
+
+def _check_calibration(config: model_lib.LlamaConfig, calibration: Any) -> np.ndarray:
+  calibration = np.asarray(calibration)
+  if calibration.ndim != 2 or not np.issubdtype(calibration.dtype, np.integer):
+    raise ValueError(f"`calibration` must be a (nsamples, seqlen) integer array of token ids, "
+                     f"got dtype {calibration.dtype} and shape {calibration.shape}.")
+  if calibration.min() < 0 or calibration.max() >= config.vocab_size:
+    raise ValueError(
+        f"calibration token ids span [{calibration.min()}, {calibration.max()}] but the model's "
+        f"vocab_size is {config.vocab_size}: mismatched tokenizer and config.")
+  return calibration
+
+
+@dataclasses.dataclass
+class _Lane:
+  """One calibration set's walk: its stream, dense targets, pruned blocks and saved state."""
+  calibration: np.ndarray
+  cfg: PruneConfig
+  state: Optional[PruneState]
+  params: dict[str, Any]
+  blocks: list[dict[str, Any]]
+  x: Optional[np.ndarray] = None
+  targets: Optional[np.ndarray] = None
+
+  def report(self) -> dict[str, Any]:
+    blocks = self.blocks
+    return {
+        "resumed_blocks": 0 if self.state is None else self.state.resumed_blocks,
+        "blocks": blocks,
+        "seconds_per_block_mean": float(np.mean([b["seconds"] for b in blocks])),
+        "seconds_per_block_mean_excl_first": float(np.mean([b["seconds"] for b in blocks[1:]]))
+        if len(blocks) > 1 else blocks[0]["seconds"],
+    }
 
 
 def prune_model(
@@ -189,84 +230,167 @@ def prune_model(
     >>> float((pruned['layers_1']['mlp']['up_proj']['kernel'] == 0).mean())
     0.5
   """
-  from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
-
-  calibration = np.asarray(calibration)
-  if calibration.ndim != 2 or not np.issubdtype(calibration.dtype, np.integer):
-    raise ValueError(f"`calibration` must be a (nsamples, seqlen) integer array of token ids, "
-                     f"got dtype {calibration.dtype} and shape {calibration.shape}.")
-  if calibration.min() < 0 or calibration.max() >= config.vocab_size:
-    raise ValueError(
-        f"calibration token ids span [{calibration.min()}, {calibration.max()}] but the model's "
-        f"vocab_size is {config.vocab_size}: mismatched tokenizer and config.")
-  model = model_lib.Llama(config)
-  forward, forward_with_stats = block_fns(config, with_hessian=cfg.method == "sparsegpt")
-  embed = jax.jit(lambda p, t: model.apply({"params": p}, t, method=model_lib.Llama.embed))
-  # Two host buffers for the whole run: the current block's inputs and its dense
-  # targets. Each window's output depends only on that window, so the pruned
-  # block's outputs overwrite its inputs chunk by chunk.
-  n = calibration.shape[0]
+  calibration = _check_calibration(config, calibration)
   fixed = jax.process_count() > 1 if fixed_order is None else fixed_order
   if fixed:
-    fixed_order_lib.check_layout(n, cfg)
+    fixed_order_lib.check_layout(calibration.shape[0], cfg)
     identity = {**(identity or {}), "fixed_order": True}
     if state_dir is not None and jax.process_count() > 1:
       state_dir = os.path.join(state_dir, f"process_{jax.process_index()}")
+  lanes = _walk(config, params, [calibration], [cfg], [state_dir], [identity], progress=progress,
+                on_block=None if on_block is None else lambda i, entries: on_block(i, entries[0]),
+                fixed=fixed)
+  return lanes[0].params, lanes[0].report()
+
+
+def prune_models(
+    config: model_lib.LlamaConfig,
+    params: dict[str, Any],
+    calibrations: Sequence[np.ndarray],
+    cfgs: Sequence[PruneConfig],
+    *,
+    progress: bool = True,
+    state_dirs: Optional[Sequence[Optional[os.PathLike]]] = None,
+    identities: Optional[Sequence[Optional[dict[str, Any]]]] = None,
+    on_block: Optional[Callable[[int, list[dict[str, Any]]], None]] = None,
+) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+  """:func:`prune_model` for several calibration sets of one model, in one walk (a pack).
+
+  Lane ``i`` prunes ``params`` on ``calibrations[i]`` with ``cfgs[i]`` (equal
+  but for ``seed``, e.g. the calibration seeds of one table row). The blocks
+  are walked once: each lane computes its own targets and statistics, and
+  SAFE / SAFE+ steps of every lane run together in one vmapped program
+  (:func:`safe_optax.llm.block.safe_blocks`) on one device; with several local
+  devices the lanes run one after another, each over the device mesh. Other
+  methods prune lane by lane. Lane ``i``'s result is what
+  ``prune_model(config, params, calibrations[i], cfgs[i])`` gives, up to the
+  rounding of batched matrix products, which SAFE's first steps can scale up
+  (:func:`~safe_optax.llm.block.safe_blocks`; tested: the same masks, weights
+  within 1 % on a small model). Each block's entry records
+  ``lanes``, ``pack`` (lanes whose SAFE steps ran as one program) and the
+  walk's wall seconds for the block, shared by its lanes.
+
+  ``state_dirs[i]`` keeps lane ``i``'s resumable state as :func:`prune_model`
+  keeps it (one lane's state can be continued alone, and a lone run's in a
+  pack). The lanes must stand at the same block; ``on_block(index, entries)``
+  gets every lane's entry. One process only.
+
+  Returns:
+    ``[(pruned_params, report)]``, one per lane.
+  """
+  lanes = len(cfgs)
+  if lanes == 0 or len(calibrations) != lanes:
+    raise ValueError(f"`calibrations` and `cfgs` need one entry per lane (at least one), got "
+                     f"{len(calibrations)} and {lanes}.")
+  for name, value in (("state_dirs", state_dirs), ("identities", identities)):
+    if value is not None and len(value) != lanes:
+      raise ValueError(f"`{name}` needs one entry per lane ({lanes}), got {len(value)}.")
+  if jax.process_count() > 1:
+    raise ValueError("prune_models packs lanes in one process; with several processes prune "
+                     "each calibration set with prune_model (fixed_order).")
+  if cfgs[0].method in ("safe", "safe-plus"):
+    check_pack(cfgs)
+  elif any(c.method != cfgs[0].method for c in cfgs):
+    raise ValueError("packed lanes share one `method`; got "
+                     f"{sorted({c.method for c in cfgs})}.")
+  calibrations = [_check_calibration(config, c) for c in calibrations]
+  lanes = _walk(config, params, calibrations, list(cfgs), state_dirs or [None] * lanes,
+                identities or [None] * lanes, progress=progress, on_block=on_block, fixed=False)
+  return [(lane.params, lane.report()) for lane in lanes]
+
+
+def _walk(config, params, calibrations, cfgs, state_dirs, identities, *, progress, on_block,
+          fixed) -> list[_Lane]:
+  """The block walk of :func:`prune_model` (one lane) and :func:`prune_models` (a pack)."""
+  from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
+
+  model = model_lib.Llama(config)
+  forward, forward_with_stats = block_fns(config, with_hessian=cfgs[0].method == "sparsegpt")
+  embed = jax.jit(lambda p, t: model.apply({"params": p}, t, method=model_lib.Llama.embed))
   mesh = None if fixed else calibration_mesh()
-  state = None if state_dir is None else PruneState(
-      state_dir, _identity(config, calibration, cfg, identity))
-  new_params = dict(params)
-  blocks = [] if state is None else state.blocks()
-  for entry in blocks:
-    i = entry["block"]
-    new_params[f"layers_{i}"] = state.load_block(i, params[f"layers_{i}"])
-  x = None if not blocks else state.load_stream(len(blocks))
-  if x is None:
-    x = np.empty(calibration.shape + (config.hidden_size,), np.float32)
-    for part in chunks(n, cfg.chunk):
-      x[part] = embed(params, jnp.asarray(calibration[part], jnp.int32))
-  targets = np.empty_like(x)
-  bar = tqdm(range(len(blocks), config.num_layers), desc=f"prune {cfg.method}", unit="block",
-             disable=not (progress and distributed.is_primary()), initial=len(blocks),
+  lanes = []
+  for calibration, cfg, state_dir, identity in zip(calibrations, cfgs, state_dirs, identities):
+    state = None if state_dir is None else PruneState(
+        state_dir, _identity(config, calibration, cfg, identity))
+    lane = _Lane(calibration, cfg, state, dict(params), [] if state is None else state.blocks())
+    for entry in lane.blocks:
+      i = entry["block"]
+      lane.params[f"layers_{i}"] = state.load_block(i, params[f"layers_{i}"])
+    lanes.append(lane)
+  done = {len(lane.blocks) for lane in lanes}
+  if len(done) > 1:
+    raise ValueError("the packed lanes' saved states stand at different blocks ("
+                     + ", ".join(f"{d}: {len(lane.blocks)}" for d, lane in zip(state_dirs, lanes))
+                     + "); continue each alone with prune_model, or restart them.")
+  first = done.pop()
+  # Two host buffers per lane for the whole run: the current block's inputs and its
+  # dense targets. Each window's output depends only on that window, so the pruned
+  # block's outputs overwrite its inputs chunk by chunk.
+  for lane in lanes:
+    n = lane.calibration.shape[0]
+    lane.x = None if not first else lane.state.load_stream(first)
+    if lane.x is None:
+      lane.x = np.empty(lane.calibration.shape + (config.hidden_size,), np.float32)
+      for part in chunks(n, lane.cfg.chunk):
+        lane.x[part] = embed(params, jnp.asarray(lane.calibration[part], jnp.int32))
+    lane.targets = np.empty_like(lane.x)
+  pack = (len(lanes) > 1 and mesh is None and cfgs[0].method in ("safe", "safe-plus"))
+  bar = tqdm(range(first, config.num_layers),
+             desc=f"prune {cfgs[0].method}" + (f" x{len(lanes)}" if len(lanes) > 1 else ""),
+             unit="block", disable=not (progress and distributed.is_primary()), initial=first,
              total=config.num_layers)
   for i in bar:
     start = time.perf_counter()
     block_params = replicate(mesh, params[f"layers_{i}"])
-    stats = None
-    if fixed:
-      targets[:], stats = fixed_order_lib.forward_pass(forward_with_stats, block_params, x,
-                                                      with_stats=True)
+    all_stats = []
+    for lane in lanes:
+      stats = None
+      if fixed:
+        lane.targets[:], stats = fixed_order_lib.forward_pass(forward_with_stats, block_params,
+                                                              lane.x, with_stats=True)
+      else:
+        for part in chunks(lane.calibration.shape[0], lane.cfg.chunk):
+          out, st = forward_with_stats(block_params, place(mesh, lane.x[part]))
+          lane.targets[part] = out
+          stats = st if stats is None else optax.tree.add(stats, st)
+      all_stats.append(stats)
+    if pack:
+      norms = None
+      if cfgs[0].method == "safe-plus":
+        norms = jax.tree.map(lambda *a: jnp.stack(a), *[_input_norms(s) for s in all_stats])
+      kept = split_block(block_params)[1]
+      pruned = [(merge_block(linears, kept), info) for linears, info in safe_blocks(
+          config, block_params, np.stack([lane.x for lane in lanes]),
+          np.stack([lane.targets for lane in lanes]), cfgs, norms)]
     else:
-      for part in chunks(n, cfg.chunk):
-        out, st = forward_with_stats(block_params, place(mesh, x[part]))
-        targets[part] = out
-        stats = st if stats is None else optax.tree.add(stats, st)
-    pruned_block, info = prune_block(config, block_params, x, targets, stats, cfg, mesh,
-                                     fixed_order=fixed)
-    jax.block_until_ready(pruned_block)
+      pruned = [prune_block(config, block_params, lane.x, lane.targets, stats, lane.cfg, mesh,
+                            fixed_order=fixed) for lane, stats in zip(lanes, all_stats)]
+    jax.block_until_ready([pruned_block for pruned_block, _ in pruned])
     seconds = time.perf_counter() - start
-    if fixed:
-      pruned_out, _ = fixed_order_lib.forward_pass(forward, pruned_block, x, with_stats=False)
-    sq_error = sq_target = 0.0
-    for part in chunks(n, cfg.chunk):
-      out = pruned_out[part] if fixed else np.asarray(
-          forward(replicate(mesh, pruned_block), place(mesh, x[part])), np.float32)
-      sq_error += float(np.sum(np.square(out - targets[part]), dtype=np.float64))
-      sq_target += float(np.sum(np.square(targets[part]), dtype=np.float64))
-      x[part] = out
-    error = sq_error / sq_target
-    new_params[f"layers_{i}"] = pruned_block
-    blocks.append({"block": i, "seconds": seconds, "relative_error": error, **info})
-    if state is not None:
-      state.save(pruned_block, x, blocks)
-    bar.set_postfix(rel_err=f"{error:.3g}", s=f"{seconds:.1f}")
+    entries = []
+    for lane, (pruned_block, info) in zip(lanes, pruned):
+      n = lane.calibration.shape[0]
+      if fixed:
+        pruned_out, _ = fixed_order_lib.forward_pass(forward, pruned_block, lane.x,
+                                                     with_stats=False)
+      sq_error = sq_target = 0.0
+      for part in chunks(n, lane.cfg.chunk):
+        out = pruned_out[part] if fixed else np.asarray(
+            forward(replicate(mesh, pruned_block), place(mesh, lane.x[part])), np.float32)
+        sq_error += float(np.sum(np.square(out - lane.targets[part]), dtype=np.float64))
+        sq_target += float(np.sum(np.square(lane.targets[part]), dtype=np.float64))
+        lane.x[part] = out
+      error = sq_error / sq_target
+      lane.params[f"layers_{i}"] = pruned_block
+      entry = {"block": i, "seconds": seconds, "relative_error": error, **info}
+      if len(lanes) > 1:
+        entry["lanes"] = len(lanes)  # walked together; "pack": SAFE's steps vmapped together
+      lane.blocks.append(entry)
+      entries.append(entry)
+      if lane.state is not None:
+        lane.state.save(pruned_block, lane.x, lane.blocks)
+    bar.set_postfix(rel_err=f"{max(e['relative_error'] for e in entries):.3g}",
+                    s=f"{seconds:.1f}")
     if on_block is not None:
-      on_block(i, blocks[-1])
-  report = {
-      "resumed_blocks": 0 if state is None else state.resumed_blocks,
-      "blocks": blocks,
-      "seconds_per_block_mean": float(np.mean([b["seconds"] for b in blocks])),
-      "seconds_per_block_mean_excl_first": float(np.mean([b["seconds"] for b in blocks[1:]]))
-      if len(blocks) > 1 else blocks[0]["seconds"],
-  }
-  return new_params, report
+      on_block(i, entries)
+  return lanes
