@@ -29,6 +29,8 @@ def test_epochs_pair():
     (["--repeats", "0"], "--repeats must be at least 1, got 0"),
     (["--seqlen", "-1"], "--seqlen must be at least 1, got -1"),
     (["--epochs", "3,1"], "need 1 <= A < B"),
+    (["--packs", "1"], "--packs: distinct lane counts of at least 2, got [1]"),
+    (["--packs", "3", "3"], "--packs: distinct lane counts of at least 2, got [3, 3]"),
 ])
 def test_bad_arguments_are_refused_before_any_work(tmp_path, argv, message):
   proc = subprocess.run([sys.executable, str(SCRIPT), *argv, "--out", str(tmp_path / "x.json")],
@@ -38,13 +40,17 @@ def test_bad_arguments_are_refused_before_any_work(tmp_path, argv, message):
 
 
 def test_tiny_run_records_both_layouts(tmp_path):
-  """Both layouts timed every repeat; the ratio is host over device; versions recorded."""
+  """Every layout (a pack of 2 included) timed every repeat; the ratios are host over
+  device and device over the pack's time per calibration set; versions recorded."""
   out = tmp_path / "step.json"
   subprocess.run([sys.executable, str(SCRIPT), "--windows", "2", "--seqlen", "4",
-                  "--batch-size", "1", "--epochs", "1,2", "--repeats", "2", "--out", str(out)],
+                  "--batch-size", "1", "--epochs", "1,2", "--repeats", "2", "--packs", "2",
+                  "--out", str(out)],
                  check=True, capture_output=True, timeout=600)
   report = json.loads(out.read_text())
-  assert set(report["step_ms"]) == {"device", "host"}
+  assert set(report["step_ms"]) == {"device", "host", "pack2"} and report["packs"] == [2]
+  assert report["device_over_pack"]["pack2"] == pytest.approx(
+      report["median_step_ms"]["device"] / report["median_step_ms"]["pack2"])
   assert all(len(v) == 2 for v in report["step_ms"].values())
   assert report["steps_per_epoch"] == 2
   assert report["host_over_device"] == pytest.approx(

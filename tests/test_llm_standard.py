@@ -129,3 +129,49 @@ def test_a_missing_model_file_is_refused_before_anything_runs(tmp_path, monkeypa
   with pytest.raises(SystemExit):
     llm_standard.main()
   assert f"--model: no file {tmp_path / 'none.gguf'}" in capsys.readouterr().err
+
+
+def test_pack_runs_a_methods_pending_seeds_as_one_command(tmp_path, monkeypatch):
+  """``--pack``: one ``prune --seed ...`` for the SAFE+ seeds still pending, its ``--out``
+  a ``{seed}`` pattern of the pieces' folders; each seed's report becomes its piece; the
+  perplexities run one by one; a seed already done is left out of the pack."""
+  out, work = tmp_path / "standard", tmp_path / "work"
+  out.mkdir()
+  (out / "dense.ppl.json").write_text("{}")
+  (out / "safe-plus_50pct_64x512_seed1.prune.json").write_text("{}")
+  (out / "safe-plus_50pct_64x512_seed1.ppl.json").write_text("{}")
+  selection = tmp_path / "selection.json"
+  selection.write_text(json.dumps({"selected": {"safe-plus": {
+      "lr": 0.003, "penalty": 0.001, "steps": 16}}}))
+  calls = []
+
+  def fake_main(argv):
+    calls.append(argv)
+    if argv[0] == "prune":
+      i = argv.index("--seed") + 1
+      seeds = argv[i:argv.index("--out")] if "{seed}" in argv[argv.index("--out") + 1] else [
+          argv[i]]
+      for seed in seeds:
+        folder = pathlib.Path(argv[argv.index("--out") + 1].replace("{seed}", seed))
+        folder.mkdir(parents=True)
+        (folder / "report.json").write_text(json.dumps({"seed": int(seed)}))
+    else:
+      pathlib.Path(argv[argv.index("--json") + 1]).write_text("{}")
+    return 0
+
+  monkeypatch.setattr(llm_standard, "OUT", out)
+  monkeypatch.setattr(llm_standard.cli, "main", fake_main)
+  monkeypatch.setattr(sys, "argv", ["llm_standard.py", "--methods", "safe-plus", "--pack",
+                                    "--work", str(work), "--selection", str(selection)])
+  llm_standard.main()
+  assert [argv[0] for argv in calls] == ["prune", "ppl", "ppl"]
+  prune = calls[0]
+  assert prune[prune.index("--seed"):prune.index("--seed") + 3] == ["--seed", "0", "2"]
+  assert prune[prune.index("--out") + 1] == str(work / "safe-plus_50pct_64x512_seed{seed}")
+  for seed in (0, 2):
+    piece = json.loads((out / f"safe-plus_50pct_64x512_seed{seed}.prune.json").read_text())
+    assert piece == {"seed": seed}
+    assert (out / f"safe-plus_50pct_64x512_seed{seed}.ppl.json").exists()
+  # The command a pack runs parses as the CLI's own.
+  args = cli.build_parser().parse_args(prune)
+  assert args.seed == [0, 2] and args.method == "safe-plus"

@@ -15,7 +15,11 @@
 #   run(command="python3 benchmarks/perf/llm_safe_step.py --out $OUT/llm_safe_step_gpu.json",
 #       timeout_s=150)
 #
-# `run` works through llm_standard.py's pending SAFE+ and SAFE pieces (3 calibration seeds each,
+# `run` first times SAFE's block step alone and in a pack of 3 calibration seeds on the device
+# (llm_safe_step.py --packs 3, about a minute; its JSON comes back as llm_safe_step_gpu.json); where
+# the pack steps each seed at least PACK_MIN (1.2) times as fast, the prunes run packed
+# (llm_standard.py --pack: one command for a method's 3 seeds). PACK=0 or PACK=1 skips the timing.
+# It then works through llm_standard.py's pending SAFE+ and SAFE pieces (3 calibration seeds each,
 # lr / lambda / steps from the committed selection; NM=2:4 for the 2:4 pieces, from the 2:4 study), starts none past DEADLINE_S (380) and stops the
 # last at RUN_S (500); the finished pieces' JSON comes back in pieces.tar.gz. Another `run` call on
 # the same warm machine continues a prune stopped part-way from its next block (its work folder is
@@ -61,10 +65,21 @@ run)
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   fi
   export SAFE_OPTAX_DATA=$PWD/.llm/b/data SAFE_OPTAX_REQUIRE_DATA=1
+  pack=${PACK:-}
+  if [ -z "$pack" ]; then
+    timeout -s KILL ${PACK_S:-120} python3 benchmarks/perf/llm_safe_step.py --packs 3 --repeats 1 \
+      --epochs 1,3 ${DRY:+--windows 4 --seqlen 16 --batch-size 2 --epochs 1,2} \
+      --out "$OUT/llm_safe_step_gpu.json" > "$OUT/llm_safe_step.log" 2>&1 || echo "llm_safe_step.py: rc $?"
+    tail -6 "$OUT/llm_safe_step.log"
+    pack=$(python3 -c "import json, sys; r = json.load(open(sys.argv[1]))['device_over_pack']['pack3']; print(int(r >= float(sys.argv[2])))" \
+      "$OUT/llm_safe_step_gpu.json" "${PACK_MIN:-1.2}" 2>/dev/null || echo 0)
+  fi
+  echo "packed prunes: $pack"
+  [ "$pack" = 1 ] && packflag=--pack || packflag=
   python3 -c "import jax, gguf; from safe_optax.llm import checkpoints; c, _ = checkpoints.load_gguf('$STAGE/model.gguf'); print(jax.__version__, jax.devices(), c.num_layers, 'layers')" || exit 6
   # a piece started just before the deadline may outrun the call: the timeout keeps time for the tar
   timeout -s KILL ${RUN_S:-500} python3 benchmarks/claims/llm_standard.py --methods ${METHODS:-safe-plus safe} ${NM:+--nm "$NM"} \
-    --model "$STAGE/model.gguf" --work "$STAGE/work" --deadline-s ${DEADLINE_S:-380} ${DRY:+--list} \
+    --model "$STAGE/model.gguf" --work "$STAGE/work" --deadline-s ${DEADLINE_S:-380} $packflag ${DRY:+--list} \
     > "$OUT/llm_standard.log" 2>&1 || echo "llm_standard.py: rc $?"
   tail -5 "$OUT/llm_standard.log"
   tar czf "$OUT/pieces.tar.gz" results/llm_pruning/standard

@@ -26,7 +26,13 @@ the held-out selection study (``--selection``, written by
   python benchmarks/claims/llm_standard.py                 # run every pending piece
   python benchmarks/claims/llm_standard.py --nm 2:4        # the 2:4 rows
   python benchmarks/claims/llm_standard.py --methods safe-plus safe --model M.gguf \\
-      --deadline-s 420                                      # on a GPU lease (llm_gpu_lease.sh)
+      --deadline-s 420 --pack                               # on a GPU lease (llm_gpu_lease.sh)
+
+``--pack``: a method's pending SAFE / SAFE+ prunes run as one command,
+``safe-optax-llm prune --seed 0 1 2 --out <work>/<name>_seed{seed}``, whose
+SAFE steps of the three calibration seeds are one program
+(:func:`safe_optax.llm.prune.prune_models`); each seed's export and report
+are the ones its own command writes, and its piece JSON is that report.
 """
 
 from __future__ import annotations
@@ -108,6 +114,32 @@ def pieces(args) -> list[tuple[str, Optional[list[str]], Optional[pathlib.Path]]
   return todo
 
 
+def packed(argv: list[str], name: str,
+           pending: list[tuple[str, list[str], pathlib.Path]]):
+  """One ``prune`` command for ``name`` and its pending siblings (other seeds, same arguments).
+
+  Returns ``(argv, [(piece name, export folder)])``: ``--seed`` takes every
+  seed and ``--out`` the folder with ``{seed}`` in place of the seed.
+  """
+  def without_seed(a):
+    i, j = a.index("--seed"), a.index("--out")
+    return [v for k, v in enumerate(a) if k not in (i + 1, j + 1)]
+
+  lanes = [(n, a, f) for n, a, f in pending if without_seed(a) == without_seed(argv)]
+  if len(lanes) < 2:
+    return argv, [(name, lanes[0][2] if lanes else None)]
+  seeds = [a[a.index("--seed") + 1] for _, a, _ in lanes]
+  seed = argv[argv.index("--seed") + 1]
+  out = argv[argv.index("--out") + 1]
+  if not out.endswith(f"_seed{seed}"):
+    raise ValueError(f"a packed piece's --out must end in _seed{seed}, got {out}")
+  argv = list(argv)
+  argv[argv.index("--out") + 1] = out[:-len(seed)] + "{seed}"
+  i = argv.index("--seed")
+  argv[i:i + 2] = ["--seed", *seeds]
+  return argv, [(n, f) for n, _, f in lanes]
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
@@ -130,6 +162,9 @@ def main() -> None:
                       help="start no piece after this many seconds (a GPU lease); an "
                            "interrupted prune resumes from --work")
   parser.add_argument("--list", action="store_true", help="only say what is done and pending")
+  parser.add_argument("--pack", action="store_true",
+                      help="run a method's pending SAFE / SAFE+ prunes as one packed command "
+                           "(safe-optax-llm prune --seed S1 S2 ...)")
   args = parser.parse_args()
   if args.selection is None:
     args.selection = default_selection(args.nm)
@@ -137,7 +172,8 @@ def main() -> None:
     parser.error(f"--model: no file {args.model}")
   OUT.mkdir(parents=True, exist_ok=True)
   ran, start = 0, time.monotonic()
-  for name, argv, folder in pieces(args):
+  todo = pieces(args)
+  for name, argv, folder in todo:
     done = (OUT / name).exists()
     if done and folder is not None and not (folder / "report.json").exists() and not (
         OUT / name.replace(".prune.json", ".ppl.json")).exists():
@@ -158,10 +194,15 @@ def main() -> None:
       break
     if argv[0] == "ppl":
       argv = argv + ["--json", str(OUT / name)]
+    lanes = [(name, folder)]
+    if args.pack and folder is not None and "safe" in name.split("_")[0]:
+      argv, lanes = packed(argv, name, [(n, a, f) for n, a, f in todo if a is not None
+                                         and f is not None and not (OUT / n).exists()])
     if cli.main(argv) != 0:
       raise SystemExit(f"{name}: safe-optax-llm {' '.join(argv)} failed")
-    if folder is not None:
-      shutil.copyfile(folder / "report.json", OUT / name)
+    for lane_name, lane_folder in lanes:
+      if lane_folder is not None:
+        shutil.copyfile(lane_folder / "report.json", OUT / lane_name)
     ran += 1
 
 

@@ -18,6 +18,7 @@
 #   6. SAFE's LLM block step with the calibration windows on the device against minibatches sent
 #      from the host (llm_safe_step.py), on SmolLM2's block (the standard rows of issue 33) and on
 #      the 7B-shaped one: the first lease's 7B step time was measured with minibatches from the host.
+#      On SmolLM2's block also a pack of 3 calibration seeds' steps as one program (--packs 3).
 # Each step has its own timeout and writes its JSON as it goes, so a step cut short keeps its cells.
 #
 # Prepare here once: `bash benchmarks/perf/gpu_lease.sh prepare` fills .gpu/ (git-excluded) with the
@@ -128,7 +129,7 @@ fi
 if want 6; then
   echo "== 6. LLM SAFE step, calibration on the device or from the host, at ${SECONDS}s"
   L=benchmarks/perf/llm_safe_step.py
-  timeout -s KILL ${S6:-100} python3 $L ${DRY:+--windows 4 --seqlen 16 --batch-size 2 --epochs 1,2 --repeats 1} \
+  timeout -s KILL ${S6:-130} python3 $L --packs 3 ${DRY:+--windows 4 --seqlen 16 --batch-size 2 --epochs 1,2 --repeats 1} \
     --out "$OUT/llm_safe_step_gpu.json" || echo "step 6 smollm2: rc $?"
   [ -z "${DRY:-}" ] && { timeout -s KILL ${S6B:-120} python3 $L --shape llama7b --windows 2 \
     --seqlen 2048 --batch-size 2 --epochs 10,60 --repeats 2 --out "$OUT/llm_safe_step_7b_gpu.json" \

@@ -9,6 +9,11 @@ Both give the same weights bit for bit (``tests/test_llm_prune.py``); this
 script times them side by side in one process, alternating, on one block of
 SmolLM2-135M's shape (the standard rows of issue 33) or LLaMA-2-7B's.
 
+``--packs 3``: also ``pack3``, three calibration sets' SAFE steps as one
+vmapped program (``safe_optax.llm.block.safe_blocks``, what ``safe-optax-llm
+prune --seed 0 1 2`` runs); its time a step is per calibration set (the
+pack's step over 3), so ``device / pack3`` is the pack's speed-up per seed.
+
 Time a step: each layout runs ``--epochs`` A and B (one compiled warm-up of
 each first); the step time is the difference of the two block times over the
 extra steps, which cancels the setup and the final projection. ``--repeats``
@@ -16,11 +21,13 @@ alternations; the table gives the median and the ratio host / device.
 
   python benchmarks/perf/llm_safe_step.py                                # SmolLM2 block, 64 x 512
   python benchmarks/perf/llm_safe_step.py --windows 8 --seqlen 128 --epochs 1,3   # CPU dry run
+  python benchmarks/perf/llm_safe_step.py --packs 3 6                      # and packs of seeds
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import pathlib
 import sys
@@ -59,11 +66,15 @@ def main() -> None:
   parser.add_argument("--epochs", type=_epochs, default=(2, 6), help="A,B epochs (A < B)")
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--method", choices=("safe", "safe-plus"), default="safe")
+  parser.add_argument("--packs", type=int, nargs="*", default=[],
+                      help="also time packs of this many calibration sets (each at least 2)")
   parser.add_argument("--out", default=str(OUT))
   args = parser.parse_args()
   for flag in ("windows", "seqlen", "batch_size", "repeats"):
     if getattr(args, flag) < 1:
       parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+  if any(n < 2 for n in args.packs) or len(set(args.packs)) != len(args.packs):
+    parser.error(f"--packs: distinct lane counts of at least 2, got {args.packs}")
   if args.windows < args.batch_size:
     parser.error(f"--windows ({args.windows}) must be at least --batch-size ({args.batch_size})")
 
@@ -83,24 +94,36 @@ def main() -> None:
   meshes = {"device": None,
             "host": jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("data",))}
   steps_per_epoch = args.windows // args.batch_size
+  # A pack's lanes: the same windows and targets (the step's cost does not depend on
+  # their values), each lane with its own minibatch order.
+  lanes = {f"pack{n}": n for n in args.packs}
+  layouts = LAYOUTS + tuple(lanes)
 
   def block_seconds(layout: str, epochs: int) -> float:
     cfg = prune_config.PruneConfig(args.method, epochs=epochs, warmup_epochs=1,
                                    batch_size=args.batch_size)
     t0 = time.perf_counter()
-    pruned, _ = block.safe_block(config, params, x, y, cfg, norms, meshes[layout])
+    if layout in lanes:
+      n = lanes[layout]
+      cfgs = [dataclasses.replace(cfg, seed=s) for s in range(n)]
+      stacked = None if norms is None else jax.tree.map(lambda a: np.stack([a] * n), norms)
+      pruned = block.safe_blocks(config, params, np.stack([x] * n), np.stack([y] * n), cfgs,
+                                 stacked)
+    else:
+      pruned, _ = block.safe_block(config, params, x, y, cfg, norms, meshes[layout])
     jax.block_until_ready(pruned)
     return time.perf_counter() - t0
 
-  for layout in LAYOUTS:  # compile both layouts at both epoch counts
+  for layout in layouts:  # compile every layout at both epoch counts
     for epochs in args.epochs:
       block_seconds(layout, epochs)
   extra_steps = (args.epochs[1] - args.epochs[0]) * steps_per_epoch
-  step_ms: dict[str, list[float]] = {layout: [] for layout in LAYOUTS}
+  step_ms: dict[str, list[float]] = {layout: [] for layout in layouts}
   for _ in range(args.repeats):
-    for layout in LAYOUTS:
+    for layout in layouts:
       short, long = (block_seconds(layout, e) for e in args.epochs)
-      step_ms[layout].append(1e3 * (long - short) / extra_steps)
+      # Per calibration set: a pack's step serves all its lanes.
+      step_ms[layout].append(1e3 * (long - short) / extra_steps / lanes.get(layout, 1))
   median = {layout: float(np.median(v)) for layout, v in step_ms.items()}
   report = {
       "benchmark": "llm_safe_step", "shape": args.shape, "config": SHAPES[args.shape],
@@ -108,17 +131,22 @@ def main() -> None:
       "batch_size": args.batch_size, "epochs": list(args.epochs), "repeats": args.repeats,
       "steps_per_epoch": steps_per_epoch, "step_ms": step_ms, "median_step_ms": median,
       "host_over_device": median["host"] / median["device"],
+      "packs": args.packs,
+      # > 1: a pack steps each calibration set faster than a lone run does.
+      "device_over_pack": {layout: median["device"] / median[layout] for layout in lanes},
       "tokens_per_step": args.batch_size * args.seqlen,
       **_common.run_record(),
   }
   print(f"{args.shape} block, {args.method}, {args.batch_size} x {args.seqlen} tokens a step, "
         f"{jax.devices()[0].device_kind}")
-  print("| calibration | ms a step (median) | runs |")
+  print("| calibration | ms a step per calibration set (median) | runs |")
   print("|---|---|---|")
-  for layout in LAYOUTS:
+  for layout in layouts:
     print(f"| {layout} | {median[layout]:.2f} | "
           + ", ".join(f"{v:.2f}" for v in step_ms[layout]) + " |")
   print(f"host / device: {report['host_over_device']:.3f}")
+  for layout, ratio in report["device_over_pack"].items():
+    print(f"device / {layout} (speed-up per calibration set): {ratio:.3f}")
   _common.write_report(report, args.out, start)
 
 
