@@ -18,6 +18,7 @@ import pytest
 import process_launcher  # tests/process_launcher.py: forced-device XLA flags
 
 SCRIPT = textwrap.dedent("""
+    import dataclasses
     import sys
     import numpy as np
     import jax
@@ -48,6 +49,19 @@ SCRIPT = textwrap.dedent("""
           name = "/".join(str(getattr(k, "key", k)) for k in path)
           results[f"{method}/{i}/{name}"] = np.asarray(leaf)
         results[f"{method}/{i}/error"] = np.asarray(report["blocks"][i]["relative_error"])
+    if devices > 1:
+      # Several devices: prune_models runs SAFE's lanes one after another over the mesh,
+      # so each lane is its lone run over the mesh, bit for bit, and no block says "pack".
+      pc = prune_config.PruneConfig("safe-plus", epochs=3, batch_size=4, dual_every=2,
+                                    learning_rate=3e-3, chunk=4)
+      cfgs = [pc, dataclasses.replace(pc, seed=1)]
+      calibs = [calib, np.random.default_rng(1).integers(0, 32, (8, 8))]
+      lanes = prune.prune_models(cfg, params, calibs, cfgs, progress=False)
+      for (got, report), c, p in zip(lanes, calibs, cfgs):
+        want, _ = prune.prune_model(cfg, params, c, p, progress=False)
+        jax.tree.map(np.testing.assert_array_equal, got, want)
+        assert all(b["lanes"] == 2 and "pack" not in b for b in report["blocks"]), report
+      results["lanes_over_mesh_equal_lone"] = np.asarray(True)
     np.savez(out, **results)
 """)
 
@@ -86,6 +100,13 @@ def test_two_devices_prune_like_one(layouts, method):
     # The same mask, and the same kept values up to the order of the cross-device sums.
     np.testing.assert_array_equal(two[name] != 0, one[name] != 0, err_msg=name)
     np.testing.assert_allclose(two[name], one[name], rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def test_lanes_run_one_after_another_over_a_mesh(layouts):
+  """``prune_models`` with several devices: each lane equals its lone run (checked, bit for
+  bit, inside the two-device process)."""
+  one, two = layouts
+  assert "lanes_over_mesh_equal_lone" not in one and bool(two["lanes_over_mesh_equal_lone"])
 
 
 def test_pruning_did_prune(layouts):
