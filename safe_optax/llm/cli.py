@@ -24,6 +24,11 @@ tokens: :mod:`safe_optax.llm.data`); ``--protocol short`` (``prune``:
 ``--eval-protocol short``) scores only the first 2,048 tokens for a quick
 check. Every result records its protocol, window and token counts.
 
+``prune --seed 0 1 2 --out DIR_{seed}`` prunes one model per calibration
+seed in one walk of the blocks, the SAFE / SAFE+ steps of every seed as one
+program (:func:`safe_optax.llm.prune.prune_models`); each ``DIR_<seed>`` is
+what the one-seed command writes (its ``report.json`` adds ``pack_seeds``).
+
 ``prune`` is resumable: each pruned block and the stream state go to
 ``DIR/prune_state`` as it works, so rerunning an interrupted command (Ctrl-C,
 a lost machine) continues from the next block with the same final result. A
@@ -275,7 +280,7 @@ def _prune(args: argparse.Namespace) -> dict[str, Any]:
     data.read_text(text)
   lanes = [_lane_args(args, seed) for seed in args.seed]
   for lane in lanes:
-    _prune_config(lane)
+    _prune_config(lane)  # a bad value fails here, before the model loads
   finished = {lane.seed: _start_lane(lane) for lane in lanes}
   pending = [lane for lane in lanes if finished[lane.seed] is None]
   if not pending:
