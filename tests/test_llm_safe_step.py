@@ -30,6 +30,7 @@ def test_epochs_pair():
     (["--seqlen", "-1"], "--seqlen must be at least 1, got -1"),
     (["--epochs", "3,1"], "need 1 <= A < B"),
     (["--packs", "1"], "--packs: distinct lane counts of at least 2, got [1]"),
+    (["--packs", "2", "--layouts", "host"], "a pack is compared with the 'device' layout"),
     (["--packs", "3", "3"], "--packs: distinct lane counts of at least 2, got [3, 3]"),
 ])
 def test_bad_arguments_are_refused_before_any_work(tmp_path, argv, message):

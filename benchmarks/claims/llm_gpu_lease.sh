@@ -67,7 +67,7 @@ run)
   export SAFE_OPTAX_DATA=$PWD/.llm/b/data SAFE_OPTAX_REQUIRE_DATA=1
   pack=${PACK:-}
   if [ -z "$pack" ]; then
-    timeout -s KILL ${PACK_S:-120} python3 benchmarks/perf/llm_safe_step.py --packs 3 --repeats 1 \
+    timeout -s KILL ${PACK_S:-120} python3 benchmarks/perf/llm_safe_step.py --layouts device --packs 3 --repeats 1 \
       --epochs 1,3 ${DRY:+--windows 4 --seqlen 16 --batch-size 2 --epochs 1,2} \
       --out "$OUT/llm_safe_step_gpu.json" > "$OUT/llm_safe_step.log" 2>&1 || echo "llm_safe_step.py: rc $?"
     tail -6 "$OUT/llm_safe_step.log"

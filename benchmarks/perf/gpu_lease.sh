@@ -129,7 +129,7 @@ fi
 if want 6; then
   echo "== 6. LLM SAFE step, calibration on the device or from the host, at ${SECONDS}s"
   L=benchmarks/perf/llm_safe_step.py
-  timeout -s KILL ${S6:-130} python3 $L --packs 3 ${DRY:+--windows 4 --seqlen 16 --batch-size 2 --epochs 1,2 --repeats 1} \
+  timeout -s KILL ${S6:-180} python3 $L --packs 3 ${DRY:+--windows 4 --seqlen 16 --batch-size 2 --epochs 1,2 --repeats 1} \
     --out "$OUT/llm_safe_step_gpu.json" || echo "step 6 smollm2: rc $?"
   [ -z "${DRY:-}" ] && { timeout -s KILL ${S6B:-120} python3 $L --shape llama7b --windows 2 \
     --seqlen 2048 --batch-size 2 --epochs 10,60 --repeats 2 --out "$OUT/llm_safe_step_7b_gpu.json" \

@@ -66,6 +66,9 @@ def main() -> None:
   parser.add_argument("--epochs", type=_epochs, default=(2, 6), help="A,B epochs (A < B)")
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--method", choices=("safe", "safe-plus"), default="safe")
+  parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS),
+                      help="the lone layouts to time (device: the one-device path); a pack "
+                           "is compared with 'device', which --packs needs")
   parser.add_argument("--packs", type=int, nargs="*", default=[],
                       help="also time packs of this many calibration sets (each at least 2)")
   parser.add_argument("--out", default=str(OUT))
@@ -75,6 +78,8 @@ def main() -> None:
       parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
   if any(n < 2 for n in args.packs) or len(set(args.packs)) != len(args.packs):
     parser.error(f"--packs: distinct lane counts of at least 2, got {args.packs}")
+  if args.packs and "device" not in args.layouts:
+    parser.error("--packs: a pack is compared with the 'device' layout; add it to --layouts")
   if args.windows < args.batch_size:
     parser.error(f"--windows ({args.windows}) must be at least --batch-size ({args.batch_size})")
 
@@ -97,7 +102,7 @@ def main() -> None:
   # A pack's lanes: the same windows and targets (the step's cost does not depend on
   # their values), each lane with its own minibatch order.
   lanes = {f"pack{n}": n for n in args.packs}
-  layouts = LAYOUTS + tuple(lanes)
+  layouts = tuple(args.layouts) + tuple(lanes)
 
   def block_seconds(layout: str, epochs: int) -> float:
     cfg = prune_config.PruneConfig(args.method, epochs=epochs, warmup_epochs=1,
@@ -130,7 +135,8 @@ def main() -> None:
       "method": args.method, "windows": args.windows, "seqlen": args.seqlen,
       "batch_size": args.batch_size, "epochs": list(args.epochs), "repeats": args.repeats,
       "steps_per_epoch": steps_per_epoch, "step_ms": step_ms, "median_step_ms": median,
-      "host_over_device": median["host"] / median["device"],
+      "host_over_device": (median["host"] / median["device"]
+                           if {"host", "device"} <= set(median) else None),
       "packs": args.packs,
       # > 1: a pack steps each calibration set faster than a lone run does.
       "device_over_pack": {layout: median["device"] / median[layout] for layout in lanes},
@@ -144,7 +150,8 @@ def main() -> None:
   for layout in layouts:
     print(f"| {layout} | {median[layout]:.2f} | "
           + ", ".join(f"{v:.2f}" for v in step_ms[layout]) + " |")
-  print(f"host / device: {report['host_over_device']:.3f}")
+  if report["host_over_device"] is not None:
+    print(f"host / device: {report['host_over_device']:.3f}")
   for layout, ratio in report["device_over_pack"].items():
     print(f"device / {layout} (speed-up per calibration set): {ratio:.3f}")
   _common.write_report(report, args.out, start)
