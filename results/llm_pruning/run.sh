@@ -30,6 +30,8 @@ python benchmarks/claims/llm_block_studies.py calib --selection none --lr 3e-3 -
 # The 50 % rows on the standard protocol, 64 x 512 calibration tokens, seeds 0 1 2: one JSON per prune
 # and per perplexity in standard/, each skipped when present (--list shows what is pending;
 # --pieces 1 runs the next piece only). ~21 min of the whole 2-core machine per perplexity.
+# SAFE / SAFE+ pieces need a GPU (1920 steps a block): benchmarks/claims/llm_gpu_lease.sh runs
+# them there, a method's 3 seeds as one packed command (--pack) where the device's timing pays.
 python benchmarks/claims/llm_standard.py
 # the 2:4 rows, the same way; SAFE / SAFE+ take lr, lambda and steps from the same selection made
 # at 2:4 (same grids and bound, declared before its runs)
