@@ -326,9 +326,10 @@ def safe_blocks(
   Lane ``i`` runs SAFE / SAFE+ from the same dense block on its own windows
   ``inputs[i]`` and targets ``targets[i]``, with its own Wanda norms, optimizer
   state and minibatch order (``cfgs[i].seed``). All lanes step together in one
-  vmapped program (:func:`safe_step` with ``pack=True``): on an accelerator
-  the small matrices of a block fill more of the device, on a CPU it costs
-  what the lanes cost in turn. Each lane gives what ``safe_block(config,
+  vmapped program (:func:`safe_step` with ``pack=True``), meant for an
+  accelerator that one lane's small matrices leave mostly idle (what it gains
+  there: ``benchmarks/perf/llm_safe_step.py --packs``); on a CPU it costs what
+  the lanes cost in turn (measured). Each lane gives what ``safe_block(config,
   block_params, inputs[i], targets[i], cfgs[i], input_norms[i])`` gives, up to
   the rounding of batched matrix products (tested). SAFE's first steps can
   scale that rounding up: at the dense start the reconstruction gradient is
