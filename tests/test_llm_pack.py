@@ -4,16 +4,17 @@ Each lane of a pack must give what its lone run gives (``safe_block`` /
 ``prune_model`` / a one-seed ``safe-optax-llm prune``), up to the rounding of
 batched matrix products: the same masks, weights within 1e-4 relative.
 
-SAFE starts at the dense weights, whose outputs are the targets: the first
-reconstruction gradient is rounding noise, and SAM's normalisation turns it
-into a step of length rho in a direction the rounding picks. A lane and its
-lone run round differently, so with rho > 0 they part at the first step, as
-two devices' lone runs do; with rho = 0, Adam's normalisation still scales
-the noise of the kept weights' first gradients. The block tests therefore
-take targets the dense block does not fit (a real first gradient) and hold
-lanes to 1e-4; the whole-model and CLI tests, whose targets are the dense
-outputs by construction, use rho = 0 and hold lanes to the same masks and
-weights within 1 %.
+SAFE starts at the dense weights, whose outputs are the targets: the kept
+weights' first reconstruction gradient is rounding noise (the penalty pulls
+only the pruned ones). Adam's first steps are about lr x sign(g), and SAM's
+perturbation is rho g / ||g||: both turn that noise into full-size steps in
+directions the rounding picks. A lane and its lone run round differently, so
+they part at the first steps, as two devices' lone runs do (on SmolLM2:
+``benchmarks/perf/results/llm_pack_smoke_cpu.json``). The block tests
+therefore take targets the dense block does not fit (a real first gradient)
+and hold lanes to 1e-4; the whole-model and CLI tests, whose targets are the
+dense outputs by construction, use rho = 0 and hold lanes to the same masks
+and weights within 1 %.
 """
 
 import dataclasses

@@ -333,8 +333,10 @@ def safe_blocks(
   block_params, inputs[i], targets[i], cfgs[i], input_norms[i])`` gives, up to
   the rounding of batched matrix products (tested). SAFE's first steps can
   scale that rounding up: at the dense start the reconstruction gradient is
-  itself rounding noise, which SAM and Adam normalise, so a lane and its lone
-  run differ about as much as two devices' lone runs do.
+  itself rounding noise for the kept weights, which Adam's first, sign-like
+  steps (and SAM) scale up to full steps, so a lane and its lone run can
+  part by more than rounding (measured on SmolLM2:
+  ``benchmarks/perf/results/llm_pack_smoke_cpu.json``).
 
   Args:
     inputs, targets: ``(lanes, n, L, d)``.
