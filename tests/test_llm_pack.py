@@ -129,6 +129,21 @@ def test_safe_blocks_compile_once(monkeypatch):
   block.safe_step.cache_clear()
 
 
+def test_lone_runs_of_other_seeds_share_one_compiled_step(monkeypatch):
+  """The seed orders minibatches on the host: lone ``safe_block`` runs at two seeds trace
+  the step twice in all (with and without a dual update), not twice per seed."""
+  calls = []
+  real = block.safe_transform
+  monkeypatch.setattr(block, "safe_transform", lambda *a, **k: calls.append(1) or real(*a, **k))
+  block.safe_step.cache_clear()
+  block_params, xs, ys, _ = _lanes("safe", (0,), n=4)
+  for seed in (3, 4):
+    cfg = prune_config.PruneConfig("safe", epochs=3, batch_size=2, seed=seed, **SAFE_KW)
+    block.safe_block(CFG, block_params, xs[0], ys[0], cfg)
+  assert len(calls) == 2 + 2  # one optimizer init a run, two traces in all
+  block.safe_step.cache_clear()
+
+
 @pytest.mark.parametrize("change, match", [
     (dict(learning_rate=1e-2), "these differ too: learning_rate"),
     (dict(epochs=4, penalty=0.1), "these differ too: epochs, penalty"),
