@@ -117,7 +117,7 @@ def test_safe_blocks_compile_once(monkeypatch):
   calls = []
   real = block.safe_transform
   monkeypatch.setattr(block, "safe_transform", lambda *a, **k: calls.append(1) or real(*a, **k))
-  block.safe_step.cache_clear()
+  block._compiled_step.cache_clear()
   cfgs = [prune_config.PruneConfig("safe-plus", epochs=3, batch_size=2, seed=s, **SAFE_KW)
           for s in (0, 1)]
   for seeds in ((0, 1), (7, 8)):
@@ -126,7 +126,7 @@ def test_safe_blocks_compile_once(monkeypatch):
   # Each pack builds one transform per lane for the optimizer's init (2 x 2); a trace of
   # the step builds one more: 2 traces in all, where a recompiled step would add 2 a pack.
   assert len(calls) == 2 * 2 + 2
-  block.safe_step.cache_clear()
+  block._compiled_step.cache_clear()
 
 
 def test_lone_runs_of_other_seeds_share_one_compiled_step(monkeypatch):
@@ -135,13 +135,13 @@ def test_lone_runs_of_other_seeds_share_one_compiled_step(monkeypatch):
   calls = []
   real = block.safe_transform
   monkeypatch.setattr(block, "safe_transform", lambda *a, **k: calls.append(1) or real(*a, **k))
-  block.safe_step.cache_clear()
+  block._compiled_step.cache_clear()
   block_params, xs, ys, _ = _lanes("safe", (0,), n=4)
   for seed in (3, 4):
     cfg = prune_config.PruneConfig("safe", epochs=3, batch_size=2, seed=seed, **SAFE_KW)
     block.safe_block(CFG, block_params, xs[0], ys[0], cfg)
   assert len(calls) == 2 + 2  # one optimizer init a run, two traces in all
-  block.safe_step.cache_clear()
+  block._compiled_step.cache_clear()
 
 
 @pytest.mark.parametrize("change, match", [

@@ -114,29 +114,27 @@ def pieces(args) -> list[tuple[str, Optional[list[str]], Optional[pathlib.Path]]
   return todo
 
 
-def packed(argv: list[str], name: str,
-           pending: list[tuple[str, list[str], pathlib.Path]]):
-  """One ``prune`` command for ``name`` and its pending siblings (other seeds, same arguments).
+def packed(argv: list[str], pending: list[tuple[str, list[str], pathlib.Path]]):
+  """One ``prune`` command for ``argv`` and its pending siblings (other seeds, same arguments).
 
   Returns ``(argv, [(piece name, export folder)])``: ``--seed`` takes every
   seed and ``--out`` the folder with ``{seed}`` in place of the seed.
   """
+  def flag(a, name):
+    return a[a.index(name) + 1]
+
   def without_seed(a):
     i, j = a.index("--seed"), a.index("--out")
     return [v for k, v in enumerate(a) if k not in (i + 1, j + 1)]
 
   lanes = [(n, a, f) for n, a, f in pending if without_seed(a) == without_seed(argv)]
-  if len(lanes) < 2:
-    return argv, [(name, lanes[0][2] if lanes else None)]
-  seeds = [a[a.index("--seed") + 1] for _, a, _ in lanes]
-  seed = argv[argv.index("--seed") + 1]
-  out = argv[argv.index("--out") + 1]
+  seed, out = flag(argv, "--seed"), flag(argv, "--out")
   if not out.endswith(f"_seed{seed}"):
     raise ValueError(f"a packed piece's --out must end in _seed{seed}, got {out}")
   argv = list(argv)
   argv[argv.index("--out") + 1] = out[:-len(seed)] + "{seed}"
   i = argv.index("--seed")
-  argv[i:i + 2] = ["--seed", *seeds]
+  argv[i:i + 2] = ["--seed", *(flag(a, "--seed") for _, a, _ in lanes)]
   return argv, [(n, f) for n, _, f in lanes]
 
 
@@ -195,9 +193,9 @@ def main() -> None:
     if argv[0] == "ppl":
       argv = argv + ["--json", str(OUT / name)]
     lanes = [(name, folder)]
-    if args.pack and folder is not None and "safe" in name.split("_")[0]:
-      argv, lanes = packed(argv, name, [(n, a, f) for n, a, f in todo if a is not None
-                                         and f is not None and not (OUT / n).exists()])
+    if args.pack and folder is not None and argv[argv.index("--method") + 1].startswith("safe"):
+      argv, lanes = packed(argv, [(n, a, f) for n, a, f in todo if a is not None
+                                  and f is not None and not (OUT / n).exists()])
     if cli.main(argv) != 0:
       raise SystemExit(f"{name}: safe-optax-llm {' '.join(argv)} failed")
     for lane_name, lane_folder in lanes:

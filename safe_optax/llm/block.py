@@ -156,16 +156,25 @@ def safe_transform(
   return optax.chain(*parts)
 
 
-@functools.lru_cache(maxsize=8)
 def safe_step(config: model_lib.LlamaConfig, cfg: PruneConfig, steps_per_epoch: int,
               pack: bool = False):
-  """The jitted SAFE / SAFE+ block step, compiled once for every block of a model.
+  """The jitted SAFE / SAFE+ block step, compiled once for every block and seed.
+
+  ``cfg.seed`` only orders the minibatches on the host, so it is not part of
+  the compiled step: every seed of a process shares one program.
 
   ``pack=True``: the same step vmapped over a leading lane axis of the
   weights, Wanda norms, optimizer state, windows, targets and minibatch
   indices (one lane per calibration set, :func:`safe_blocks`); the dense
   norms and step scales are shared.
   """
+  return _compiled_step(config, dataclasses.replace(cfg, seed=0), steps_per_epoch, pack)
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_step(config: model_lib.LlamaConfig, cfg: PruneConfig, steps_per_epoch: int,
+                   pack: bool):
+  """:func:`safe_step`, cached on its seed-free arguments."""
   block = model_lib.Block(config)
 
   def loss_fn(linears, norms, x, y):
@@ -283,9 +292,8 @@ def safe_block(
   scales = lr_scales(cfg, linears)
   opt_state = safe_transform(cfg, steps_per_epoch, input_norms, scales).init(linears)
   rng = np.random.default_rng(cfg.seed)
-  # The seed orders the minibatches on the host; one compiled step serves every seed.
   params, losses = _run_steps(
-      safe_step(config, dataclasses.replace(cfg, seed=0), steps_per_epoch),
+      safe_step(config, cfg, steps_per_epoch),
       (linears, norms, input_norms, scales, opt_state),
       inputs, targets,
       lambda: rng.permutation(n)[:steps_per_epoch * batch].reshape(steps_per_epoch, batch),
@@ -354,7 +362,7 @@ def safe_blocks(
   if inputs.shape[0] != lanes or targets.shape != inputs.shape:
     raise ValueError(f"`inputs` and `targets` need the same shape with a leading axis of one "
                      f"lane per config ({lanes}), got {inputs.shape} and {targets.shape}.")
-  cfg = dataclasses.replace(cfgs[0], seed=0)
+  cfg = cfgs[0]  # all but the seeds, which only order each lane's minibatches
   linears, norms = split_block(block_params)
   n = inputs.shape[1]
   batch = min(cfg.batch_size, n)
