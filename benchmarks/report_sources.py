@@ -108,6 +108,12 @@ def _chosen_lambda(arm: Arm, sel: dict, method: str, key: str, value: float, fil
                                if g["method"] == method] or [value], where)
 
 
+def _attach_shorter(arm: Arm, shorter: Arm) -> None:
+  """The same method at a shorter budget, for the convergence rule; its settings must match."""
+  arm.shorter = shorter
+  arm.shorter_same_hyper = shorter.settings == arm.settings
+
+
 def _only(values: set, what: str) -> Any:
   if len(values) != 1:
     raise ValueError(f"{what} differs between seeds: {sorted(values, key=str)}")
@@ -179,10 +185,9 @@ def _sweep_row(folder: pathlib.Path, r: dict) -> Row:
     arm = _sweep_arm(folder, names.get(name, NAMES.get(name, name)), method, r["sparsity"],
                      r.get("files", {}).get(name, r["file"]), r.get("selection", {}).get(name))
     if "shorter" in r:
-      arm.shorter = _sweep_arm(folder, arm.name, method, r["sparsity"],
-                               r.get("shorter_files", {}).get(name, r["shorter"]),
-                               r.get("shorter_selection", {}).get(name))
-      arm.shorter_same_hyper = arm.shorter.settings == arm.settings
+      _attach_shorter(arm, _sweep_arm(folder, arm.name, method, r["sparsity"],
+                                      r.get("shorter_files", {}).get(name, r["shorter"]),
+                                      r.get("shorter_selection", {}).get(name)))
     arms.append(arm)
   return Row(r["label"], r.get("paper", ""), arms[0], arms[1:], True, True, 2)
 
@@ -220,20 +225,45 @@ def _noise_row(folder: pathlib.Path, r: dict) -> Row:
 
 # --- flatness_mlp.py ---------------------------------------------------------------------------------
 
-def _flatness_row(folder: pathlib.Path, r: dict) -> Row:
-  data = _load(folder / r["file"])
+FLATNESS_SETTINGS = ("dataset", "split_seed", "sparsity", "batch_size", "learning_rate",
+                     "warmup_epochs", "momentum", "weight_decay", "dual_every")
+
+
+def _flatness_arm(folder: pathlib.Path, file: str, method: str, metric: str) -> Arm:
+  """One method of a ``flatness_mlp.py`` file: its value per seed and the settings a budget keeps."""
+  data = _load(folder / file)
   c = data["config"]
-  budget = f"{c['epochs']} epochs on {data['data']['train']} images"
-  scale = 100.0 if r["metric"] == "test_accuracy" else 1.0
+  scale = 100.0 if metric == "test_accuracy" else 1.0
+  runs = data["runs"][method]
+  arm = Arm(NAMES[method], {x["seed"]: scale * x[metric] for x in runs},
+            f"{c['epochs']} epochs on {data['data']['train']} images")
+  arm.settings = {k: c[k] for k in FLATNESS_SETTINGS}
+  arm.settings["train"] = data["data"]["train"]
+  if method in PENALIZED:
+    arm.settings["penalty"] = c[f"{method}_penalty"]
+  if method == "safe":
+    arm.settings["rho"] = c["rho"]
+  arm.distance = _mean([x["constraint_distance"] for x in runs if x.get("constraint_distance") is not None])
+  return arm
+
+
+def _flatness_row(folder: pathlib.Path, r: dict) -> Row:
+  """A ``flatness_mlp.py`` row; ``selection``: the file whose λ selection a fixed-λ run used."""
+  source = _load(folder / r.get("selection", r["file"]))
+  sel = source["selection"]
+  where = (f"`{r['selection']}`, chosen at {source['config']['epochs']} epochs"
+           if "selection" in r else f"`{r['file']}`")
   arms = []
   for method in [r["ours"], *r["baselines"]]:
-    runs = data["runs"][method]
-    arm = Arm(NAMES[method], {x["seed"]: scale * x[r["metric"]] for x in runs}, budget)
-    grid = [g["penalty"] for g in data["selection"]["grid"][method]]
-    _grid_note(arm, "λ", data["selection"]["chosen"][method], grid, f"`{r['file']}`")
+    arm = _flatness_arm(folder, r["file"], method, r["metric"])
+    if method in PENALIZED and abs(arm.settings["penalty"] - sel["chosen"][method]) > 1e-12:
+      raise ValueError(f"{r['file']}: {method} ran with lambda {arm.settings['penalty']:g}, "
+                       f"its selection chose {sel['chosen'][method]:g}")
+    _grid_note(arm, "λ", sel["chosen"][method], [g["penalty"] for g in sel["grid"][method]], where)
     if method == "safe":
-      arm.hyper.append(f"ρ {c['rho']:g} (the paper's value, not tuned)")
-    arm.distance = _mean([x["constraint_distance"] for x in runs if x.get("constraint_distance") is not None])
+      arm.hyper.append(f"ρ {arm.settings['rho']:g} (the paper's value, not tuned)")
+    if "shorter" in r:
+      _attach_shorter(arm, _flatness_arm(folder, r["shorter"], method, r["metric"]))
     arms.append(arm)
   return Row(r["label"], r.get("paper", ""), arms[0], arms[1:], r["higher_is_better"],
              r["metric"] == "test_accuracy", r.get("digits", 2))
@@ -404,28 +434,52 @@ ROBUSTNESS = {"clean": lambda e: 100 * e["clean"],
               "lambda_max": lambda e: e["hessian"]["lambda_max_support"]}
 
 
+# A run's config fields that may differ between two budgets of the same settings.
+BUDGET_FIELDS = ("epochs", "seed", "eval_every", "checkpoint_every", "log_every")
+# Config fields added after some committed runs, with the behaviour those runs had (the field's
+# default, tests/test_report.py checks): a file that predates a field ran with this value.
+ADDED_FIELDS = {"conv_impl": "xla"}
+
+
+def _robustness_arm(folder: pathlib.Path, file: str, method: str, metric: str) -> Arm:
+  """One method of a ``robustness_mnist.py`` file: its value per seed and the settings a budget keeps."""
+  data = _load(folder / file)
+  evals = data["evals"][method]
+  c = evals[0]["config"]
+  arm = Arm(NAMES[method], {e["config"]["seed"]: ROBUSTNESS[metric](e) for e in evals},
+            f"{c['epochs']} epochs")
+  value = c["admm_penalty"] if method == "admm" else c["penalty"]
+  if value is None:
+    value = next(lam for bound, lam in c["penalty_table"] if c["sparsity"] <= bound)
+  arm.settings = {**ADDED_FIELDS, **{k: v for k, v in c.items() if k not in BUDGET_FIELDS}}
+  arm.settings["penalty"] = value
+  if method == "safe":
+    arm.settings.update(rho=c["rho"], rescale_dual=bool(c.get("rescale_dual")))
+  arm.distance = _mean([e["constraint_distance"] for e in evals
+                        if e.get("constraint_distance") is not None])
+  return arm
+
+
 def _robustness_row(folder: pathlib.Path, r: dict) -> Row:
   data = _load(folder / r["file"])
   arms = []
   for method in [r["ours"], *r["baselines"]]:
-    evals = data["evals"][method]
-    c = evals[0]["config"]
-    arm = Arm(NAMES[method], {e["config"]["seed"]: ROBUSTNESS[r["metric"]](e) for e in evals},
-              f"{c['epochs']} epochs")
-    value = c["admm_penalty"] if method == "admm" else c["penalty"]
-    if value is None:
-      value = next(lam for bound, lam in c["penalty_table"] if c["sparsity"] <= bound)
+    arm = _robustness_arm(folder, r["file"], method, r["metric"])
+    value = arm.settings["penalty"]
     sel = data.get("selection")
     if sel is None:
       arm.hyper.append(f"λ {value:g}, the preset's value, NOT CHOSEN here")
       arm.flags.add("unchosen")
     else:
-      _chosen_lambda(arm, sel, method, f"{method}@{data['sparsity']:g}", value, r["file"],
-                     f"`{r['file']}`")
+      where = (f"`{pathlib.Path(sel['file']).name}`, chosen at {sel['epochs']} epochs"
+               if "file" in sel else f"`{r['file']}`")
+      _chosen_lambda(arm, sel, method, f"{method}@{data['sparsity']:g}", value, r["file"], where)
       if method == "safe":
-        arm.hyper.append(f"ρ {c['rho']:g} (the paper's value, not tuned)")
-        if c.get("rescale_dual"):
+        arm.hyper.append(f"ρ {arm.settings['rho']:g} (the paper's value, not tuned)")
+        if arm.settings["rescale_dual"]:
           arm.hyper.append("`rescale_dual`")
+    if "shorter" in r:
+      _attach_shorter(arm, _robustness_arm(folder, r["shorter"], method, r["metric"]))
     arms.append(arm)
   lower = r["metric"] == "lambda_max"
   return Row(r["label"], r.get("paper", ""), arms[0], arms[1:], not lower, not lower,

@@ -223,25 +223,34 @@ def test_a_caveat_states_a_rows_verdict_from_the_rules_not_by_hand():
     report.with_verdicts("{verdict:50 %}", lines)
 
 
-def _robustness_folder(tmp_path, ran=0.1, chosen=0.1):
-  def ev(method, seed, clean):
-    return {"config": {"seed": seed, "epochs": 20, "sparsity": 0.9, "rho": 0.1,
+def _robustness_file(path, ran=0.1, chosen=0.1, epochs=20, clean=(0.95, 0.96), lr=0.1,
+                     distance=None, chosen_at=None):
+  def ev(method, seed, acc):
+    return {"config": {"seed": seed, "epochs": epochs, "sparsity": 0.9, "rho": 0.1,
                        "rescale_dual": method == "safe", "penalty": ran if method == "safe" else None,
-                       "admm_penalty": 0.01, "penalty_table": [[1.0, 0.1]]},
-            "clean": clean, "corruptions": {"mean": {"3": 0.8, "5": 0.7}},
+                       "admm_penalty": 0.01, "penalty_table": [[1.0, 0.1]], "learning_rate": lr},
+            "clean": acc, "corruptions": {"mean": {"3": 0.8, "5": 0.7}},
             "pgd-linf": {"adversarial": 0.5}, "pgd-l2": {"adversarial": 0.6},
-            "hessian": {"lambda_max_support": 1.0}}
+            "hessian": {"lambda_max_support": 1.0}, "constraint_distance": distance}
   grid = ([{"method": "safe", "value": v} for v in (0.01, 0.1, 1)]
           + [{"method": "admm", "value": v} for v in (0.001, 0.01, 0.1)])
-  _write(tmp_path / "rob.json", {
-      "sparsity": 0.9, "selection": {"grid": grid, "chosen": {"safe@0.9": chosen,
-                                                             "admm@0.9": 0.01}},
-      "evals": {"safe": [ev("safe", s, c) for s, c in ((0, 0.95), (1, 0.96))],
-                "admm": [ev("admm", s, c) for s, c in ((0, 0.94), (1, 0.95))]}})
+  selection = {"grid": grid, "chosen": {"safe@0.9": chosen, "admm@0.9": 0.01}}
+  if chosen_at is not None:  # robustness_mnist.py --chosen-from
+    selection.update(epochs=chosen_at, file="results/r/rob20.json")
+  _write(path, {"sparsity": 0.9, "selection": selection,
+                "evals": {"safe": [ev("safe", s, c) for s, c in enumerate(clean)],
+                          "admm": [ev("admm", s, c - 0.01) for s, c in enumerate(clean)]}})
+
+
+def _robustness_folder(tmp_path, ran=0.1, chosen=0.1, shorter=None):
+  _robustness_file(tmp_path / "rob.json", ran, chosen)
+  row = {"label": "clean", "metric": "clean"}
+  if shorter is not None:
+    row["shorter"] = shorter
   _write(tmp_path / "claim.json", {
       "order": 1, "title": "Robustness", "short": "r", "paper": "–", "metric": "accuracy",
       "source": "robustness", "file": "rob.json", "ours": "safe", "baselines": ["admm"],
-      "rows": [{"label": "clean", "metric": "clean"}]})
+      "rows": [row]})
   from claims import tuning  # pylint: disable=import-outside-toplevel
   specs = {"SAFE": {"λ": tuning.grid(0.01, 0.1, 1), "ρ": tuning.PAPER_RHO},
            "ADMM": {"λ": tuning.grid(0.001, 0.01, 0.1)}}
@@ -257,6 +266,107 @@ def test_a_robustness_row_reads_each_lambda_from_its_selection(tmp_path):
   assert row.ours.values == {0: pytest.approx(95.0), 1: pytest.approx(96.0)}
   with pytest.raises(ValueError, match="safe ran with lambda 1, selection chose 0.1"):
     report_sources.load_claim(*_robustness_folder(tmp_path, ran=1.0))
+
+
+@pytest.mark.parametrize("shorter, want", [
+    ({"clean": (0.948, 0.961)}, "converged"),
+    ({"clean": (0.94, 0.95)}, "not shown: SAFE +1.00 ± 0.00 vs 10 epochs; ADMM +1.00 ± 0.00 vs 10 epochs"),
+    ({"clean": (0.948, 0.961), "lr": 0.05},
+     "not shown: SAFE: shorter run used other hyperparameters; "
+     "ADMM: shorter run used other hyperparameters"),
+    ({"clean": (0.948, 0.961), "ran": 1.0, "chosen": 1.0},
+     "not shown: SAFE: shorter run used other hyperparameters"),
+])
+def test_a_robustness_row_is_converged_only_against_the_same_settings_at_a_shorter_budget(
+    tmp_path, shorter, want):
+  import report_sources  # pylint: disable=import-outside-toplevel
+  folder, declared = _robustness_folder(tmp_path, shorter="rob10.json")
+  _robustness_file(folder / "rob10.json", epochs=10, **shorter)
+  row, = report_sources.load_claim(folder, declared).rows
+  assert report.convergence([row.ours, *row.baselines], row.points) == want
+
+
+def test_a_robustness_row_checks_the_iterate_and_names_the_budget_its_lambda_was_chosen_at(
+    tmp_path):
+  import report_sources  # pylint: disable=import-outside-toplevel
+  folder, declared = _robustness_folder(tmp_path, shorter="rob10.json")
+  _robustness_file(folder / "rob.json", distance=1.5, chosen_at=10)
+  _robustness_file(folder / "rob10.json", epochs=10, distance=3.0)
+  row, = report_sources.load_claim(folder, declared).rows
+  assert row.ours.hyper[0] == "λ 0.1 ∈ {0.01, 0.1, 1} on validation (`rob20.json`, chosen at 10 epochs)"
+  assert report.convergence([row.ours, *row.baselines], row.points) == (
+      "not shown: SAFE ||x − z|| 1.50; ADMM ||x − z|| 1.50")
+
+
+def test_a_config_field_added_after_a_run_is_read_at_the_default_that_run_had():
+  import report_sources  # pylint: disable=import-outside-toplevel
+  from safe_optax.vision import configs  # pylint: disable=import-outside-toplevel
+  defaults = configs.Config()
+  assert {k: getattr(defaults, k) for k in report_sources.ADDED_FIELDS} == report_sources.ADDED_FIELDS
+
+
+def _flatness_file(path, epochs, accuracy, penalty=0.01, lam=0.1):
+  runs = lambda method: [{"seed": s, "test_accuracy": a, "lambda_max": lam + s,
+                          "constraint_distance": None if method == "dense" else 0.5}
+                         for s, a in enumerate(accuracy)]
+  _write(path, {
+      "config": {"dataset": "mnist", "split_seed": 0, "sparsity": 0.9, "epochs": epochs,
+                 "batch_size": 128, "learning_rate": 0.1, "warmup_epochs": 2, "momentum": 0.9,
+                 "weight_decay": 1e-4, "dual_every": 32, "rho": 0.1, "safe_penalty": penalty,
+                 "admm_penalty": 0.01},
+      "data": {"train": 8000},
+      "selection": {"grid": {"safe": [{"penalty": p} for p in (0.001, 0.01, 0.1)],
+                             "admm": [{"penalty": p} for p in (0.001, 0.01, 0.1)]},
+                    "chosen": {"safe": penalty, "admm": 0.01}},
+      "runs": {"safe": runs("safe"), "admm": runs("admm")}})
+
+
+@pytest.mark.parametrize("shorter, accuracy_row, lambda_row", [
+    ({}, "converged", "not shown: not an accuracy: no budget rule"),
+    ({"penalty": 0.1}, "not shown: SAFE: shorter run used other hyperparameters",
+     "not shown: SAFE: shorter run used other hyperparameters"),
+])
+def test_a_flatness_claim_reads_its_shorter_budget_with_the_same_settings(
+    tmp_path, shorter, accuracy_row, lambda_row):
+  import report_sources  # pylint: disable=import-outside-toplevel
+  from claims import tuning  # pylint: disable=import-outside-toplevel
+  _flatness_file(tmp_path / "flat.json", 100, (0.96, 0.97))
+  _flatness_file(tmp_path / "flat50.json", 50, (0.961, 0.968), **shorter)
+  _write(tmp_path / "claim.json", {
+      "order": 1, "title": "Flatness", "short": "f", "paper": "–", "metric": "m",
+      "source": "flatness", "file": "flat.json", "shorter": "flat50.json", "ours": "safe",
+      "baselines": ["admm"],
+      "rows": [{"label": "accuracy", "metric": "test_accuracy", "higher_is_better": True},
+               {"label": "lambda_max", "metric": "lambda_max", "higher_is_better": False}]})
+  specs = {"SAFE": {"λ": tuning.grid(0.001, 0.01, 0.1), "ρ": tuning.PAPER_RHO},
+           "ADMM": {"λ": tuning.grid(0.001, 0.01, 0.1)}}
+  accuracy, lam = report_sources.load_claim(tmp_path, lambda c, r, m: specs[m]).rows
+  assert accuracy.ours.budget == "100 epochs on 8000 images"
+  assert accuracy.ours.shorter.budget == "50 epochs on 8000 images"
+  assert report.convergence([accuracy.ours, *accuracy.baselines], accuracy.points) == accuracy_row
+  assert report.convergence([lam.ours, *lam.baselines], lam.points) == lambda_row
+
+
+def test_a_flatness_row_at_another_budget_takes_lambda_from_the_selection_it_names(tmp_path):
+  import report_sources  # pylint: disable=import-outside-toplevel
+  from claims import tuning  # pylint: disable=import-outside-toplevel
+  _flatness_file(tmp_path / "flat.json", 100, (0.96, 0.97))
+  specs = {"SAFE": {"λ": tuning.grid(0.001, 0.01, 0.1), "ρ": tuning.PAPER_RHO},
+           "ADMM": {"λ": tuning.grid(0.001, 0.01, 0.1)}}
+  for penalty in (0.01, 0.1):
+    _flatness_file(tmp_path / "flat50.json", 50, (0.961, 0.968), penalty=penalty)
+    _write(tmp_path / "claim.json", {
+        "order": 1, "title": "Flatness", "short": "f", "paper": "–", "metric": "m",
+        "source": "flatness", "file": "flat50.json", "selection": "flat.json", "ours": "safe",
+        "baselines": ["admm"],
+        "rows": [{"label": "accuracy", "metric": "test_accuracy", "higher_is_better": True}]})
+    if penalty == 0.1:
+      with pytest.raises(ValueError, match="safe ran with lambda 0.1, its selection chose 0.01"):
+        report_sources.load_claim(tmp_path, lambda c, r, m: specs[m])
+    else:
+      row, = report_sources.load_claim(tmp_path, lambda c, r, m: specs[m]).rows
+      assert row.ours.hyper[0] == ("λ 0.01 ∈ {0.001, 0.01, 0.1} on validation "
+                                   "(`flat.json`, chosen at 100 epochs)")
 
 
 def _block_folder(tmp_path, ran_penalty):

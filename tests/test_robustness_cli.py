@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pathlib
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -29,6 +30,9 @@ def _install(monkeypatch):
   def fake_train(config, run_dir, **kwargs):
     del kwargs
     trained.append((config, pathlib.Path(run_dir).name))
+    distance = None if config.method == "dense" else 0.25 * (config.seed + 1)
+    return types.SimpleNamespace(results={
+        "history": [{"train_loss": 0.1, "distance_to_z": distance}], "final": {}})
 
   def fake_eval(run_dir, **kwargs):
     del kwargs
@@ -72,3 +76,50 @@ def test_grids_and_validation_go_together_naming_the_flags(flags, message, capsy
   with pytest.raises(SystemExit):
     robustness_mnist.main(["--data-dir", "unused", *flags])
   assert message in capsys.readouterr().err
+
+
+def _select_first(monkeypatch, tmp_path):
+  """A 3-epoch run that chooses on validation; what the longer run reads with --chosen-from."""
+  selected, trained = _install(monkeypatch)
+  assert robustness_mnist.main([
+      "--data-dir", "unused", "--seeds", "0", "1", "--epochs", "3", "--validation", "100",
+      "--safe-grid", "0.1", "1", "10", "--admm-grid", "0.001", "0.01", "0.1", "--rescale-dual",
+      "--workdir", str(tmp_path / "w3"), "--out", str(tmp_path / "out3")]) == 0
+  return selected, trained, tmp_path / "out3" / "robustness_mlp-mnist.json"
+
+
+def test_a_longer_run_takes_the_lambdas_an_earlier_budget_chose(monkeypatch, tmp_path):
+  selected, trained, earlier = _select_first(monkeypatch, tmp_path)
+  chosen_runs = len(selected)
+  trained.clear()
+  assert robustness_mnist.main([
+      "--data-dir", "unused", "--seeds", "0", "1", "--epochs", "6", "--chosen-from",
+      str(earlier), "--rescale-dual", "--workdir", str(tmp_path / "w6"),
+      "--out", str(tmp_path / "out6")]) == 0
+  assert len(selected) == chosen_runs  # nothing chosen again
+  assert sorted((c.method, c.penalty if c.method == "safe" else c.admm_penalty, c.epochs)
+                for c, _ in trained) == [("admm", 0.01, 6)] * 2 + [("safe", 1.0, 6)] * 2
+  saved = json.loads((tmp_path / "out6" / "robustness_mlp-mnist.json").read_text())
+  assert saved["selection"]["chosen"] == {"safe@0.9": 1.0, "admm@0.9": 0.01}
+  assert (saved["selection"]["epochs"], saved["selection"]["file"]) == (3, str(earlier))
+  assert saved["config"]["epochs"] == 6
+  # each run's ||x - z|| at the end, for the report's convergence rule
+  assert [e["constraint_distance"] for e in saved["evals"]["safe"]] == [0.25, 0.5]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--epochs", "6"], "its SAFE runs differ in --rescale-dual"),
+    (["--rescale-dual", "--sparsity", "0.8"], "it chose at sparsity 0.9, not 0.8"),
+    (["--rescale-dual", "--test-only-split", "100", "50"], "differ from this run's beyond the epochs"),
+    (["--rescale-dual", "--methods", "safe", "safe-plus"], "it chose nothing for ['safe-plus']"),
+    (["--validation", "100", "--safe-grid", "1", "--admm-grid", "1"], "drop --validation"),
+])
+def test_chosen_from_refuses_a_selection_made_for_other_settings(monkeypatch, tmp_path, capsys,
+                                                                 flags, message):
+  _, trained, earlier = _select_first(monkeypatch, tmp_path)
+  trained.clear()
+  capsys.readouterr()
+  with pytest.raises(SystemExit):
+    robustness_mnist.main(["--data-dir", "unused", "--chosen-from", str(earlier), *flags,
+                           "--workdir", str(tmp_path / "w6"), "--out", str(tmp_path / "out6")])
+  assert message in capsys.readouterr().err and trained == []

@@ -9,7 +9,10 @@ corruption sets are reused from ``--workdir``.
 With ``--validation N`` each method's lambda is first chosen on N held-out
 training examples (:func:`safe_optax.vision.selection.select_hyperparameters`;
 the test set is never looked at) over ``--safe-grid`` / ``--admm-grid``; the
-output JSON records the selection and the report reads it.
+output JSON records the selection and the report reads it. ``--chosen-from FILE``
+takes the lambdas an earlier output chose instead (the same settings at another
+budget: the longer run of the report's convergence rule), and records that
+selection with the budget it was made at.
 
   python benchmarks/claims/robustness_mnist.py --preset mlp-mnist --data-dir ../shared/data/mnist \\
       --test-only-split 8000 2000 --epochs 20 --seeds 0 --out results/robustness_mnist
@@ -55,6 +58,29 @@ def table(evals: dict[str, list[dict[str, Any]]]) -> str:
   return "\n".join(lines)
 
 
+def earlier_selection(path: str, base: configs.Config, args: argparse.Namespace
+                      ) -> tuple[Optional[dict[str, Any]], Optional[str]]:
+  """An earlier output's selection, with the budget it was made at; or why it is not this run's."""
+  earlier = json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
+  selection = earlier.get("selection")
+  if selection is None:
+    return None, "it made no validation selection"
+  then = configs.from_dict(earlier["config"])
+  if then.replace(epochs=base.epochs, warmup_epochs=base.warmup_epochs) != base:
+    return None, "its preset, split or settings differ from this run's beyond the epochs"
+  if abs(earlier["sparsity"] - args.sparsity) > 1e-12:
+    return None, f"it chose at sparsity {earlier['sparsity']:g}, not {args.sparsity:g}"
+  missing = [m for m in args.methods if m in sweeps.PENALTY_METHODS
+             and selection_lib.key(m, args.sparsity) not in selection["chosen"]]
+  if missing:
+    return None, f"it chose nothing for {missing}"
+  if any(bool(run.get("rescale_dual")) != args.rescale_dual
+         for row in selection["grid"] if row["method"] in ("safe", "safe-plus")
+         for run in row["runs"] if "diverged" not in run):
+    return None, "its SAFE runs differ in --rescale-dual"
+  return {**selection, "epochs": then.epochs, "file": path}, None
+
+
 def main(argv: Optional[list[str]] = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--preset", default="mlp-mnist", choices=sorted(configs.PRESETS))
@@ -74,6 +100,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                       help="with --validation: lambdas tried for the SAFE family")
   parser.add_argument("--admm-grid", type=float, nargs="+", default=None,
                       help="with --validation: lambdas tried for ADMM")
+  parser.add_argument("--chosen-from", default=None,
+                      help="an earlier output JSON of this script whose validation selection "
+                           "gives the lambdas (same preset, split and settings but the epochs)")
   parser.add_argument("--rescale-dual", action="store_true",
                       help="SAFE-family methods keep the unscaled dual while the penalty ramps "
                            "(safe_optax.safe(rescale_dual=True))")
@@ -81,6 +110,8 @@ def main(argv: Optional[list[str]] = None) -> int:
   parser.add_argument("--out", default="results/robustness_mnist")
   args = parser.parse_args(argv)
   grids = {"safe": args.safe_grid, "admm": args.admm_grid}
+  if args.chosen_from is not None and args.validation is not None:
+    parser.error("--chosen-from takes an earlier selection: drop --validation and the grids")
   if args.validation is None and any(grids.values()):
     parser.error("--safe-grid / --admm-grid are chosen from on a validation split: pass "
                  "--validation N")
@@ -95,7 +126,11 @@ def main(argv: Optional[list[str]] = None) -> int:
   base = configs.get_config(args.preset, **overrides)
   per_method = selection_lib.rescaled_dual(args.methods, args.rescale_dual)
   selection = None
-  if args.validation is not None:
+  if args.chosen_from is not None:
+    selection, problem = earlier_selection(args.chosen_from, base, args)
+    if problem:
+      parser.error(f"--chosen-from {args.chosen_from}: {problem}")
+  elif args.validation is not None:
     selection = selection_lib.select_hyperparameters(
         base, args.methods, [args.sparsity],
         {m: grids["admm" if m == "admm" else "safe"] for m in sweeps.PENALTY_METHODS},
@@ -112,12 +147,14 @@ def main(argv: Optional[list[str]] = None) -> int:
       run_dir = (sweeps.run_dir(args.workdir, config) if selection is not None else
                  pathlib.Path(args.workdir) / f"{method}-s{args.sparsity:g}-seed{seed}")
       print(f"{method} seed {seed}", file=sys.stderr, flush=True)
-      train.train_and_evaluate(config, run_dir, data_dir=args.data_dir, dataset=data,
-                               progress=True)
-      evals.setdefault(method, []).append(evaluation.evaluate_workdir(
+      outcome = train.train_and_evaluate(config, run_dir, data_dir=args.data_dir, dataset=data,
+                                         progress=True)
+      record = evaluation.evaluate_workdir(
           run_dir, data_dir=args.data_dir, dataset=data,
           corruption_subset=args.corruption_subset,
-          cache_dir=pathlib.Path(args.workdir) / "corruptions"))
+          cache_dir=pathlib.Path(args.workdir) / "corruptions")
+      record["constraint_distance"] = sweeps.convergence(outcome.results)["constraint_distance"]
+      evals.setdefault(method, []).append(record)
   markdown = table(evals)
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
