@@ -111,6 +111,7 @@ def test_a_longer_run_takes_the_lambdas_an_earlier_budget_chose(monkeypatch, tmp
     (["--epochs", "6"], "its SAFE runs differ in --rescale-dual"),
     (["--rescale-dual", "--sparsity", "0.8"], "it chose at sparsity 0.9, not 0.8"),
     (["--rescale-dual", "--test-only-split", "100", "50"], "differ from this run's beyond the epochs"),
+    (["--rescale-dual", "--warmup-epochs", "2"], "differ from this run's beyond the epochs"),
     (["--rescale-dual", "--methods", "safe", "safe-plus"], "it chose nothing for ['safe-plus']"),
     (["--validation", "100", "--safe-grid", "1", "--admm-grid", "1"], "drop --validation"),
 ])

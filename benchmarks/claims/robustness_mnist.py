@@ -66,7 +66,7 @@ def earlier_selection(path: str, base: configs.Config, args: argparse.Namespace
   if selection is None:
     return None, "it made no validation selection"
   then = configs.from_dict(earlier["config"])
-  if then.replace(epochs=base.epochs, warmup_epochs=base.warmup_epochs) != base:
+  if then.replace(epochs=base.epochs) != base:
     return None, "its preset, split or settings differ from this run's beyond the epochs"
   if abs(earlier["sparsity"] - args.sparsity) > 1e-12:
     return None, f"it chose at sparsity {earlier['sparsity']:g}, not {args.sparsity:g}"
