@@ -75,6 +75,14 @@ def test_convergence_is_not_shown_without_a_comparable_shorter_run():
   assert "other hyperparameters" in changed
 
 
+def test_a_one_shot_method_has_no_budget_to_double():
+  arms = [_arm("SAFE+", [20.0, 20.1], [20.0, 20.1]), _arm("SparseGPT", [21.0, 21.2]),
+          _arm("Wanda", [22.0, 22.1])]
+  assert report.convergence(arms, points=True) == "converged"
+  assert report.convergence([_arm("SAFE+", [20.0, 20.1]), *arms[1:]], points=True) == (
+      "not shown: SAFE+: no shorter run")
+
+
 def test_a_row_that_mixes_budgets_is_refused():
   ours = _arm("SAFE", [90.0, 90.1])
   other = Arm("GMP", {0: 89.0, 1: 89.1}, "1 epoch")
