@@ -483,7 +483,7 @@ def _robustness_row(folder: pathlib.Path, r: dict) -> Row:
     arms.append(arm)
   lower = r["metric"] == "lambda_max"
   return Row(r["label"], r.get("paper", ""), arms[0], arms[1:], not lower, not lower,
-             3 if lower else 2)
+             r.get("digits", 3 if lower else 2))
 
 
 READERS: dict[str, Callable[[pathlib.Path, dict], Row]] = {
