@@ -90,8 +90,11 @@ def verdict(diffs: Sequence[float]) -> str:
   return "holds" if sign > 0 else "reversed"
 
 
-def convergence(arms: Sequence[Arm], points: bool) -> str:
-  """``converged`` or what stops it: a method that moved, a missing shorter run, a far iterate."""
+def convergence(arms: Sequence[Arm], points: bool, digits: int = 2) -> str:
+  """``converged`` or what stops it: a method that moved, a missing shorter run, a far iterate.
+
+  ``digits``: the row's, for the change a method made.
+  """
   problems = []
   for arm in arms:
     if arm.name in ONE_SHOT:
@@ -106,7 +109,8 @@ def convergence(arms: Sequence[Arm], points: bool) -> str:
     moved = (change.se is None or abs(change.mean) > STABLE_SE * change.se
              or (points and abs(change.mean) > STABLE_POINTS))
     if moved:
-      problems.append(f"{arm.name} {change.mean:+.2f} ± {_num(change.se, 2)} vs {arm.shorter.budget}")
+      problems.append(f"{arm.name} {change.mean:+.{digits}f} ± {_num(change.se, digits)} "
+                      f"vs {arm.shorter.budget}")
   for arm in arms:
     if arm.name in ADMM_TYPE and arm.distance is not None and arm.distance > SPARSE_SET_DISTANCE:
       problems.append(f"{arm.name} ||x − z|| {arm.distance:.2f}")
@@ -183,7 +187,7 @@ def lines(row: Row) -> list[Line]:
     return [Line(row, base, None, 0, "pending: " + ", ".join(missing) + " not run yet", "pending")
             for base in row.baselines]
   sign = 1.0 if row.higher_is_better else -1.0
-  status = convergence([row.ours, *row.baselines], row.points)
+  status = convergence([row.ours, *row.baselines], row.points, row.digits)
   out = []
   for base in row.baselines:
     diffs = [sign * d for d in paired(row.ours.values, base.values)]

@@ -75,6 +75,12 @@ def test_convergence_is_not_shown_without_a_comparable_shorter_run():
   assert "other hyperparameters" in changed
 
 
+def test_a_change_is_shown_with_the_rows_digits():
+  arms = [_arm("SAFE", [0.0131, 0.0132, 0.0129], [0.0141, 0.0142, 0.0140])]
+  assert report.convergence(arms, points=False, digits=4) == (
+      "not shown: SAFE -0.0010 ± 0.0000 vs 1 epoch")
+
+
 def test_a_one_shot_method_has_no_budget_to_double():
   arms = [_arm("SAFE+", [20.0, 20.1], [20.0, 20.1]), _arm("SparseGPT", [21.0, 21.2]),
           _arm("Wanda", [22.0, 22.1])]
