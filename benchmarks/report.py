@@ -232,7 +232,9 @@ def rules_text() -> str:
       f"{STABLE_POINTS:g} points and at most {STABLE_SE:g} s.e. of the change; and every "
       f"ADMM-type iterate ({', '.join(ADMM_TYPE)}) ends within `||x − z||` ≤ "
       f"{SPARSE_SET_DISTANCE:g} of its sparse set. Otherwise the column says what is missing.",
-      "- Methods in a row share one budget: the generator refuses a row that mixes budgets.",
+      "- Methods in a row share one budget: the generator refuses a row that mixes budgets. A "
+      "row that repeats another at a shorter budget is shown, and the README's summary counts "
+      "the comparison once, at the longer budget.",
       "- **unequal tuning**: the difference would hold, but the baseline was tuned with less "
       "effort than ours by the rule declared in `benchmarks/claims/tuning.py` (or it would be "
       "reversed, and ours was tuned with less). Equal effort: " + tuning.EQUAL_EFFORT + " The edge rule: "
@@ -293,8 +295,14 @@ def with_verdicts(text: str, all_lines: list[Line]) -> str:
 
 
 def summary_line(claim: report_sources.Claim, all_lines: list[Line]) -> str:
-  """One line per claim: how many rows each verdict got against each baseline."""
+  """One line per claim: how many rows each verdict got against each baseline.
+
+  A row that repeats another at a shorter budget (``budget_check``) is counted once, at the
+  longer budget, and the line says how many were left out.
+  """
   kinds = ("holds", "level", "reversed", "fails", "unequal tuning", "no verdict", "pending")
+  checks = {id(line.row) for line in all_lines if line.row.budget_check}
+  all_lines = [line for line in all_lines if id(line.row) not in checks]
   parts = []
   for name in dict.fromkeys(line.baseline.name for line in all_lines):
     verdicts = [line.verdict for line in all_lines if line.baseline.name == name]
@@ -302,8 +310,9 @@ def summary_line(claim: report_sources.Claim, all_lines: list[Line]) -> str:
     parts.append(f"vs {name}: " + ", ".join(f"{k} {n}" for k, n in counts if n))
   status = {id(line.row): line.convergence for line in all_lines}
   converged = sum(1 for c in status.values() if c == "converged")
+  shorter = f"; {len(checks)} at shorter budgets not counted" if checks else ""
   return (f"- [{claim.short}](results/README.md#{anchor(claim.title)}): " + "; ".join(parts)
-          + f" (rows converged: {converged} of {len(status)})")
+          + f" (rows converged: {converged} of {len(status)}{shorter})")
 
 
 def build(results: pathlib.Path = RESULTS) -> tuple[str, str]:

@@ -48,6 +48,7 @@ class Row:
   points: bool  # values are accuracy points (the budget rule applies)
   digits: int
   note: str = ""  # what the row is when it is not evidence (claim.json's "not_evidence")
+  budget_check: str = ""  # the label of the row this one repeats at a shorter budget
 
 
 @dataclasses.dataclass
@@ -510,7 +511,15 @@ def load_claim(folder: pathlib.Path,
       raise ValueError(f"{folder}/claim.json: source {r['source']!r} is not one of {sorted(READERS)}")
     row = READERS[r["source"]](folder, r)
     row.note = r.get("not_evidence", "")
+    row.budget_check = r.get("budget_check", "")
     tuning.apply(folder.name, row, declaration)
     rows.append(row)
+  labels = {row.label: row for row in rows}
+  for row in rows:
+    if row.budget_check and (row.budget_check not in labels
+                             or labels[row.budget_check].ours.budget == row.ours.budget):
+      raise ValueError(f"{folder}/claim.json: row {row.label!r} is a budget check of "
+                       f"{row.budget_check!r}, which must be another row of the claim at "
+                       f"another budget")
   return Claim(spec["order"], spec["title"], spec["short"], spec["paper"], spec["metric"],
                spec.get("higher_is_better", True), rows, spec.get("caveats", []))

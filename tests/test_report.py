@@ -319,6 +319,33 @@ def test_a_config_field_added_after_a_run_is_read_at_the_default_that_run_had():
   assert {k: getattr(defaults, k) for k in report_sources.ADDED_FIELDS} == report_sources.ADDED_FIELDS
 
 
+def test_a_row_repeated_at_a_shorter_budget_is_counted_once_in_the_summary(tmp_path):
+  import report_sources  # pylint: disable=import-outside-toplevel
+  from claims import tuning  # pylint: disable=import-outside-toplevel
+  _flatness_file(tmp_path / "flat.json", 100, (0.96, 0.97))
+  _flatness_file(tmp_path / "flat50.json", 50, (0.961, 0.968))
+  specs = {"SAFE": {"λ": tuning.grid(0.001, 0.01, 0.1), "ρ": tuning.PAPER_RHO},
+           "ADMM": {"λ": tuning.grid(0.001, 0.01, 0.1)}}
+  rows = [{"label": "accuracy", "metric": "test_accuracy", "higher_is_better": True},
+          {"label": "accuracy, 50 epochs", "metric": "test_accuracy", "higher_is_better": True,
+           "file": "flat50.json", "selection": "flat.json", "budget_check": "accuracy"}]
+  claim = {"order": 1, "title": "Flatness", "short": "f", "paper": "–", "metric": "m",
+           "source": "flatness", "file": "flat.json", "ours": "safe", "baselines": ["admm"],
+           "rows": rows}
+  _write(tmp_path / "claim.json", claim)
+  loaded = report_sources.load_claim(tmp_path, lambda c, r, m: specs[m])
+  all_lines = [line for row in loaded.rows for line in report.lines(row)]
+  assert len(all_lines) == 2
+  line = report.summary_line(loaded, all_lines)
+  assert line.endswith(": vs ADMM: level 1 (rows converged: 0 of 1; 1 at shorter budgets "
+                       "not counted)")
+  for target in ("accuracy, 100 epochs", "accuracy, 50 epochs"):  # unknown; the row itself
+    rows[1]["budget_check"] = target
+    _write(tmp_path / "claim.json", claim)
+    with pytest.raises(ValueError, match="must be another row of the claim at another budget"):
+      report_sources.load_claim(tmp_path, lambda c, r, m: specs[m])
+
+
 def _flatness_file(path, epochs, accuracy, penalty=0.01, lam=0.1):
   runs = lambda method: [{"seed": s, "test_accuracy": a, "lambda_max": lam + s,
                           "constraint_distance": None if method == "dense" else 0.5}
