@@ -4,6 +4,19 @@
 paper's numbers; it holds none of our results. Every value, budget and
 hyperparameter in a row is read here from the run files the benchmarks wrote,
 and checked against the tuning declared in ``benchmarks/claims/tuning.py``.
+
+``claim.json``: ``order``, ``title``, ``short`` (the README's summary line),
+``paper``, ``metric``, ``caveats`` and ``rows``; every other key is a default
+of each row. A row names its ``label``, ``source`` (a key of ``READERS``),
+``file``, ``ours`` and ``baselines``, and what its source reads (``sparsity``,
+``metric``, ``files`` per method, ``selection``: the file whose validation
+selection chose a value). Shared by every source:
+
+- ``shorter`` (with ``shorter_files`` / ``shorter_selection`` for sweeps): the
+  same settings at a shorter budget, for the convergence rule;
+- ``budget_check``: the label of the row this one repeats at a shorter budget
+  (counted once in the README's summary);
+- ``not_evidence``: why the row is shown for completeness only.
 """
 
 from __future__ import annotations
