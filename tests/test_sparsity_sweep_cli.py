@@ -269,3 +269,36 @@ def test_an_extension_that_diverges_loses_and_the_pick_stays(monkeypatch, tmp_pa
   assert selection["chosen"]["admm@0.99"] == 0.001 and selection["at_grid_edge"] == ["safe@0.99"]
   lost, = [g for g in selection["grid"] if g["method"] == "admm" and g["value"] == 0.01]
   assert lost["diverged"] and lost["runs"][0]["diverged"]["step"] == 7
+
+
+def test_a_test_run_that_diverges_is_recorded_and_the_sweep_finishes(monkeypatch, tmp_path):
+  test_sweeps.install_fake_runs(monkeypatch, _score)
+  fake = sparsity_sweep.sweeps.run_or_load
+
+  def diverge_seed1(config, workdir, **kwargs):
+    if config.method == "admm" and config.seed == 1 and config.validation is None:
+      raise sparsity_sweep.workdirs.TrainingDiverged(str(workdir), 938, 0.82, 1)
+    return fake(config, workdir, **kwargs)
+
+  monkeypatch.setattr(sparsity_sweep.sweeps, "run_or_load", diverge_seed1)
+  out = tmp_path / "out"
+  assert sparsity_sweep.main([
+      "--preset", "mlp-mnist", "--data-dir", "unused", "--methods", "safe", "admm",
+      "--sparsities", "0.99", "--seeds", "0", "1", "2", "--epochs", "4", "--warmup-epochs", "0",
+      "--safe-grid", "0.01", "--admm-grid", "0.1", "--workdir", str(tmp_path / "work"),
+      "--out", str(out)]) == 0
+  summary = json.loads((out / "sweep.json").read_text())
+  admm = [r for r in summary["runs"] if r["method"] == "admm"]
+  assert [r["accuracy"] is None for r in admm] == [False, True, False]
+  lost = admm[1]
+  assert lost["diverged"] == {"step": 938, "last_finite_loss": 0.82}
+  assert (lost["penalty"], lost["seed"], lost["sparsity"]) == (0.1, 1, 0.99)
+  row, = [r for r in summary["table"] if r["method"] == "admm"]
+  assert row["diverged"] == 1 and row["seeds"] == [0, 1, 2]
+  assert row["accuracy_mean"] == pytest.approx(0.801)  # the mean of the two finished seeds
+  assert "| admm | 80.10 ± 0.10 (1 of 3 diverged) |" in (out / "table.md").read_text()
+  # the evidence report reads the diverged seed as chance
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+  import report_sources  # pylint: disable=import-outside-toplevel
+  arm = report_sources._sweep_arm(out, "ADMM", "admm", 0.99, "sweep.json", None)  # pylint: disable=protected-access
+  assert arm.values[1] is None and arm.values[0] == pytest.approx(80.0)

@@ -62,8 +62,7 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
           results = sweeps.run_or_load(config, workdir, data=data, data_dir=args.data_dir,
                                        progress=args.progress)
         except workdirs.TrainingDiverged as err:
-          runs.append({"variant": label, "penalty": lam, "seed": seed, "accuracy": None,
-                       "diverged": {"step": err.step, "last_finite_loss": err.last_finite_loss}})
+          runs.append({**sweeps.diverged_record(config, err), "variant": label})
           continue
         record = sweeps.record(config, results)
         record.update(variant=label, history=[

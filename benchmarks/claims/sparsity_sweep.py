@@ -59,6 +59,7 @@ from safe_optax.vision import configs
 from safe_optax.vision import selection as selection_lib
 from safe_optax.vision import sweeps
 from safe_optax.vision import datasets
+from safe_optax.vision import workdirs
 
 
 def reuse_problem(base: configs.Config, args: argparse.Namespace) -> Optional[str]:
@@ -122,7 +123,8 @@ def plot(runs: list[dict[str, Any]], sparsities: list[float], title: str,
     for s in sparsities:
       group = [r for r in runs if r["method"] == method and (
           method == "dense" or math.isclose(r["sparsity"], s))]
-      mean, se = mean_se([100 * r["accuracy"] for r in group]) if group else (np.nan, None)
+      finished = [100 * r["accuracy"] for r in group if r["accuracy"] is not None]
+      mean, se = mean_se(finished) if finished else (np.nan, None)
       means.append(mean)
       ses.append(se or 0.0)
       cost = [100 * r["projection_cost"] for r in group if r.get("projection_cost") is not None]
@@ -256,8 +258,15 @@ def main(argv: Optional[list[str]] = None) -> int:
                               structure="global" if method == "dense" else None,
                               **rescaled.get(method, {}),
                               **selection_lib.chosen_overrides(selection, method, s))
-        results = sweeps.run_or_load(config, sweeps.run_dir(root, config), data=data,
-                                     data_dir=args.data_dir, progress=args.progress)
+        try:
+          results = sweeps.run_or_load(config, sweeps.run_dir(root, config), data=data,
+                                       data_dir=args.data_dir, progress=args.progress)
+        except workdirs.TrainingDiverged as err:
+          # A test run that diverges is a result (the report scores it as chance), not a crash
+          # that loses the sweep: a rerun would diverge at the same step again.
+          print(f"  {err}", file=sys.stderr, flush=True)
+          runs.append(sweeps.diverged_record(config, err))
+          continue
         runs.append(sweeps.record(config, results))
   table = sweeps.summarize(runs, args.sparsities)
   rows = summarize_convergence(runs)

@@ -96,8 +96,7 @@ def select_hyperparameters(base: configs.Config, methods: Sequence[str],
           except workdirs.TrainingDiverged as err:
             # A lambda that makes training diverge is a grid point that lost, not a crash.
             runs.append({"method": method, "sparsity": s, "seed": seed, "field": field,
-                         "value": lam, "diverged": {"step": err.step,
-                                                    "last_finite_loss": err.last_finite_loss}})
+                         "value": lam, "diverged": sweeps.divergence(err)})
             continue
           runs.append(sweeps.record(config, results))
         diverged = any("diverged" in r for r in runs)
@@ -209,8 +208,7 @@ def _score_one(base: configs.Config, method: str, sparsity: float, value: float,
       sweeps.run_or_load(config, sweeps.run_dir(root, config), data=None, data_dir=data_dir)
     except workdirs.TrainingDiverged as err:
       runs.append({"method": method, "sparsity": sparsity, "seed": seed, "field": field,
-                   "value": value, "diverged": {"step": err.step,
-                                                "last_finite_loss": err.last_finite_loss}})
+                   "value": value, "diverged": sweeps.divergence(err)})
   return {"method": method, "sparsity": sparsity, "field": field, "value": value,
           "penalty": value, "validation_accuracy_mean": None, "diverged": True, "runs": runs}
 

@@ -177,15 +177,30 @@ def convergence(results: dict[str, Any]) -> dict[str, Any]:
   return out
 
 
+def _settings(config: configs.Config) -> dict[str, Any]:
+  """The settings a sweep's row records, finished or diverged."""
+  return {"method": config.method, "sparsity": config.sparsity, "seed": config.seed,
+          "noise": config.label_noise, "penalty": methods.penalty(config),
+          "rho": config.rho if methods.get(config.method).uses_grad_fn else None,
+          "rescale_dual": config.rescale_dual and config.method in SAFE_FAMILY,
+          "structure": config.structure}
+
+
+def divergence(err: workdirs.TrainingDiverged) -> dict[str, Any]:
+  """What a run that diverged records of it: the step and the last finite epoch's loss."""
+  return {"step": err.step, "last_finite_loss": err.last_finite_loss}
+
+
+def diverged_record(config: configs.Config, err: workdirs.TrainingDiverged) -> dict[str, Any]:
+  """:func:`record`'s row for a run that diverged: ``accuracy`` is ``None`` (the evidence
+  report scores it as chance) and ``diverged`` is its :func:`divergence`."""
+  return {**_settings(config), "accuracy": None, "diverged": divergence(err)}
+
+
 def record(config: configs.Config, results: dict[str, Any]) -> dict[str, Any]:
   """One row of a sweep: the settings, the reported accuracy and :func:`convergence`."""
   final = results["final"]
-  penalty = methods.penalty(config)
-  return {"method": config.method, "sparsity": config.sparsity, "seed": config.seed,
-          "noise": config.label_noise, "penalty": penalty,
-          "rho": config.rho if methods.get(config.method).uses_grad_fn else None,
-          "rescale_dual": config.rescale_dual and config.method in SAFE_FAMILY,
-          "structure": config.structure,
+  return {**_settings(config),
           "accuracy": final.get("sparse_accuracy", final["dense_accuracy"]),
           "accuracy_before_bnt": final.get("sparse_accuracy_before_bnt"),
           "dense_accuracy": final["dense_accuracy"], "achieved_sparsity": final["sparsity"],
@@ -214,7 +229,8 @@ def summarize(runs: Sequence[dict[str, Any]], sparsities: Sequence[float]) -> di
   Returns:
     ``{"markdown": str, "rows": [...]}``: one row per method, one cell per
     sparsity, ``mean ± s.e.`` in percent over seeds; the dense row repeats
-    its accuracy in every column.
+    its accuracy in every column. A run that diverged (``accuracy`` ``None``)
+    is left out of the mean and counted beside it.
 
   Examples:
     >>> runs = [{"method": "safe", "sparsity": 0.9, "seed": s, "accuracy": a}
@@ -223,6 +239,9 @@ def summarize(runs: Sequence[dict[str, Any]], sparsities: Sequence[float]) -> di
     | method | 90% |
     |---|---|
     | safe | 92.00 ± 1.00 |
+    >>> runs.append({"method": "safe", "sparsity": 0.9, "seed": 2, "accuracy": None})
+    >>> print(summarize(runs, [0.9])["markdown"].splitlines()[-1])
+    | safe | 92.00 ± 1.00 (1 of 3 diverged) |
   """
   names = list(dict.fromkeys(r["method"] for r in runs))
   header = "| method | " + " | ".join(f"{100 * s:g}%" for s in sparsities) + " |"
@@ -234,10 +253,14 @@ def summarize(runs: Sequence[dict[str, Any]], sparsities: Sequence[float]) -> di
     for s in ([0.0] if method == "dense" else sparsities):
       group = [r for r in runs if r["method"] == method and (
           method == "dense" or math.isclose(r["sparsity"], s))]
-      cells.append(_cell([r["accuracy"] for r in group]) if group else "–")
+      finished = [r["accuracy"] for r in group if r["accuracy"] is not None]
+      lost = len(group) - len(finished)
+      cells.append("–" if not group else "diverged" if not finished else
+                   _cell(finished) + (f" ({lost} of {len(group)} diverged)" if lost else ""))
       if not group:
         continue
-      row = {"method": method, "sparsity": s, "seeds": sorted(r["seed"] for r in group)}
+      row = {"method": method, "sparsity": s, "seeds": sorted(r["seed"] for r in group),
+             "diverged": lost}
       for key in ("accuracy", "accuracy_before_bnt", "dense_accuracy", "achieved_sparsity",
                   "images_per_second", "steady_images_per_second", "wall_seconds"):
         values = [r[key] for r in group if r.get(key) is not None]
