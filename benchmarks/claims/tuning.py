@@ -101,9 +101,11 @@ DECLARED: dict[str, dict[str, Any]] = {
         "rows": {
             **{label: {"SAFE": _safe(0.003, 0.01, 0.03), "ADMM": _admm(0.001, 0.01, 0.1)}
                for label in ("90 %", "95 %")},
+            # The 160-epoch rows (2026-11-28) reuse their sparsity's 40-epoch selection.
             **{label: {"SAFE": _safe(0.001, 0.003, 0.01), "ADMM": _admm(0.001, 0.01, 0.1)}
-               for label in ("98 %", "99 %")},
-            "99.5 %": {"SAFE": _safe(0.001, 0.003, 0.01), "ADMM": _admm(0.0001, 0.001, 0.01)}}},
+               for label in ("98 %", "99 %", "99 %, 160 epochs")},
+            **{label: {"SAFE": _safe(0.001, 0.003, 0.01), "ADMM": _admm(0.0001, 0.001, 0.01)}
+               for label in ("99.5 %", "99.5 %, 160 epochs")}}},
     "sparsity_lenet5_fmnist": {
         "when": (BEFORE + " for GMP's schedule end and ADMM's λ 0.03 at 99 % (run.sh's comments); "
                  + AFTER + " for the other λ grids"),
