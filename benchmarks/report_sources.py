@@ -460,8 +460,8 @@ def _robustness_arm(folder: pathlib.Path, file: str, method: str, metric: str) -
   data = _load(folder / file)
   evals = data["evals"][method]
   c = evals[0]["config"]
-  arm = Arm(NAMES[method], {e["config"]["seed"]: ROBUSTNESS[metric](e) for e in evals},
-            f"{c['epochs']} epochs")
+  arm = Arm(NAMES[method], {e["config"]["seed"]: None if "diverged" in e else ROBUSTNESS[metric](e)
+                           for e in evals}, f"{c['epochs']} epochs")
   value = c["admm_penalty"] if method == "admm" else c["penalty"]
   if value is None:
     value = next(lam for bound, lam in c["penalty_table"] if c["sparsity"] <= bound)

@@ -37,8 +37,7 @@ def _install(monkeypatch):
   def fake_eval(run_dir, **kwargs):
     del kwargs
     config, _ = next(t for t in trained if t[1] == pathlib.Path(run_dir).name)
-    return {"config": {"seed": config.seed, "method": config.method,
-                       "penalty": config.penalty, "admm_penalty": config.admm_penalty},
+    return {"config": robustness_mnist.configs.to_dict(config),  # as evaluate_workdir's
             "clean": 0.9, "corruptions": {"mean": {"3": 0.8, "5": 0.7}},
             "pgd-linf": {"adversarial": 0.5}, "pgd-l2": {"adversarial": 0.6},
             "hessian": {"lambda_max_support": 1.0}}
@@ -124,3 +123,30 @@ def test_chosen_from_refuses_a_selection_made_for_other_settings(monkeypatch, tm
     robustness_mnist.main(["--data-dir", "unused", "--chosen-from", str(earlier), *flags,
                            "--workdir", str(tmp_path / "w6"), "--out", str(tmp_path / "out6")])
   assert message in capsys.readouterr().err and trained == []
+
+
+def test_a_run_that_diverges_is_recorded_and_the_table_counts_it(monkeypatch, tmp_path):
+  _, trained = _install(monkeypatch)
+  fake = robustness_mnist.train.train_and_evaluate
+
+  def diverge_admm_seed1(config, run_dir, **kwargs):
+    if config.method == "admm" and config.seed == 1:
+      trained.append((config, pathlib.Path(run_dir).name))
+      raise robustness_mnist.workdirs.TrainingDiverged(str(run_dir), 938, 0.82, 1)
+    return fake(config, run_dir, **kwargs)
+
+  monkeypatch.setattr(robustness_mnist.train, "train_and_evaluate", diverge_admm_seed1)
+  assert robustness_mnist.main([
+      "--data-dir", "unused", "--seeds", "0", "1", "2", "--epochs", "3",
+      "--workdir", str(tmp_path / "w"), "--out", str(tmp_path / "out")]) == 0
+  saved = json.loads((tmp_path / "out" / "robustness_mlp-mnist.json").read_text())
+  lost = saved["evals"]["admm"][1]
+  assert lost["diverged"] == {"step": 938, "last_finite_loss": 0.82}
+  assert lost["config"]["seed"] == 1 and "clean" not in lost
+  table = (tmp_path / "out" / "robustness_mlp-mnist.md").read_text()
+  assert "| admm | 90.00 ± 0.00 (1 of 3 diverged) |" in table
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+  import report_sources  # pylint: disable=import-outside-toplevel
+  arm = report_sources._robustness_arm(tmp_path / "out", "robustness_mlp-mnist.json", "admm",  # pylint: disable=protected-access
+                                       "clean")
+  assert arm.values == {0: pytest.approx(90.0), 1: None, 2: pytest.approx(90.0)}

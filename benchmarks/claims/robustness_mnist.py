@@ -34,11 +34,17 @@ from safe_optax.vision import selection as selection_lib
 from safe_optax.vision import sweeps
 from safe_optax.vision import train
 from safe_optax.vision import datasets
+from safe_optax.vision import workdirs
 
 
-def _cell(values: list[float]) -> str:
-  mean, se = mean_se([100 * v for v in values])
-  return f"{mean:.2f}" if se is None else f"{mean:.2f} ± {se:.2f}"
+def _cell(values: list[Optional[float]]) -> str:
+  """Mean ± s.e. in percent over the finished runs; a diverged run (None) is counted beside it."""
+  finished = [100 * v for v in values if v is not None]
+  lost = f" ({len(values) - len(finished)} of {len(values)} diverged)" if len(finished) < len(values) else ""
+  if not finished:
+    return "diverged"
+  mean, se = mean_se(finished)
+  return (f"{mean:.2f}" if se is None else f"{mean:.2f} ± {se:.2f}") + lost
 
 
 def table(evals: dict[str, list[dict[str, Any]]]) -> str:
@@ -51,9 +57,12 @@ def table(evals: dict[str, list[dict[str, Any]]]) -> str:
   lines = ["| method | " + " | ".join(c for c, _ in columns) + " | lambda_max (support) |",
            "|---|" + "---|" * (len(columns) + 1)]
   for method, runs in evals.items():
-    lam = mean_se([e["hessian"]["lambda_max_support"] for e in runs])
-    lam_text = f"{lam[0]:.3g}" + ("" if lam[1] is None else f" ± {lam[1]:.2g}")
-    lines.append(f"| {method} | " + " | ".join(_cell([fn(e) for e in runs]) for _, fn in columns)
+    finished = [e for e in runs if "diverged" not in e]
+    lam = mean_se([e["hessian"]["lambda_max_support"] for e in finished]) if finished else None
+    lam_text = ("–" if lam is None else
+                f"{lam[0]:.3g}" + ("" if lam[1] is None else f" ± {lam[1]:.2g}"))
+    lines.append(f"| {method} | " + " | ".join(
+        _cell([None if "diverged" in e else fn(e) for e in runs]) for _, fn in columns)
                  + f" | {lam_text} |")
   return "\n".join(lines)
 
@@ -147,8 +156,15 @@ def main(argv: Optional[list[str]] = None) -> int:
       run_dir = (sweeps.run_dir(args.workdir, config) if selection is not None else
                  pathlib.Path(args.workdir) / f"{method}-s{args.sparsity:g}-seed{seed}")
       print(f"{method} seed {seed}", file=sys.stderr, flush=True)
-      outcome = train.train_and_evaluate(config, run_dir, data_dir=args.data_dir, dataset=data,
-                                         progress=True)
+      try:
+        outcome = train.train_and_evaluate(config, run_dir, data_dir=args.data_dir,
+                                           dataset=data, progress=True)
+      except workdirs.TrainingDiverged as err:
+        # A result (the report scores it as chance), not a crash: a rerun diverges again.
+        print(f"  {err}", file=sys.stderr, flush=True)
+        evals.setdefault(method, []).append({"config": configs.to_dict(config),
+                                             "diverged": sweeps.divergence(err)})
+        continue
       record = evaluation.evaluate_workdir(
           run_dir, data_dir=args.data_dir, dataset=data,
           corruption_subset=args.corruption_subset,
