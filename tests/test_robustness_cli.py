@@ -47,12 +47,18 @@ def _install(monkeypatch):
   return selected, trained
 
 
-def test_lambdas_chosen_on_validation_reach_the_evaluated_runs(monkeypatch, tmp_path):
+def _select_first(monkeypatch, tmp_path):
+  """A 3-epoch run that chooses on validation; what the longer run reads with --chosen-from."""
   selected, trained = _install(monkeypatch)
   assert robustness_mnist.main([
       "--data-dir", "unused", "--seeds", "0", "1", "--epochs", "3", "--validation", "100",
       "--safe-grid", "0.1", "1", "10", "--admm-grid", "0.001", "0.01", "0.1", "--rescale-dual",
-      "--workdir", str(tmp_path / "w"), "--out", str(tmp_path / "out")]) == 0
+      "--workdir", str(tmp_path / "w3"), "--out", str(tmp_path / "out3")]) == 0
+  return selected, trained, tmp_path / "out3" / "robustness_mlp-mnist.json"
+
+
+def test_lambdas_chosen_on_validation_reach_the_evaluated_runs(monkeypatch, tmp_path):
+  selected, trained, out = _select_first(monkeypatch, tmp_path)
   assert all(c.validation == 100 for c, _ in selected) and len(selected) == 6
   assert sorted((c.method, c.penalty if c.method == "safe" else c.admm_penalty, c.seed,
                  c.rescale_dual) for c, _ in trained) == [
@@ -62,7 +68,7 @@ def test_lambdas_chosen_on_validation_reach_the_evaluated_runs(monkeypatch, tmp_
   assert {n for _, n in trained} == {"admm-s0.9-lam0.01-seed0", "admm-s0.9-lam0.01-seed1",
                                      "safe-s0.9-lam1-rescaled-seed0",
                                      "safe-s0.9-lam1-rescaled-seed1"}
-  saved = json.loads((tmp_path / "out" / "robustness_mlp-mnist.json").read_text())
+  saved = json.loads(out.read_text())
   assert saved["selection"]["chosen"] == {"safe@0.9": 1.0, "admm@0.9": 0.01}
   assert saved["selection"]["at_grid_edge"] == []
 
@@ -75,16 +81,6 @@ def test_grids_and_validation_go_together_naming_the_flags(flags, message, capsy
   with pytest.raises(SystemExit):
     robustness_mnist.main(["--data-dir", "unused", *flags])
   assert message in capsys.readouterr().err
-
-
-def _select_first(monkeypatch, tmp_path):
-  """A 3-epoch run that chooses on validation; what the longer run reads with --chosen-from."""
-  selected, trained = _install(monkeypatch)
-  assert robustness_mnist.main([
-      "--data-dir", "unused", "--seeds", "0", "1", "--epochs", "3", "--validation", "100",
-      "--safe-grid", "0.1", "1", "10", "--admm-grid", "0.001", "0.01", "0.1", "--rescale-dual",
-      "--workdir", str(tmp_path / "w3"), "--out", str(tmp_path / "out3")]) == 0
-  return selected, trained, tmp_path / "out3" / "robustness_mlp-mnist.json"
 
 
 def test_a_longer_run_takes_the_lambdas_an_earlier_budget_chose(monkeypatch, tmp_path):
