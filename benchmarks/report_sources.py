@@ -32,6 +32,7 @@ NAMES = {"safe": "SAFE", "safe-plus": "SAFE+", "admm": "ADMM", "gmp": "GMP", "cr
          "magnitude": "magnitude", "wanda": "Wanda", "sparsegpt": "SparseGPT",
          "dense": "dense", "imp-sam": "IMP+SAM"}
 PENALIZED = ("safe", "safe-plus", "admm")
+SAM_METHODS = ("safe", "safe-plus")  # the penalty methods that take SAM's step (and its rho)
 
 
 @dataclasses.dataclass
@@ -128,6 +129,18 @@ def _attach_shorter(arm: Arm, shorter: Arm) -> None:
   arm.shorter_same_hyper = shorter.settings == arm.settings
 
 
+# A run's config fields that may differ between two budgets of the same settings.
+BUDGET_FIELDS = ("epochs", "seed", "eval_every", "checkpoint_every", "log_every")
+# Config fields added after some committed runs, with the behaviour those runs had (the field's
+# default, tests/test_report.py checks): a file that predates a field ran with this value.
+ADDED_FIELDS = {"conv_impl": "xla"}
+
+
+def _config_settings(config: dict[str, Any]) -> dict[str, Any]:
+  """A run config's fields that two budgets of the same settings share (all but the budget's)."""
+  return {**ADDED_FIELDS, **{k: v for k, v in config.items() if k not in BUDGET_FIELDS}}
+
+
 def _only(values: set, what: str) -> Any:
   if len(values) != 1:
     raise ValueError(f"{what} differs between seeds: {sorted(values, key=str)}")
@@ -208,31 +221,47 @@ def _sweep_row(folder: pathlib.Path, r: dict) -> Row:
 
 # --- label_noise.py --------------------------------------------------------------------------------
 
-def _noise_row(folder: pathlib.Path, r: dict) -> Row:
-  run = _load(folder / r["file"])
-  source = _load(folder / r.get("selection", r["file"]))
-  sel = source["selection"][f"{r['noise']:g}"]
-  c = run["config"]
+def _noise_arm(folder: pathlib.Path, file: str, method: str, noise: float) -> tuple[Arm, list[dict]]:
+  """One method at one noise ratio of a ``label_noise.py`` file: its accuracy per seed, the
+  settings a budget keeps, and its runs."""
+  data = _load(folder / file)
+  c = data["config"]
+  runs = [x for x in data["runs"] if x["method"] == method and abs(x["noise"] - noise) < 1e-9]
+  if not runs:
+    raise ValueError(f"{file} has no {method} run at noise {noise}")
   split = c.get("test_only_split")
-  budget = f"{c['epochs']} epochs" + (f" on {split[0]} images" if split else "")
+  arm = Arm(NAMES[method], {x["seed"]: _percent(x["accuracy"]) for x in runs},
+            f"{c['epochs']} epochs" + (f" on {split[0]} images" if split else ""))
+  arm.settings = {**_config_settings(c), "noise": noise,
+                  "penalty": _only({x["penalty"] for x in runs}, f"{method}'s lambda")}
+  if method in SAM_METHODS:
+    arm.settings["rho"] = _only({x.get("rho", c["rho"]) for x in runs}, "rho")
+    arm.settings["rescale_dual"] = _only({bool(x.get("rescale_dual")) for x in runs},
+                                         "rescale_dual")
+  arm.distance = _mean([x["constraint_distance"] for x in runs
+                        if x.get("constraint_distance") is not None])
+  return arm, runs
+
+
+def _noise_row(folder: pathlib.Path, r: dict) -> Row:
+  """A ``label_noise.py`` row; ``selection``: the file whose selection a fixed-λ run used."""
+  source_file = r.get("selection", r["file"])
+  sel = _load(folder / source_file)["selection"][f"{r['noise']:g}"]
+  where = (f"`{pathlib.Path(sel['file']).name}`, chosen at {sel['epochs']} epochs"
+           if "file" in sel else f"`{source_file}`")
   arms = []
   for method in [r["ours"], *r["baselines"]]:
-    runs = [x for x in run["runs"] if x["method"] == method and abs(x["noise"] - r["noise"]) < 1e-9]
-    if not runs:
-      raise ValueError(f"{r['file']} has no {method} run at noise {r['noise']}")
-    arm = Arm(NAMES[method], {x["seed"]: _percent(x["accuracy"]) for x in runs}, budget)
-    value = _only({x["penalty"] for x in runs}, f"{method}'s lambda")
-    _chosen_lambda(arm, sel, method, f"{method}@0.9", value, r["file"],
-                   f"`{r.get('selection', r['file'])}`")
-    if method == "safe":
-      rho = _only({x.get("rho", c["rho"]) for x in runs}, "rho")
+    arm, runs = _noise_arm(folder, r["file"], method, r["noise"])
+    _chosen_lambda(arm, sel, method, f"{method}@0.9", arm.settings["penalty"], r["file"], where)
+    if method in SAM_METHODS:
       if "rho_grid" in sel:
-        _grid_note(arm, "ρ", rho, sel["rho_grid"], f"`{r.get('selection', r['file'])}`")
+        _grid_note(arm, "ρ", arm.settings["rho"], sel["rho_grid"], where)
       else:
-        arm.hyper.append(f"ρ {rho:g} (the paper's value, not tuned)")
-      if runs[0].get("rescale_dual"):
+        arm.hyper.append(f"ρ {arm.settings['rho']:g} (the paper's value, not tuned)")
+      if arm.settings["rescale_dual"]:
         arm.hyper.append("`rescale_dual`")
-    arm.distance = _mean([x["constraint_distance"] for x in runs if x.get("constraint_distance") is not None])
+    if "shorter" in r:
+      _attach_shorter(arm, _noise_arm(folder, r["shorter"], method, r["noise"])[0])
     arms.append(arm)
   return Row(r["label"], r.get("paper", ""), arms[0], arms[1:], True, True, 2)
 
@@ -448,13 +477,6 @@ ROBUSTNESS = {"clean": lambda e: 100 * e["clean"],
               "lambda_max": lambda e: e["hessian"]["lambda_max_support"]}
 
 
-# A run's config fields that may differ between two budgets of the same settings.
-BUDGET_FIELDS = ("epochs", "seed", "eval_every", "checkpoint_every", "log_every")
-# Config fields added after some committed runs, with the behaviour those runs had (the field's
-# default, tests/test_report.py checks): a file that predates a field ran with this value.
-ADDED_FIELDS = {"conv_impl": "xla"}
-
-
 def _robustness_arm(folder: pathlib.Path, file: str, method: str, metric: str) -> Arm:
   """One method of a ``robustness_mnist.py`` file: its value per seed and the settings a budget keeps."""
   data = _load(folder / file)
@@ -465,8 +487,7 @@ def _robustness_arm(folder: pathlib.Path, file: str, method: str, metric: str) -
   value = c["admm_penalty"] if method == "admm" else c["penalty"]
   if value is None:
     value = next(lam for bound, lam in c["penalty_table"] if c["sparsity"] <= bound)
-  arm.settings = {**ADDED_FIELDS, **{k: v for k, v in c.items() if k not in BUDGET_FIELDS}}
-  arm.settings["penalty"] = value
+  arm.settings = {**_config_settings(c), "penalty": value}
   if method == "safe":
     arm.settings.update(rho=c["rho"], rescale_dual=bool(c.get("rescale_dual")))
   arm.distance = _mean([e["constraint_distance"] for e in evals

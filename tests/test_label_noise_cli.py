@@ -157,3 +157,74 @@ def test_a_reused_selection_of_other_runs_is_refused_naming_the_flag(
     label_noise.main([*argv, *flags])
   err = capsys.readouterr().err
   assert "--reuse-selection" in err and message in err
+
+
+def _rho_selection_first(monkeypatch, tmp_path) -> tuple[list, pathlib.Path]:
+  """A 3-epoch run that chooses (lambda, rho) for SAFE and lambda for ADMM per noise ratio."""
+  seen = test_sweeps.install_fake_runs(
+      monkeypatch, lambda c: 0.8 - (abs(c.rho - 0.05) if c.method == "safe" else 0.0)
+      - (abs(np.log10(c.penalty) - np.log10(3.0)) if c.method == "safe" else 0.0))
+  assert label_noise.main([
+      "--preset", "mlp-mnist", "--data-dir", "unused", "--noise", "0.25", "0.5", "--seeds", "0",
+      "1", "--epochs", "3", "--warmup-epochs", "1", "--validation", "100", "--safe-grid", "1", "3", "10",
+      "--admm-grid", "0.1", "0.3", "1", "--rho-grid", "0.02", "0.05", "0.1", "--rescale-dual",
+      "--workdir", str(tmp_path / "w3"), "--out", str(tmp_path / "out3")]) == 0
+  return seen, tmp_path / "out3" / "label_noise_mlp-mnist_rescaled_rhogrid.json"
+
+
+def test_chosen_from_runs_what_an_earlier_budget_chose_per_noise_ratio(monkeypatch, tmp_path):
+  seen, earlier = _rho_selection_first(monkeypatch, tmp_path)
+  seen.clear()
+  assert label_noise.main([
+      "--preset", "mlp-mnist", "--data-dir", "unused", "--noise", "0.25", "0.5", "--seeds", "0",
+      "1", "2", "--epochs", "6", "--warmup-epochs", "1", "--rescale-dual",
+      "--chosen-from", str(earlier),
+      "--workdir", str(tmp_path / "w6"), "--out", str(tmp_path / "out6")]) == 0
+  # nothing is chosen again: every run is a test run at 6 epochs with the chosen values
+  assert all(c.validation is None and c.epochs == 6 for c, _ in seen)
+  assert sorted({(c.label_noise, c.method, c.penalty if c.method == "safe" else c.admm_penalty,
+                  c.rho if c.method == "safe" else None, c.rescale_dual) for c, _ in seen}) == [
+      (0.25, "admm", 0.1, None, False), (0.25, "safe", 3.0, 0.05, True),
+      (0.5, "admm", 0.1, None, False), (0.5, "safe", 3.0, 0.05, True)]
+  assert len(seen) == 2 * 2 * 3
+  saved = json.loads((tmp_path / "out6" / "label_noise_mlp-mnist_rescaled.json").read_text())
+  for sel in saved["selection"].values():
+    assert (sel["epochs"], sel["file"]) == (3, str(earlier))
+    assert sel["chosen"] == {"safe@0.9": 3.0, "admm@0.9": 0.1}
+  assert saved["config"]["epochs"] == 6
+  text = (tmp_path / "out6" / "label_noise_mlp-mnist_rescaled.md").read_text()
+  assert f"(chosen at 3 epochs, `{earlier}`)" in text and "safe@0.9 3 (rho 0.05)" in text
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--noise", "0.75", "--rescale-dual"], "it has no selection at noise 0.75"),
+    (["--noise", "0.25"], "its runs differ in --rescale-dual"),
+    (["--noise", "0.25", "--rescale-dual", "--warmup-epochs", "2"],
+     "differ from this run's beyond the epochs"),
+    (["--noise", "0.25", "--rescale-dual", "--methods", "safe", "safe-plus"],
+     "it chose nothing for ['safe-plus']"),
+    (["--noise", "0.25", "--rescale-dual", "--validation", "100"], "drop --validation"),
+    (["--noise", "0.25", "--rescale-dual", "--safe-grid", "3"], "the lambda grids"),
+])
+def test_chosen_from_refuses_a_selection_of_other_settings_naming_the_flag(
+    monkeypatch, tmp_path, capsys, flags, message):
+  seen, earlier = _rho_selection_first(monkeypatch, tmp_path)
+  seen.clear()
+  capsys.readouterr()
+  with pytest.raises(SystemExit):
+    label_noise.main(["--preset", "mlp-mnist", "--data-dir", "unused", "--epochs", "6",
+                      "--warmup-epochs", "1", "--chosen-from", str(earlier), *flags, "--workdir", str(tmp_path / "w6"),
+                      "--out", str(tmp_path / "out6")])
+  err = capsys.readouterr().err
+  assert "--chosen-from" in err and message in err and seen == []
+
+
+def test_chosen_from_refuses_a_fixed_rho_other_than_the_selections(monkeypatch, tmp_path, capsys):
+  test_sweeps.install_fake_runs(monkeypatch, _validation_peak)
+  assert _noise_run(tmp_path, "first", "--safe-grid", "1", "3") == 0
+  earlier = tmp_path / "first" / "label_noise_mlp-mnist_rescaled.json"
+  with pytest.raises(SystemExit):
+    label_noise.main(["--preset", "mlp-mnist", "--data-dir", "unused", "--noise", "0.25",
+                      "--rescale-dual", "--rho", "0.05", "--chosen-from", str(earlier),
+                      "--workdir", str(tmp_path / "w6"), "--out", str(tmp_path / "x")])
+  assert "its runs used another SAM radius rho" in capsys.readouterr().err

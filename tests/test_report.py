@@ -312,6 +312,76 @@ def test_a_robustness_row_checks_the_iterate_and_names_the_budget_its_lambda_was
       "not shown: SAFE ||x − z|| 1.50; ADMM ||x − z|| 1.50")
 
 
+def _noise_file(path, epochs=50, acc=(0.93, 0.94), rho=0.05, warmup=2, distance=0.5,
+                chosen_at=None):
+  """A label_noise.py output at noise 0.5: SAFE (λ 3, ρ chosen) and ADMM (λ 0.3), two seeds."""
+  runs = [{"method": m, "noise": 0.5, "seed": seed, "penalty": lam,
+           "accuracy": a - (0.01 if m == "admm" else 0.0), "constraint_distance": distance,
+           **({"rho": rho, "rescale_dual": True} if m == "safe" else {"rho": 0.1})}
+          for m, lam in (("safe", 3.0), ("admm", 0.3)) for seed, a in enumerate(acc)]
+  grid = ([{"method": "safe", "value": v} for v in (1.0, 3.0, 10.0)]
+          + [{"method": "admm", "value": v} for v in (0.1, 0.3, 1.0)])
+  selection = {"grid": grid, "chosen": {"safe@0.9": 3.0, "admm@0.9": 0.3},
+               "chosen_rho": {"safe@0.9": 0.05}, "rho_grid": [0.02, 0.05, 0.1]}
+  if chosen_at is not None:  # label_noise.py --chosen-from
+    selection.update(epochs=chosen_at, file="results/label_noise/ln25.json")
+  _write(path, {"config": {"epochs": epochs, "seed": 0, "warmup_epochs": warmup, "rho": 0.1,
+                           "test_only_split": [8000, 2000]},
+                "selection": {"0.5": selection}, "runs": runs})
+
+
+def _noise_folder(tmp_path, shorter=None):
+  row = {"label": "50 %", "noise": 0.5}
+  if shorter is not None:
+    row["shorter"] = shorter
+  _write(tmp_path / "claim.json", {
+      "order": 1, "title": "Label noise", "short": "n", "paper": "–", "metric": "accuracy",
+      "source": "label_noise", "file": "ln.json", "ours": "safe", "baselines": ["admm"],
+      "rows": [row]})
+  from claims import tuning  # pylint: disable=import-outside-toplevel
+  specs = {"SAFE": {"λ": tuning.grid(1, 3, 10), "ρ": tuning.grid(0.02, 0.05, 0.1)},
+           "ADMM": {"λ": tuning.grid(0.1, 0.3, 1)}}
+  return tmp_path, lambda claim, row, method: specs[method]
+
+
+@pytest.mark.parametrize("shorter, want", [
+    ({"acc": (0.931, 0.938)}, "converged"),
+    ({"acc": (0.92, 0.93)},
+     "not shown: SAFE +1.00 ± 0.00 vs 25 epochs on 8000 images; "
+     "ADMM +1.00 ± 0.00 vs 25 epochs on 8000 images"),
+    ({"acc": (0.931, 0.938), "rho": 0.1},
+     "not shown: SAFE: shorter run used other hyperparameters"),
+    ({"acc": (0.931, 0.938), "warmup": 1},
+     "not shown: SAFE: shorter run used other hyperparameters; "
+     "ADMM: shorter run used other hyperparameters"),
+    ({"acc": (0.931, 0.938), "distance": 2.0}, "converged"),  # the longer run's iterate counts
+])
+def test_a_label_noise_row_is_converged_only_against_its_settings_at_a_shorter_budget(
+    tmp_path, shorter, want):
+  import report_sources  # pylint: disable=import-outside-toplevel
+  folder, declared = _noise_folder(tmp_path, shorter="ln25.json")
+  _noise_file(folder / "ln.json")
+  _noise_file(folder / "ln25.json", epochs=25, chosen_at=50, **shorter)
+  row, = report_sources.load_claim(folder, declared).rows
+  assert row.ours.hyper == ["λ 3 ∈ {1, 3, 10} on validation (`ln.json`)",
+                            "ρ 0.05 ∈ {0.02, 0.05, 0.1} on validation (`ln.json`)",
+                            "`rescale_dual`"]
+  assert report.convergence([row.ours, *row.baselines], row.points) == want
+
+
+def test_a_label_noise_row_names_the_budget_its_values_were_chosen_at(tmp_path):
+  import report_sources  # pylint: disable=import-outside-toplevel
+  folder, declared = _noise_folder(tmp_path)
+  _noise_file(folder / "ln.json", epochs=100, distance=1.5, chosen_at=50)
+  row, = report_sources.load_claim(folder, declared).rows
+  assert row.ours.hyper[:2] == [
+      "λ 3 ∈ {1, 3, 10} on validation (`ln25.json`, chosen at 50 epochs)",
+      "ρ 0.05 ∈ {0.02, 0.05, 0.1} on validation (`ln25.json`, chosen at 50 epochs)"]
+  assert report.convergence([row.ours, *row.baselines], row.points) == (
+      "not shown: SAFE: no shorter run; ADMM: no shorter run; SAFE ||x − z|| 1.50; "
+      "ADMM ||x − z|| 1.50")
+
+
 def test_a_config_field_added_after_a_run_is_read_at_the_default_that_run_had():
   import report_sources  # pylint: disable=import-outside-toplevel
   from safe_optax.vision import configs  # pylint: disable=import-outside-toplevel

@@ -103,7 +103,7 @@ def test_a_longer_run_takes_the_lambdas_an_earlier_budget_chose(monkeypatch, tmp
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--epochs", "6"], "its SAFE runs differ in --rescale-dual"),
+    (["--epochs", "6"], "its runs differ in --rescale-dual"),
     (["--rescale-dual", "--sparsity", "0.8"], "it chose at sparsity 0.9, not 0.8"),
     (["--rescale-dual", "--test-only-split", "100", "50"], "differ from this run's beyond the epochs"),
     (["--rescale-dual", "--warmup-epochs", "2"], "differ from this run's beyond the epochs"),

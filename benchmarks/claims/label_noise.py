@@ -11,7 +11,11 @@ settings is refused).
 With ``--validation N`` each method's lambda is first chosen per noise ratio
 and sparsity on N held-out training examples whose labels carry the same
 noise (:func:`safe_optax.vision.selection_lib.select_hyperparameters`; the clean test set is
-never looked at), over ``--safe-grid`` / ``--admm-grid``.
+never looked at), over ``--safe-grid`` / ``--admm-grid``. ``--chosen-from FILE``
+takes what an earlier output chose per noise ratio (lambda, and rho when it
+chose one) for the same settings at another ``--epochs``: the other budget of
+the report's convergence rule; the selection is recorded with the budget and
+file it was made at.
 
   python benchmarks/claims/label_noise.py --preset mlp-mnist --data-dir ../shared/data/mnist \\
       --test-only-split 8000 2000 --noise 0.25 0.5 0.75 --sparsities 0.9 --epochs 20 \\
@@ -110,6 +114,27 @@ def reused_selections(args: argparse.Namespace, parser: argparse.ArgumentParser,
   return earlier["selection"]
 
 
+def chosen_selections(args: argparse.Namespace, parser: argparse.ArgumentParser,
+                      base: configs.Config, per_method: dict[str, dict[str, Any]]
+                      ) -> Optional[dict[str, Any]]:
+  """``--chosen-from``'s selections by noise ratio, each with the budget and file it was made at
+  (None without the flag); one made for other settings is a parser error naming the flag."""
+  if args.chosen_from is None:
+    return None
+  earlier = json.loads(pathlib.Path(args.chosen_from).read_text(encoding="utf-8"))
+  chosen = {}
+  for noise in args.noise:
+    selection = (earlier.get("selection") or {}).get(f"{noise:g}")
+    problem = (f"it has no selection at noise {noise:g}" if selection is None else
+               selection_lib.transfer_problem(earlier, selection, base, args.methods,
+                                              args.sparsities, per_method))
+    if problem:
+      parser.error(f"--chosen-from {args.chosen_from}: {problem}")
+    chosen[f"{noise:g}"] = {**selection, "epochs": earlier["config"]["epochs"],
+                            "file": args.chosen_from}
+  return chosen
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--preset", default="resnet20-cifar10", choices=sorted(configs.PRESETS))
@@ -150,6 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "reused (same config, validation split and selection seeds, every "
                            "--noise in it): only the grid values it lacks are trained, the edge "
                            "rule's extensions (not with --rho-grid)")
+  parser.add_argument("--chosen-from", default=None,
+                      help="an earlier output JSON of this script whose selection per noise "
+                           "ratio gives lambda (and rho, if it chose one): the same settings at "
+                           "another --epochs, for the convergence rule")
   parser.add_argument("--workdir", default="/tmp/safe_optax_label_noise")
   parser.add_argument("--out", default="results/label_noise")
   return parser
@@ -167,6 +196,11 @@ def main(argv: Optional[list[str]] = None) -> int:
   if args.reuse_selection is not None and (args.validation is None or args.rho_grid is not None):
     parser.error("--reuse-selection extends a lambda selection: pass --validation N, and not "
                  "--rho-grid")
+  if args.chosen_from is not None and (
+      args.validation is not None or args.reuse_selection is not None
+      or args.rho_grid is not None or args.safe_grid is not None or args.admm_grid is not None):
+    parser.error("--chosen-from takes the values an earlier output chose: drop --validation, "
+                 "--reuse-selection, --rho-grid and the lambda grids")
   start = time.perf_counter()
   overrides = {"epochs": args.epochs, "warmup_epochs": args.warmup_epochs,
                "batch_size": args.batch_size, "train_subset": args.train_subset}
@@ -179,10 +213,13 @@ def main(argv: Optional[list[str]] = None) -> int:
   if args.rho is not None:  # the SAFE family only: ADMM keeps its config and folders
     per_method = selection_lib.with_rho(per_method, args.methods, args.rho)
   earlier = reused_selections(args, parser, base, per_method)
+  chosen = chosen_selections(args, parser, base, per_method)
   for noise in args.noise:
     noisy = base.replace(label_noise=noise)
     selection = None
-    if earlier is not None:
+    if chosen is not None:
+      selection = selections[f"{noise:g}"] = chosen[f"{noise:g}"]
+    elif earlier is not None:
       selection = selection_lib.extend_selection(
           noisy, earlier[f"{noise:g}"], args.methods, args.sparsities, grids,
           validation=args.validation, seeds=range(args.select_seeds),
@@ -220,14 +257,20 @@ def main(argv: Optional[list[str]] = None) -> int:
       {"command": command, "config": configs.to_dict(base), "selection": selections,
        "runs": runs,
        "versions": versions(), "wall_seconds": time.perf_counter() - start}, indent=1))
-  chosen = "".join(
+  listed = "".join(
       f"\n- noise {noise}: " + ", ".join(
           f"{k} {v:g}" + (f" (rho {sel['chosen_rho'][k]:g})" if k in sel.get("chosen_rho", {})
                           else "") for k, v in sel["chosen"].items())
       for noise, sel in selections.items())
-  what = "Lambda" if args.rho_grid is None else f"Lambda and rho (from {args.rho_grid})"
-  lambdas = (f"\n\n{what} chosen per noise ratio on {args.validation} held-out training "
-             f"examples with equally noisy labels:{chosen}" if selections else "")
+  lambdas = ""
+  if selections:
+    first = next(iter(selections.values()))
+    what = ("Lambda" if "rho_grid" not in first
+            else f"Lambda and rho (from {first['rho_grid']})")
+    where = (f" (chosen at {first['epochs']} epochs, `{first['file']}`)" if "file" in first
+             else "")
+    lambdas = (f"\n\n{what} chosen per noise ratio on {first['validation_examples']} held-out "
+               f"training examples with equally noisy labels{where}:{listed}")
   (out / f"{stem}.md").write_text(
       f"Command: `{command}`\n\nClean test accuracy (%) after projection + BNT, trained on "
       f"symmetric label noise; mean ± s.e. over seeds {args.seeds}.\n\n{markdown}{lambdas}\n")

@@ -67,27 +67,21 @@ def table(evals: dict[str, list[dict[str, Any]]]) -> str:
   return "\n".join(lines)
 
 
-def earlier_selection(path: str, base: configs.Config, args: argparse.Namespace
+def earlier_selection(path: str, base: configs.Config, args: argparse.Namespace,
+                      per_method: dict[str, dict[str, Any]]
                       ) -> tuple[Optional[dict[str, Any]], Optional[str]]:
   """An earlier output's selection, with the budget it was made at; or why it is not this run's."""
   earlier = json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
   selection = earlier.get("selection")
   if selection is None:
     return None, "it made no validation selection"
-  then = configs.from_dict(earlier["config"])
-  if then.replace(epochs=base.epochs) != base:
-    return None, "its preset, split or settings differ from this run's beyond the epochs"
   if abs(earlier["sparsity"] - args.sparsity) > 1e-12:
     return None, f"it chose at sparsity {earlier['sparsity']:g}, not {args.sparsity:g}"
-  missing = [m for m in args.methods if m in sweeps.PENALTY_METHODS
-             and selection_lib.key(m, args.sparsity) not in selection["chosen"]]
-  if missing:
-    return None, f"it chose nothing for {missing}"
-  if any(bool(run.get("rescale_dual")) != args.rescale_dual
-         for row in selection["grid"] if row["method"] in ("safe", "safe-plus")
-         for run in row["runs"] if "diverged" not in run):
-    return None, "its SAFE runs differ in --rescale-dual"
-  return {**selection, "epochs": then.epochs, "file": path}, None
+  problem = selection_lib.transfer_problem(earlier, selection, base, args.methods,
+                                           [args.sparsity], per_method)
+  if problem:
+    return None, problem
+  return {**selection, "epochs": earlier["config"]["epochs"], "file": path}, None
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -136,7 +130,7 @@ def main(argv: Optional[list[str]] = None) -> int:
   per_method = selection_lib.rescaled_dual(args.methods, args.rescale_dual)
   selection = None
   if args.chosen_from is not None:
-    selection, problem = earlier_selection(args.chosen_from, base, args)
+    selection, problem = earlier_selection(args.chosen_from, base, args, per_method)
     if problem:
       parser.error(f"--chosen-from {args.chosen_from}: {problem}")
   elif args.validation is not None:

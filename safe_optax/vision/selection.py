@@ -173,15 +173,44 @@ def reuse_problem(earlier: dict[str, Any], selection: dict[str, Any], base: conf
   if (configs.from_dict(earlier["config"]) != base
       or selection["validation_examples"] != validation or selection["seeds"] != list(seeds)):
     return "its config, validation split or selection seeds differ from this run's"
-  overrides = method_overrides or {}
+  return _overrides_problem(selection, base, methods, method_overrides or {})
+
+
+def transfer_problem(earlier: dict[str, Any], selection: dict[str, Any], base: configs.Config,
+                     methods: Sequence[str], sparsities: Sequence[float],
+                     method_overrides: Optional[dict[str, dict[str, Any]]] = None
+                     ) -> Optional[str]:
+  """Why ``selection`` (one of the file ``earlier``'s) cannot give the hyperparameters of runs
+  of ``base`` at another budget (None: it can): the longer run of a convergence check.
+
+  The file's base config must be ``base`` but for the epochs; the selection
+  must have chosen for every penalty method of ``methods`` at every sparsity;
+  and its runs must match ``method_overrides`` as :func:`reuse_problem`'s do
+  (``rescale_dual``; the SAM radius unless the selection chose it).
+  """
+  if configs.from_dict(earlier["config"]).replace(epochs=base.epochs) != base:
+    return "its preset, split or settings differ from this run's beyond the epochs"
+  missing = [m for m in methods if m in sweeps.PENALTY_METHODS
+             and any(key(m, s) not in selection["chosen"] for s in sparsities)]
+  if missing:
+    return f"it chose nothing for {missing}"
+  return _overrides_problem(selection, base, methods, method_overrides or {},
+                            rho_chosen="rho_grid" in selection)
+
+
+def _overrides_problem(selection: dict[str, Any], base: configs.Config, methods: Sequence[str],
+                       overrides: dict[str, dict[str, Any]], *, rho_chosen: bool = False
+                       ) -> Optional[str]:
+  """Why the selection's finished runs differ from ``overrides`` in ``rescale_dual`` or (unless
+  the selection chose rho) the SAM radius of the SAM-type penalty methods; None if they do not."""
   if any(bool(run.get("rescale_dual")) != bool(overrides.get(r["method"], {}).get("rescale_dual"))
          for r in selection["grid"] if r["method"] in methods
          for run in r["runs"] if "diverged" not in run):
     return "its runs differ in --rescale-dual"
-  if any(run.get("rho") is not None
-         and run["rho"] != overrides.get(r["method"], {}).get("rho", base.rho)
-         for r in selection["grid"] if r["method"] in _rho_crossed(methods)
-         for run in r["runs"] if "diverged" not in run):
+  if not rho_chosen and any(
+      run.get("rho") is not None and run["rho"] != overrides.get(r["method"], {}).get("rho", base.rho)
+      for r in selection["grid"] if r["method"] in _rho_crossed(methods)
+      for run in r["runs"] if "diverged" not in run):
     return "its runs used another SAM radius rho"
   return None
 
