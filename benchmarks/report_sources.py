@@ -132,8 +132,12 @@ def _attach_shorter(arm: Arm, shorter: Arm) -> None:
 # A run's config fields that may differ between two budgets of the same settings.
 BUDGET_FIELDS = ("epochs", "seed", "eval_every", "checkpoint_every", "log_every")
 # Config fields added after some committed runs, with the behaviour those runs had (the field's
-# default, tests/test_report.py checks): a file that predates a field ran with this value.
-ADDED_FIELDS = {"conv_impl": "xla"}
+# default, tests/test_report.py checks): a file that predates a field ran with this value. Each
+# field named the one behaviour the code had before it: global top-k (`structure`, 824b6fc),
+# the unscaled-dual update off (`rescale_dual`, 7daaa5d), float32 compute at the default
+# precision (`dtype`, `matmul_precision`, e322c77), XLA's convolution (`conv_impl`).
+ADDED_FIELDS = {"conv_impl": "xla", "structure": "global", "rescale_dual": False,
+                "dtype": "float32", "matmul_precision": "default"}
 
 
 def _config_settings(config: dict[str, Any]) -> dict[str, Any]:
