@@ -228,6 +228,37 @@ _MAYBE_MISSING = {"safe_optax", "flax", "orbax", "tqdm", "matplotlib", "PIL", "s
 _PROVIDED = {"IPython", "jax", "optax", "numpy", "safe_optax", "datasets"}
 
 
+def _recorded_numbers(value, key=""):
+  """The measured numbers of a recorded notebook run (its config left out): every float that is
+  not a round setting such as 0.5 or 0.1."""
+  if isinstance(value, dict):
+    for k, v in value.items():
+      if k != "config":
+        yield from _recorded_numbers(v, k)
+  elif isinstance(value, list):
+    for v in value:
+      yield from _recorded_numbers(v, key)
+  elif isinstance(value, float) and not math.isclose(value, round(value, 2), abs_tol=1e-12):
+    yield value
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_markdown_retypes_no_number_of_the_recorded_full_run(path):
+  """A result is read from ``results/notebook_<name>_full.json``, never typed into the prose,
+  where it would drift from the JSON when the notebook is run again."""
+  recorded = json.loads((ROOT / "results" / f"notebook_{path.stem}_full.json").read_text())
+  measured = [*_recorded_numbers(recorded["summary"]),
+              recorded["wall_seconds_whole_notebook"] / 60]
+  assert len(measured) >= 3  # the check has something to find
+  # as prose would round them, to at least two significant digits (so not 0.9 for 0.912)
+  as_shown = {f"{x:.{d}f}" for v in measured for x in (v, 100 * v) for d in (1, 2)
+              if abs(x) >= 10.0 ** -d * 10}
+  nb = nbformat.read(path, as_version=4)
+  typed = {n for cell in nb.cells if cell.cell_type == "markdown"
+           for n in re.findall(r"\d+\.\d+", cell.source)}
+  assert not typed & as_shown, f"{path.name} types recorded results: {sorted(typed & as_shown)}"
+
+
 def _install_cell(path):
   code = next(c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code")
   head, sep, _ = code.source.partition("\nimport jax\n")
