@@ -256,19 +256,23 @@ def _robustness_file(path, ran=0.1, chosen=0.1, epochs=20, clean=(0.95, 0.96), l
                           "admm": [ev("admm", s, c - 0.01) for s, c in enumerate(clean)]}})
 
 
-def _robustness_folder(tmp_path, ran=0.1, chosen=0.1, shorter=None):
-  _robustness_file(tmp_path / "rob.json", ran, chosen)
-  row = {"label": "clean", "metric": "clean"}
+def _one_row_claim(tmp_path, source, file, row, shorter, specs):
+  """A claim folder of one SAFE-against-ADMM row; returns it and the declared tuning ``specs``
+  (``{method name: {hyperparameter: grid}}``) as :func:`report_sources.load_claim` takes it."""
   if shorter is not None:
-    row["shorter"] = shorter
+    row = {**row, "shorter": shorter}
   _write(tmp_path / "claim.json", {
-      "order": 1, "title": "Robustness", "short": "r", "paper": "–", "metric": "accuracy",
-      "source": "robustness", "file": "rob.json", "ours": "safe", "baselines": ["admm"],
-      "rows": [row]})
-  from claims import tuning  # pylint: disable=import-outside-toplevel
-  specs = {"SAFE": {"λ": tuning.grid(0.01, 0.1, 1), "ρ": tuning.PAPER_RHO},
-           "ADMM": {"λ": tuning.grid(0.001, 0.01, 0.1)}}
+      "order": 1, "title": source, "short": source, "paper": "–", "metric": "accuracy",
+      "source": source, "file": file, "ours": "safe", "baselines": ["admm"], "rows": [row]})
   return tmp_path, lambda claim, row, method: specs[method]
+
+
+def _robustness_folder(tmp_path, ran=0.1, chosen=0.1, shorter=None):
+  from claims import tuning  # pylint: disable=import-outside-toplevel
+  _robustness_file(tmp_path / "rob.json", ran, chosen)
+  return _one_row_claim(tmp_path, "robustness", "rob.json", {"label": "clean", "metric": "clean"},
+                        shorter, {"SAFE": {"λ": tuning.grid(0.01, 0.1, 1), "ρ": tuning.PAPER_RHO},
+                                  "ADMM": {"λ": tuning.grid(0.001, 0.01, 0.1)}})
 
 
 def test_a_robustness_row_reads_each_lambda_from_its_selection(tmp_path):
@@ -331,17 +335,11 @@ def _noise_file(path, epochs=50, acc=(0.93, 0.94), rho=0.05, warmup=2, distance=
 
 
 def _noise_folder(tmp_path, shorter=None):
-  row = {"label": "50 %", "noise": 0.5}
-  if shorter is not None:
-    row["shorter"] = shorter
-  _write(tmp_path / "claim.json", {
-      "order": 1, "title": "Label noise", "short": "n", "paper": "–", "metric": "accuracy",
-      "source": "label_noise", "file": "ln.json", "ours": "safe", "baselines": ["admm"],
-      "rows": [row]})
   from claims import tuning  # pylint: disable=import-outside-toplevel
-  specs = {"SAFE": {"λ": tuning.grid(1, 3, 10), "ρ": tuning.grid(0.02, 0.05, 0.1)},
-           "ADMM": {"λ": tuning.grid(0.1, 0.3, 1)}}
-  return tmp_path, lambda claim, row, method: specs[method]
+  return _one_row_claim(tmp_path, "label_noise", "ln.json", {"label": "50 %", "noise": 0.5},
+                        shorter, {"SAFE": {"λ": tuning.grid(1, 3, 10),
+                                           "ρ": tuning.grid(0.02, 0.05, 0.1)},
+                                  "ADMM": {"λ": tuning.grid(0.1, 0.3, 1)}})
 
 
 @pytest.mark.parametrize("shorter, want", [
