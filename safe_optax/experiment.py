@@ -60,6 +60,23 @@ def _version(name: str) -> Optional[str]:
   return None
 
 
+def cpu_model() -> str:
+  """The CPU's model name (``/proc/cpuinfo``; else :func:`platform.processor`).
+
+  Recorded with every result: XLA compiles for the host CPU's instruction set,
+  so the same program and seeds can round differently on another CPU model and
+  a long training run can end a little elsewhere.
+  """
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
+
+
 def versions(*packages: str) -> dict[str, Any]:
   """Library versions, the devices and the machine, for a results file.
 
@@ -69,13 +86,16 @@ def versions(*packages: str) -> dict[str, Any]:
 
   Returns:
     ``{"python", <package>: version or None, "safe_optax", "backend",
-    "device_kind", "device_count", "platform", "processor", "cpu_count"}``.
+    "device_kind", "device_count", "platform", "processor", "cpu_model",
+    "cpu_count"}``.
 
   Examples:
     >>> found = versions("sklearn")
     >>> found["safe_optax"] == safe_optax.__version__, found["device_count"] >= 1
     (True, True)
     >>> versions("no-such-package-here")["no-such-package-here"] is None
+    True
+    >>> found["cpu_model"] == cpu_model() != ""
     True
   """
   devices = jax.devices()
@@ -88,6 +108,7 @@ def versions(*packages: str) -> dict[str, Any]:
       "device_count": len(devices),
       "platform": platform.platform(),
       "processor": platform.processor() or platform.machine(),
+      "cpu_model": cpu_model(),
       "cpu_count": os.cpu_count(),
   }
 

@@ -56,3 +56,68 @@ def test_select_only_selects_every_sparsity_and_makes_no_test_run(tmp_path, monk
   record = json.loads(out.read_text(encoding="utf-8"))
   assert scored == [0.9, 0.95, 0.98, 0.99, 0.995] and record["runs"] == []
   assert record["selection"]["chosen"]["gmp@0.995"] == 0.5 and record["selection"]["epochs"] == 40
+
+
+ERK = ROOT / "results" / "erk_cram"
+
+
+def _erk(tmp_path, *flags):
+  return gmp_selection.main(["--sweep", str(ERK / "sweep_40epochs.json"), "--data-dir", "unused",
+                             "--workdir", str(tmp_path), "--out", str(tmp_path / "out.json"),
+                             *flags])
+
+
+def test_chosen_from_runs_the_earlier_ends_at_the_test_budget_without_selecting(tmp_path,
+                                                                                monkeypatch):
+  sys.path.insert(0, str(ROOT / "tests"))
+  import test_sweeps  # pylint: disable=import-outside-toplevel
+
+  def no_selection(*args, **kwargs):
+    raise AssertionError("--chosen-from selected again")
+
+  monkeypatch.setattr(gmp_selection, "select_end", no_selection)
+  seen = test_sweeps.install_fake_runs(monkeypatch)
+  earlier = ERK / "gmp_selection_40epochs.json"
+  assert _erk(tmp_path, "--test-sweep", str(ERK / "sweep_20epochs_chosen40_s995.json"),
+              "--chosen-from", str(earlier)) == 0
+  # the 40-epoch pick at 99.5 % (0.25), its three test seeds at the test sweep's 20 epochs
+  assert sorted((c.sparsity, c.gmp_end_fraction, c.epochs, c.seed) for c, _ in seen) == [
+      (0.995, 0.25, 20, s) for s in (0, 1, 2)]
+  record = json.loads((tmp_path / "out.json").read_text(encoding="utf-8"))
+  sel = record["selection"]
+  assert sel["chosen"] == {"gmp@0.995": 0.25} and sel["epochs"] == 40
+  assert sel["file"] == str(earlier) and {g["sparsity"] for g in sel["grid"]} == {0.995}
+  assert record["config"]["epochs"] == 20
+
+
+@pytest.mark.parametrize("flags, message", [
+    ([], "give --end-grid (select on the validation split) or --chosen-from"),
+    (["--end-grid", "0.5", "--chosen-from", "x.json"], "one of them"),
+    (["--chosen-from", str(ROOT / "results" / "sparse_set_995_small" / "gmp_selection_60epochs.json")],
+     "it chose at another budget, validation split or selection seeds"),
+    (["--chosen-from", str(ERK / "gmp_selection_40epochs.json"), "--select-only"],
+     "drop --select-only"),
+])
+def test_chosen_from_refuses_a_selection_of_other_runs_naming_the_flag(tmp_path, capsys, flags,
+                                                                      message):
+  with pytest.raises(SystemExit):
+    _erk(tmp_path, *flags)
+  assert message in capsys.readouterr().err
+
+
+def test_chosen_from_refuses_a_selection_lacking_a_sparsity(tmp_path, capsys):
+  earlier = json.loads((ERK / "gmp_selection_40epochs.json").read_text(encoding="utf-8"))
+  del earlier["selection"]["chosen"]["gmp@0.995"]
+  (tmp_path / "earlier.json").write_text(json.dumps(earlier), encoding="utf-8")
+  with pytest.raises(SystemExit):
+    _erk(tmp_path, "--chosen-from", str(tmp_path / "earlier.json"))
+  assert "it chose nothing at sparsities [0.995]" in capsys.readouterr().err
+
+
+def test_chosen_from_refuses_a_selection_made_for_other_settings(tmp_path, capsys):
+  earlier = json.loads((ERK / "gmp_selection_40epochs.json").read_text(encoding="utf-8"))
+  earlier["config"]["weight_decay"] = 5e-4
+  (tmp_path / "earlier.json").write_text(json.dumps(earlier), encoding="utf-8")
+  with pytest.raises(SystemExit):
+    _erk(tmp_path, "--chosen-from", str(tmp_path / "earlier.json"))
+  assert "its settings differ from the --sweep's beyond the budget" in capsys.readouterr().err

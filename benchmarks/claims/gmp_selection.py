@@ -12,6 +12,10 @@ selection budget in the same way), else at the selection sweep's. The update
 interval stays the config's (declared fixed in ``benchmarks/claims/tuning.py``).
 With ``--select-only`` no test run is made (the selections of every sparsity
 first; a later call with the same ``--workdir`` reuses them for the test runs).
+``--chosen-from EARLIER.json`` takes the ends an earlier output of this script
+chose from the same validation runs instead of selecting again (a choice is
+not remade on another machine, where floating point can order two close
+values the other way): the test runs of the convergence check's other budget.
 It writes a ``sweep.json``-shaped file whose ``selection`` records the grid,
 the choice and whether it sits at an edge:
 
@@ -71,21 +75,62 @@ def merge(selections: list[dict[str, Any]], epochs: int) -> dict[str, Any]:
   return out
 
 
+# Config fields that may differ between the selection's sweep and a test budget of the same settings.
+_BUDGET = ("epochs", "eval_every", "seed", "sparsity", "method", "checkpoint_every", "log_every")
+
+
+def earlier_problem(earlier: dict[str, Any], committed: dict[str, Any],
+                    sparsities: list[float]) -> Optional[str]:
+  """Why ``earlier`` (an output of this script) did not choose GMP's end from the validation runs
+  of ``committed`` (the ``--sweep``) at every one of ``sparsities``; None if it did."""
+  chosen = earlier.get("selection")
+  if not chosen or not chosen.get("chosen"):
+    return "it made no selection"
+  sel = committed["selection"]
+  if (chosen.get("epochs") != committed["config"]["epochs"]
+      or chosen["validation_examples"] != sel["validation_examples"]
+      or list(chosen["seeds"]) != list(sel["seeds"])):
+    return ("it chose at another budget, validation split or selection seeds than the --sweep's "
+            "validation runs")
+  settings = [{k: v for k, v in configs.to_dict(configs.from_dict(c)).items() if k not in _BUDGET}
+              for c in (earlier["config"], committed["config"])]
+  if settings[0] != settings[1]:
+    return "its settings differ from the --sweep's beyond the budget"
+  missing = [s for s in sparsities if f"gmp@{s:g}" not in chosen["chosen"]]
+  return f"it chose nothing at sparsities {missing}" if missing else None
+
+
+def chosen_at(earlier: dict[str, Any], sparsity: float, file: str) -> dict[str, Any]:
+  """``earlier``'s selection at one sparsity, in :func:`select_end`'s layout, naming its file."""
+  sel = earlier["selection"]
+  key = f"gmp@{sparsity:g}"
+  return {**sel, "grid": [g for g in sel["grid"] if abs(g["sparsity"] - sparsity) < 1e-9],
+          "chosen": {key: sel["chosen"][key]},
+          "at_grid_edge": [k for k in sel["at_grid_edge"] if k == key], "file": file}
+
+
 def main(argv: Optional[list[str]] = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--sweep", required=True,
                       help="the committed sweep.json whose config and validation split select")
   parser.add_argument("--test-sweep", default=None,
                       help="the committed sweep.json whose config (budget) the test runs use")
-  parser.add_argument("--end-grid", type=float, nargs="+", required=True)
+  parser.add_argument("--end-grid", type=float, nargs="+", default=None,
+                      help="the schedule ends scored on the validation split (or --chosen-from)")
   parser.add_argument("--sparsities", type=float, nargs="+", default=None,
                       help="only these of the test sweep's sparsities (default: all)")
+  parser.add_argument("--chosen-from", default=None,
+                      help="an earlier output of this script whose ends, chosen from the "
+                           "--sweep's validation runs, the test runs use (no selection again)")
   parser.add_argument("--select-only", action="store_true",
                       help="only the selection runs; the file records no test run")
   parser.add_argument("--data-dir", required=True)
   parser.add_argument("--workdir", required=True)
   parser.add_argument("--out", required=True)
   args = parser.parse_args(argv)
+  if (args.end_grid is None) == (args.chosen_from is None):
+    parser.error("give --end-grid (select on the validation split) or --chosen-from (an earlier "
+                 "selection), one of them")
   start = time.perf_counter()
   committed = json.loads(pathlib.Path(args.sweep).read_text(encoding="utf-8"))
   tested = (committed if args.test_sweep is None
@@ -96,15 +141,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     if missing:
       parser.error(f"--sparsities {missing} are not among the test sweep's {sparsities}")
     sparsities = sorted(args.sparsities)
+  earlier = None
+  if args.chosen_from is not None:
+    if args.select_only:
+      parser.error("--chosen-from runs the test seeds of an earlier selection: drop --select-only")
+    earlier = json.loads(pathlib.Path(args.chosen_from).read_text(encoding="utf-8"))
+    problem = earlier_problem(earlier, committed, sparsities)
+    if problem:
+      parser.error(f"--chosen-from {args.chosen_from}: {problem}")
   seeds = sorted({r["seed"] for r in tested["runs"]})
   base = configs.from_dict(committed["config"])
   test_base = configs.from_dict(tested["config"])
   sel = committed["selection"]
   selections, runs = [], []
   for sparsity in sparsities:
-    selection = select_end(base.replace(sparsity=sparsity), args.end_grid, sel["seeds"],
-                           sel["validation_examples"],
-                           pathlib.Path(args.workdir) / "selection", args.data_dir)
+    selection = (chosen_at(earlier, sparsity, args.chosen_from) if earlier is not None else
+                 select_end(base.replace(sparsity=sparsity), args.end_grid, sel["seeds"],
+                            sel["validation_examples"],
+                            pathlib.Path(args.workdir) / "selection", args.data_dir))
     selections.append(selection)
     chosen = selection["chosen"][f"gmp@{sparsity:g}"]
     for seed in [] if args.select_only else seeds:

@@ -25,6 +25,7 @@ import optax
 import safe_optax
 from safe_optax import flax_utils
 from safe_optax import methods
+from safe_optax import experiment
 from safe_optax.experiment import cross_entropy, versions
 
 DUAL_EVERY = 32
@@ -91,17 +92,8 @@ def summary(times: list[float]) -> dict[str, float]:
 
 def cpu_info() -> dict[str, Any]:
   """CPU model, core count and load average (start of the run)."""
-  model_name = platform.processor()
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          model_name = line.split(":", 1)[1].strip()
-          break
-  except OSError:
-    pass
-  return {"model": model_name, "cpu_count": os.cpu_count(), "machine": platform.machine(),
-          "loadavg_start": os.getloadavg()}
+  return {"model": experiment.cpu_model(), "cpu_count": os.cpu_count(),
+          "machine": platform.machine(), "loadavg_start": os.getloadavg()}
 
 
 def run_record() -> dict[str, Any]:
