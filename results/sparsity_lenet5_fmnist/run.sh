@@ -59,4 +59,12 @@ $T --sweep $O/sweep_30epochs_90.json --sparsities 0.9 --out $O/gmp_30epochs_s90.
 $T --sweep $O/sweep_30epochs_99.json --sparsities 0.99 --out $O/gmp_30epochs_s99.json
 $T --sweep $O/sweep_30epochs_95.json --test-sweep $O/sweep_60epochs_95.json --sparsities 0.95 --out $O/gmp_60epochs_s95.json
 $T --sweep $O/sweep_30epochs_98.json --test-sweep $O/sweep_60epochs_98.json --sparsities 0.98 --out $O/gmp_60epochs_s98.json
+# Shorter budgets with the longer rows' picks and seeds: GMP's end read with --chosen-from (not
+# chosen again), SAFE's and ADMM's 30-epoch lambda at 99 % as one-value grids.
+G="python benchmarks/claims/gmp_selection.py --data-dir $FMNIST --workdir $WORK/lenet_gmp"
+$G --sweep $O/sweep_30epochs_90.json --test-sweep $O/sweep_10epochs_90_98_995.json --sparsities 0.9 --chosen-from $O/gmp_30epochs_s90.json --out $O/gmp_10epochs_s90.json
+$G --sweep $O/sweep_30epochs_99.json --test-sweep $O/sweep_10epochs_95_99.json --sparsities 0.99 --chosen-from $O/gmp_30epochs_s99.json --out $O/gmp_10epochs_s99.json
+$G --sweep $O/sweep_10epochs_995_rescaled.json --test-sweep $O/sweep_20epochs_995.json --sparsities 0.995 --chosen-from $O/gmp_40epochs_s995.json --out $O/gmp_20epochs_s995.json
+python benchmarks/claims/sparsity_sweep.py --preset lenet5-fashion-mnist --data-dir $FMNIST --seeds 0 1 2 --epochs 10 --warmup-epochs 1 --eval-every 5 --rescale-dual --workdir $WORK/lenet10 --methods safe admm --sparsities 0.99 --safe-grid 0.03 --admm-grid 0.03 --out $WORK/lenet10_s99
+keep $WORK/lenet10_s99/sweep.json $O/sweep_10epochs_99_chosen30.json
 python benchmarks/report.py
