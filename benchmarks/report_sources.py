@@ -225,9 +225,9 @@ def _sweep_row(folder: pathlib.Path, r: dict) -> Row:
 
 # --- label_noise.py --------------------------------------------------------------------------------
 
-def _noise_arm(folder: pathlib.Path, file: str, method: str, noise: float) -> tuple[Arm, list[dict]]:
-  """One method at one noise ratio of a ``label_noise.py`` file: its accuracy per seed, the
-  settings a budget keeps, and its runs."""
+def _noise_arm(folder: pathlib.Path, file: str, method: str, noise: float) -> Arm:
+  """One method at one noise ratio of a ``label_noise.py`` file: its accuracy per seed and the
+  settings a budget keeps."""
   data = _load(folder / file)
   c = data["config"]
   runs = [x for x in data["runs"] if x["method"] == method and abs(x["noise"] - noise) < 1e-9]
@@ -244,7 +244,7 @@ def _noise_arm(folder: pathlib.Path, file: str, method: str, noise: float) -> tu
                                          "rescale_dual")
   arm.distance = _mean([x["constraint_distance"] for x in runs
                         if x.get("constraint_distance") is not None])
-  return arm, runs
+  return arm
 
 
 def _noise_row(folder: pathlib.Path, r: dict) -> Row:
@@ -255,7 +255,7 @@ def _noise_row(folder: pathlib.Path, r: dict) -> Row:
            if "file" in sel else f"`{source_file}`")
   arms = []
   for method in [r["ours"], *r["baselines"]]:
-    arm, runs = _noise_arm(folder, r["file"], method, r["noise"])
+    arm = _noise_arm(folder, r["file"], method, r["noise"])
     _chosen_lambda(arm, sel, method, f"{method}@0.9", arm.settings["penalty"], r["file"], where)
     if method in SAM_METHODS:
       if "rho_grid" in sel:
@@ -265,7 +265,7 @@ def _noise_row(folder: pathlib.Path, r: dict) -> Row:
       if arm.settings["rescale_dual"]:
         arm.hyper.append("`rescale_dual`")
     if "shorter" in r:
-      _attach_shorter(arm, _noise_arm(folder, r["shorter"], method, r["noise"])[0])
+      _attach_shorter(arm, _noise_arm(folder, r["shorter"], method, r["noise"]))
     arms.append(arm)
   return Row(r["label"], r.get("paper", ""), arms[0], arms[1:], True, True, 2)
 

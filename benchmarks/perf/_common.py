@@ -23,9 +23,9 @@ import jax
 import optax
 
 import safe_optax
+from safe_optax import experiment
 from safe_optax import flax_utils
 from safe_optax import methods
-from safe_optax import experiment
 from safe_optax.experiment import cross_entropy, versions
 
 DUAL_EVERY = 32
