@@ -67,4 +67,6 @@ $G --sweep $O/sweep_30epochs_99.json --test-sweep $O/sweep_10epochs_95_99.json -
 $G --sweep $O/sweep_10epochs_995_rescaled.json --test-sweep $O/sweep_20epochs_995.json --sparsities 0.995 --chosen-from $O/gmp_40epochs_s995.json --out $O/gmp_20epochs_s995.json
 python benchmarks/claims/sparsity_sweep.py --preset lenet5-fashion-mnist --data-dir $FMNIST --seeds 0 1 2 --epochs 10 --warmup-epochs 1 --eval-every 5 --rescale-dual --workdir $WORK/lenet10 --methods safe admm --sparsities 0.99 --safe-grid 0.03 --admm-grid 0.03 --out $WORK/lenet10_s99
 keep $WORK/lenet10_s99/sweep.json $O/sweep_10epochs_99_chosen30.json
+python benchmarks/claims/sparsity_sweep.py --preset lenet5-fashion-mnist --data-dir $FMNIST --seeds 0 1 2 --epochs 10 --warmup-epochs 1 --eval-every 5 --rescale-dual --workdir $WORK/lenet10 --methods safe --sparsities 0.9 --safe-grid 0.003 --out $WORK/lenet10_s90
+keep $WORK/lenet10_s90/sweep.json $O/sweep_10epochs_90_chosen30.json
 python benchmarks/report.py
