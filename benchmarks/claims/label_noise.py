@@ -30,7 +30,7 @@ import json
 import pathlib
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from safe_optax.experiment import mean_se, versions
 from safe_optax.vision import configs
@@ -94,24 +94,38 @@ def penalty_grids(args: argparse.Namespace, parser: argparse.ArgumentParser
   return grids, fixed
 
 
+def _earlier_selections(path: Optional[str], flag: str, noises: list[float],
+                        parser: argparse.ArgumentParser,
+                        problem: Callable[[dict[str, Any], dict[str, Any]], Optional[str]]
+                        ) -> Optional[tuple[dict[str, Any], dict[str, Any]]]:
+  """An earlier output (None without ``flag``) and its selection per noise ratio, each checked
+  by ``problem(earlier, selection)``; a missing or mismatched one is a parser error naming
+  ``flag``."""
+  if path is None:
+    return None
+  earlier = json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
+  selections = {}
+  for noise in noises:
+    selection = (earlier.get("selection") or {}).get(f"{noise:g}")
+    why = (f"it has no selection at noise {noise:g}" if selection is None
+           else problem(earlier, selection))
+    if why:
+      parser.error(f"{flag} {path}: {why}")
+    selections[f"{noise:g}"] = selection
+  return earlier, selections
+
+
 def reused_selections(args: argparse.Namespace, parser: argparse.ArgumentParser,
                       base: configs.Config, per_method: dict[str, dict[str, Any]]
                       ) -> Optional[dict[str, Any]]:
   """``--reuse-selection``'s selections by noise ratio (None without the flag), each checked
   to come from this run's selection runs; a mismatch is a parser error naming the flag."""
-  if args.reuse_selection is None:
-    return None
-  earlier = json.loads(pathlib.Path(args.reuse_selection).read_text(encoding="utf-8"))
-  for noise in args.noise:
-    selection = earlier["selection"].get(f"{noise:g}")
-    problem = ("it has no selection at noise " f"{noise:g}" if selection is None else
-               selection_lib.reuse_problem(earlier, selection, base, args.methods,
-                                           validation=args.validation,
-                                           seeds=range(args.select_seeds),
-                                           method_overrides=per_method))
-    if problem:
-      parser.error(f"--reuse-selection {args.reuse_selection}: {problem}")
-  return earlier["selection"]
+  found = _earlier_selections(
+      args.reuse_selection, "--reuse-selection", args.noise, parser,
+      lambda earlier, sel: selection_lib.reuse_problem(
+          earlier, sel, base, args.methods, validation=args.validation,
+          seeds=range(args.select_seeds), method_overrides=per_method))
+  return None if found is None else found[0]["selection"]
 
 
 def chosen_selections(args: argparse.Namespace, parser: argparse.ArgumentParser,
@@ -119,20 +133,15 @@ def chosen_selections(args: argparse.Namespace, parser: argparse.ArgumentParser,
                       ) -> Optional[dict[str, Any]]:
   """``--chosen-from``'s selections by noise ratio, each with the budget and file it was made at
   (None without the flag); one made for other settings is a parser error naming the flag."""
-  if args.chosen_from is None:
+  found = _earlier_selections(
+      args.chosen_from, "--chosen-from", args.noise, parser,
+      lambda earlier, sel: selection_lib.transfer_problem(earlier, sel, base, args.methods,
+                                                          args.sparsities, per_method))
+  if found is None:
     return None
-  earlier = json.loads(pathlib.Path(args.chosen_from).read_text(encoding="utf-8"))
-  chosen = {}
-  for noise in args.noise:
-    selection = (earlier.get("selection") or {}).get(f"{noise:g}")
-    problem = (f"it has no selection at noise {noise:g}" if selection is None else
-               selection_lib.transfer_problem(earlier, selection, base, args.methods,
-                                              args.sparsities, per_method))
-    if problem:
-      parser.error(f"--chosen-from {args.chosen_from}: {problem}")
-    chosen[f"{noise:g}"] = {**selection, "epochs": earlier["config"]["epochs"],
-                            "file": args.chosen_from}
-  return chosen
+  earlier, selections = found
+  return {noise: {**sel, "epochs": earlier["config"]["epochs"], "file": args.chosen_from}
+          for noise, sel in selections.items()}
 
 
 def build_parser() -> argparse.ArgumentParser:
