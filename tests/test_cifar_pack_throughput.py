@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import os
 import pathlib
 import sys
 import threading
@@ -13,6 +14,15 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks" / "perf"))
 import cifar_pack_throughput as bench  # noqa: E402  pylint: disable=wrong-import-position
 from safe_optax.vision import configs  # noqa: E402  pylint: disable=wrong-import-position
+
+
+@pytest.fixture(autouse=True)
+def _device_env(monkeypatch):
+  """``share_device`` writes ``os.environ``: each test starts without its two variables and
+  leaves them as they were."""
+  for name in (bench.PREALLOCATE, bench.MEM_FRACTION):
+    monkeypatch.setenv(name, "unset")
+    monkeypatch.delenv(name)
 
 
 def _config(batch=8):
@@ -193,3 +203,43 @@ def test_a_processes_child_is_told_the_conv_impl(monkeypatch):
   cell = bench.concurrent_cell(_args(), "resnet20x2", "float32", 2, "im2col")
   assert cell["conv_impl"] == "im2col"
   assert all(c[c.index("--conv-impls") + 1] == "im2col" for c in commands)
+
+
+def test_sharing_the_device_stops_preallocating_here_and_caps_each_child():
+  env = bench.share_device(3)
+  assert env[bench.MEM_FRACTION] == "0.3000" and env[bench.PREALLOCATE] == "false"
+  assert os.environ[bench.PREALLOCATE] == "false"
+  assert bench.MEM_FRACTION not in os.environ  # this process's own memory is not capped
+  assert bench.share_device(1)[bench.MEM_FRACTION] == "0.9000"
+  with pytest.raises(ValueError, match="count must be >= 1, got 0"):
+    bench.share_device(0)
+
+
+def test_a_sharing_setting_the_caller_made_is_kept(monkeypatch):
+  monkeypatch.setenv(bench.PREALLOCATE, "true")
+  monkeypatch.setenv(bench.MEM_FRACTION, "0.2")
+  env = bench.share_device(6)
+  assert env[bench.MEM_FRACTION] == "0.2" and env[bench.PREALLOCATE] == "true"
+  assert os.environ[bench.PREALLOCATE] == "true"
+
+
+class _FirstDeviceUse(Exception):
+  pass
+
+
+@pytest.mark.parametrize("processes,preallocate", [(["--processes", "3", "6"], "false"),
+                                                   ([], None)])
+def test_processes_stop_preallocation_before_the_device_is_first_used(
+    tmp_path, monkeypatch, processes, preallocate):
+  seen = []
+
+  def devices():
+    seen.append(os.environ.get(bench.PREALLOCATE))
+    raise _FirstDeviceUse
+
+  monkeypatch.setattr(bench.jax, "devices", devices)
+  with pytest.raises(_FirstDeviceUse):
+    bench.main(["--models", "resnet20x2", "--packs", "1", *processes,
+                "--out", str(tmp_path / "x.json")])
+  # the lone cell this process times shares the device with the children started later
+  assert seen == [preallocate]

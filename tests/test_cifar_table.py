@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import doctest
+import os
 import pathlib
 import sys
 
@@ -19,20 +20,23 @@ def test_doctests():
 
 @settings(max_examples=200, deadline=None)
 @given(steps=st.lists(st.integers(0, 10_000), max_size=8), per_step=st.floats(1e-3, 1.0),
-       budget=st.floats(0, 5_000), finish=st.floats(0, 120))
+       budget=st.floats(0, 5_000), finish=st.floats(0, 120), start=st.floats(0, 120))
 def test_the_plan_finishes_what_fits_in_order_and_starts_at_most_one_more(steps, per_step,
-                                                                          budget, finish):
+                                                                          budget, finish, start):
   packs = [{"steps_left": n, "i": i} for i, n in enumerate(steps)]
-  chosen = cifar_table.plan(packs, per_step, budget, finish)
+  chosen = cifar_table.plan(packs, per_step, budget, finish, start)
   assert [p["i"] for p in chosen] == list(range(len(chosen)))  # a prefix, in order
   done = [p for p in chosen if p["finishes"]]
   assert sum(p["expected_s"] for p in done) <= budget + 1e-9
-  assert all(p["expected_s"] == pytest.approx(p["steps_left"] * per_step + finish) for p in done)
+  assert all(p["expected_s"] == pytest.approx(start + p["steps_left"] * per_step + finish)
+             for p in done)
   partial = [p for p in chosen if not p["finishes"]]
   assert len(partial) <= 1 and (not partial or chosen[-1] is partial[0])
+  left = budget - sum(p["expected_s"] for p in done)
+  # a pack that will not finish starts only with a minute of steps left after its start
+  assert not partial or left - start > 60
   if len(chosen) < len(packs):  # the next pack would not have finished in what was left
-    left = budget - sum(p["expected_s"] for p in done)
-    assert steps[len(done)] * per_step + finish > left
+    assert start + steps[len(done)] * per_step + finish > left
 
 
 def test_the_step_time_comes_from_the_measured_pack_and_a_missing_model_is_refused():
@@ -254,6 +258,7 @@ class _FakeChild:
   waited for (so the tests' monkeypatches reach it); a raised error is rc 1 and a log line."""
 
   events: list = []
+  preallocate: list = []  # XLA_PYTHON_CLIENT_PREALLOCATE when each main() loaded the data
 
   def __init__(self, command, log, env):
     self.command, self.env, self.log, self.returncode = command, env, log, None
@@ -280,15 +285,21 @@ def _processes_setup(tmp_path, monkeypatch, train_and_evaluate):
   from safe_optax.vision import datasets, packing, sweeps, train
   throughput = tmp_path / "bench.json"
   throughput.write_text(json.dumps(_processes_bench()))
-  monkeypatch.setattr(datasets, "load_dataset",
-                      lambda config, data_dir: types.SimpleNamespace(train_labels=[0] * 256))
+  def load_dataset(config, data_dir):
+    del config, data_dir
+    _FakeChild.preallocate.append(os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE"))
+    return types.SimpleNamespace(train_labels=[0] * 256)
+
+  monkeypatch.setattr(datasets, "load_dataset", load_dataset)
   monkeypatch.setattr(packing, "train_packed", lambda *a, **k: pytest.fail("packed a cell"))
   monkeypatch.setattr(sweeps, "record", lambda c, results: {
       "method": c.method, "sparsity": c.sparsity, "seed": c.seed, "accuracy": results["acc"]})
   monkeypatch.setattr(train, "train_and_evaluate", train_and_evaluate)
-  monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+  for name in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE"):
+    monkeypatch.setenv(name, "unset")  # so that the test leaves it as it was
+    monkeypatch.delenv(name)
   monkeypatch.setattr(cifar_table, "_start_child", _FakeChild)
-  _FakeChild.events = []
+  _FakeChild.events, _FakeChild.preallocate = [], []
   table = tmp_path / "table.json"
   return table, ["--data-dir", "unused", "--runs", str(tmp_path / "runs"), "--table", str(table),
                  "--throughput", str(throughput), "--deadline-s", "1000", "--finish-s", "1",
@@ -313,6 +324,9 @@ def test_processes_start_a_lone_child_per_seed_at_once_and_merge_the_runs_they_f
   table, argv = _processes_setup(tmp_path, monkeypatch, train_and_evaluate)
   cifar_table.main(argv + ["--bundle", str(tmp_path / "returned")])  # auto picks processes
   assert '"layout": "processes"' in capsys.readouterr().out
+  # the parent stops preallocating before it first uses the device (versions, data), and so
+  # do its children (each a lone run, capped at its share)
+  assert _FakeChild.preallocate == ["false"] * 4
   # all three children start before the first is waited for
   assert _FakeChild.events[:3] == [("start", 0), ("start", 1), ("start", 2)]
   runs = json.loads(table.read_text())["runs"]
@@ -350,6 +364,7 @@ def test_a_processes_child_gets_a_share_of_the_memory_and_a_failed_one_is_named(
   command = children[0].command
   assert command[command.index("--layout") + 1] == "lone"
   assert float(command[command.index("--deadline-s") + 1]) <= 1000
+  assert command[command.index("--start-s") + 1] == "30.0"  # the child plans as its parent
   # the rerun starts only the run still missing
   children.clear()
   with pytest.raises(RuntimeError, match="seed1"):

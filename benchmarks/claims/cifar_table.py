@@ -44,7 +44,6 @@ import hashlib
 import io
 import json
 import math
-import os
 import pathlib
 import subprocess
 import sys
@@ -171,7 +170,7 @@ def choose_layout(seconds: dict[str, float], layout: str) -> str:
 
 
 def plan(packs: Sequence[dict[str, Any]], seconds_per_step: float, budget_s: float,
-         finish_s: float) -> list[dict[str, Any]]:
+         finish_s: float, start_s: float = 0.0) -> list[dict[str, Any]]:
   """The packs to train in ``budget_s`` seconds, in order, each with its expected seconds.
 
   Args:
@@ -180,27 +179,31 @@ def plan(packs: Sequence[dict[str, Any]], seconds_per_step: float, budget_s: flo
     budget_s: seconds left in the lease.
     finish_s: seconds a finished pack spends after its last step (final
       projection, BNT, evaluation and files of each run).
+    start_s: seconds a pack spends before its first step (compiling its
+      programs, a child's data, restoring a checkpoint).
 
   Returns:
     The packs that finish in the budget, each with ``expected_s`` and
     ``finishes=True``, then at most one more that starts and is stopped at the
     deadline (``finishes=False``, resumed by the next lease) when more than a
-    minute is left for it.
+    minute of steps is left for it after its start.
 
   Examples:
     >>> [p["finishes"] for p in plan([{"steps_left": 100}] * 3, 1.0, 250, 10)]
     [True, True]
     >>> [p["finishes"] for p in plan([{"steps_left": 100}] * 3, 1.0, 300, 10)]
     [True, True, False]
+    >>> [p["finishes"] for p in plan([{"steps_left": 100}] * 3, 1.0, 300, 10, start_s=30)]
+    [True, True]
   """
   chosen, left = [], budget_s
   for pack in packs:
-    need = pack["steps_left"] * seconds_per_step + finish_s
+    need = start_s + pack["steps_left"] * seconds_per_step + finish_s
     if need <= left:
       chosen.append({**pack, "expected_s": need, "finishes": True})
       left -= need
       continue
-    if left > 60:
+    if left - start_s > 60:
       chosen.append({**pack, "expected_s": left, "finishes": False})
     break
   return chosen
@@ -388,7 +391,13 @@ def main(argv: Optional[list[str]] = None) -> None:
   parser.add_argument("--throughput", nargs="+",
                       help="cifar_pack_throughput.py's JSON (several: their cells together)")
   parser.add_argument("--deadline-s", type=float)
-  parser.add_argument("--finish-s", type=float, default=60.0)
+  parser.add_argument("--finish-s", type=float, default=60.0,
+                      help="seconds a pack (a lone run) spends after its last step")
+  parser.add_argument("--start-s", type=float, default=30.0,
+                      help="seconds a pack (a lone run) spends before its first step: compiling, "
+                           "a child's data (what a run spent outside its steps: its wall_seconds "
+                           "against steady_images_per_second, e.g. in benchmarks/perf/results/"
+                           "leases/2026-11-28_h200_table_safe_bfloat16_partial.json)")
   parser.add_argument("--methods", nargs="+", default=["safe", "admm", "gmp"])
   parser.add_argument("--sparsities", nargs="+", type=float, default=[0.9])
   parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
@@ -423,12 +432,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.error(f"the following arguments are required to train: {', '.join(missing)}")
   # the layout before the data: a --layout the benchmark did not measure fails at once
   sys.path.insert(0, str(REPO / "benchmarks" / "perf"))
-  from cifar_pack_throughput import mps_daemon_running
+  from cifar_pack_throughput import mps_daemon_running, share_device
   throughput = {"cells": [c for path in args.throughput
                           for c in json.loads(pathlib.Path(path).read_text())["cells"]]}
   seconds = layout_seconds(throughput, MODEL, args.dtype, len(args.seeds),
                            mps=mps_daemon_running(), conv_impl=args.conv_impl)
   layout = choose_layout(seconds, args.layout)
+  if layout == "processes":  # before this process first uses the device (versions, data)
+    share_device(len(args.seeds))
   start = time.monotonic()
   deadline = start + args.deadline_s
   table_path = pathlib.Path(args.table)
@@ -457,8 +468,9 @@ def main(argv: Optional[list[str]] = None) -> None:
                     "processes": max(left)}[layout]
       packs.append({"method": method, "sparsity": s, "names": names, "steps_left": steps_left})
   per_step = seconds["lone"] / len(args.seeds) if layout == "lone" else seconds[layout]
-  finish_s = args.finish_s * (len(args.seeds) if layout == "lone" else 1)
-  chosen = plan(packs, per_step, deadline - time.monotonic(), finish_s)
+  each = len(args.seeds) if layout == "lone" else 1  # lone runs start and finish in turn
+  chosen = plan(packs, per_step, deadline - time.monotonic(), args.finish_s * each,
+                args.start_s * each)
   print(json.dumps({"layout": layout, "seconds_per_step_of_all_runs": seconds,
                     "seconds_per_step": per_step, "plan": chosen}, indent=1), flush=True)
   device = experiment.versions()["device_kind"]
@@ -505,7 +517,7 @@ def _child_command(args: argparse.Namespace, pack: dict[str, Any], seed: int, ta
              "--conv-impl", args.conv_impl,
              "--methods", pack["method"], "--sparsities", repr(pack["sparsity"]),
              "--seeds", str(seed), "--deadline-s", f"{seconds_left:.1f}",
-             "--finish-s", repr(args.finish_s),
+             "--finish-s", repr(args.finish_s), "--start-s", repr(args.start_s),
              "--checkpoint-seconds", repr(args.checkpoint_seconds)]
   for flag, value in (("--epochs", args.epochs), ("--train-subset", args.train_subset),
                       ("--test-subset", args.test_subset)):
@@ -525,9 +537,9 @@ def _train_in_processes(args: argparse.Namespace, pack: dict[str, Any], root: pa
 
   Each child writes its run's record to ``<run>/lone_table.json`` (its log to
   ``<run>/child.log``) and stops with a checkpoint at the deadline; the
-  records of the runs that finished are merged into ``table``. Each child may
-  use 0.9 / N of the device's memory (``XLA_PYTHON_CLIENT_MEM_FRACTION``, unless
-  set).
+  records of the runs that finished are merged into ``table``. The children
+  share the device as ``cifar_pack_throughput.share_device`` says (each may
+  grow to 0.9 / N of its memory; none preallocates).
 
   Raises:
     RuntimeError: a child failed (after the others' runs were merged); the
@@ -535,8 +547,8 @@ def _train_in_processes(args: argparse.Namespace, pack: dict[str, Any], root: pa
   """
   todo = [(seed, name) for seed, name in zip(args.seeds, pack["names"])
           if name not in table.get("runs", {})]
-  env = dict(os.environ)
-  env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / max(1, len(todo)):.4f}")
+  from cifar_pack_throughput import share_device  # pylint: disable=import-outside-toplevel
+  env = share_device(max(1, len(todo)))
   children = []
   for seed, name in todo:
     (root / name).mkdir(parents=True, exist_ok=True)

@@ -188,6 +188,30 @@ def mps_daemon_running() -> bool:
                         check=False).returncode == 0
 
 
+PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"
+MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+
+
+def share_device(count: int) -> dict[str, str]:
+  """The environment of ``count`` child processes that share this process's device.
+
+  This process and its children stop preallocating
+  (``XLA_PYTHON_CLIENT_PREALLOCATE=false``, unless set): XLA's GPU client
+  otherwise takes 75 % of the device's memory when a process starts, and on the
+  second H200 lease a parent that had timed its own lone run left its children
+  too little (``CUDA_ERROR_OUT_OF_MEMORY`` while they autotuned). Each child
+  may grow to 0.9 / ``count`` of the device's memory
+  (``XLA_PYTHON_CLIENT_MEM_FRACTION``, unless set). XLA reads both when a
+  process first uses its device, so call this before then (``main`` does).
+  """
+  if count < 1:
+    raise ValueError(f"count must be >= 1, got {count}")
+  os.environ.setdefault(PREALLOCATE, "false")
+  env = dict(os.environ)
+  env.setdefault(MEM_FRACTION, f"{0.9 / count:.4f}")
+  return env
+
+
 def concurrent_cell(args: argparse.Namespace, model: str, dtype: str, count: int,
                     conv_impl: str = "xla") -> dict[str, Any]:
   """``count`` lone runs, each in its own process on the same device, timed together.
@@ -196,10 +220,9 @@ def concurrent_cell(args: argparse.Namespace, model: str, dtype: str, count: int
   runs ``--steps`` steps; the throughput is all processes' images over the
   span from the first timed step's start to the last one's end, so time the
   processes did not overlap counts against them. The dual program is not
-  timed here. ``XLA_PYTHON_CLIENT_MEM_FRACTION`` is 0.9 / ``count`` unless set.
+  timed here. Each child's share of the device memory is :func:`share_device`'s.
   """
-  env = dict(os.environ)
-  env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / count:.4f}")
+  env = share_device(count)
   with tempfile.TemporaryDirectory() as folder:
     command = [sys.executable, os.path.abspath(__file__), "--models", model, "--dtypes", dtype,
                "--conv-impls", conv_impl,
@@ -371,6 +394,8 @@ def main(argv: list[str] | None = None) -> None:
   if any(n < 1 for n in args.packs + args.processes):
     parser.error(f"--packs and --processes take counts >= 1, got {args.packs} and "
                  f"{args.processes}")
+  if args.processes:  # before this process first uses the device: its lone cells share it
+    share_device(max(args.processes))
   if args.dry_run:
     args.batch, args.steps, args.warmup, args.dual_steps = 8, 2, 1, 1
     args.packs = [n for n in args.packs if n <= 3]
