@@ -243,3 +243,24 @@ def test_processes_stop_preallocation_before_the_device_is_first_used(
                 "--out", str(tmp_path / "x.json")])
   # the lone cell this process times shares the device with the children started later
   assert seen == [preallocate]
+
+
+def test_show_prints_several_files_with_speedups_over_the_first_lone_run(tmp_path, capsys):
+  def cell(runs, step_ms, **extra):
+    return {"model": "resnet20x2", "dtype": "float32", "runs": runs, "mean_step_ms": step_ms,
+            "images_per_second": runs * 128e3 / step_ms,
+            "images_per_second_per_run": 128e3 / step_ms, "flops_per_second": None,
+            "compile_s": 1.0, **extra}
+
+  # under MPS: 3 processes and no lone run of their own; then a call with the lone run
+  mps, lone = tmp_path / "mps.json", tmp_path / "lone.json"
+  mps.write_text(json.dumps({"device_kind": "GPU", "cells": [cell(3, 20.0, layout="processes")]}))
+  lone.write_text(json.dumps({"device_kind": "GPU", "cells": [cell(1, 10.0)]}))
+  bench.main(["--show", str(mps), str(lone)])
+  out = capsys.readouterr().out.splitlines()
+  assert out[0] == f"GPU: {mps}, {lone}"
+  rows = {line.split()[2]: line.split() for line in out[2:]}
+  # 3 x 128 images in 20 ms against 128 in 10 ms
+  assert rows["3p"][6] == "1.50" and rows["3p"][-1] == "mps.json"
+  assert rows["1"][6] == "1.00" and rows["1"][-1] == "lone.json"
+  assert not (tmp_path / "benchmarks").exists()  # measured and wrote nothing

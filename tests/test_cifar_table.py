@@ -90,6 +90,34 @@ def test_auto_takes_the_layout_measured_faster(lone_ms, pack_ms, layout):
                                                        "float32", 4, mps=True)
 
 
+class _Planned(Exception):
+  pass
+
+
+@pytest.mark.parametrize("epochs,start_s,layout", [("1", "30", "pack"), ("1", "0", "lone"),
+                                                   ("2000", "30", "lone")])
+def test_auto_counts_each_lone_runs_start_against_a_packs_one(tmp_path, monkeypatch, capsys,
+                                                             epochs, start_s, layout):
+  # pylint: disable=import-outside-toplevel
+  import json
+  import types
+
+  from safe_optax.vision import datasets, packing, train
+  throughput = tmp_path / "bench.json"
+  throughput.write_text(json.dumps(_bench(9.73, 48.21)))  # lone runs step faster than the pack
+  monkeypatch.setattr(datasets, "load_dataset",
+                      lambda config, data_dir: types.SimpleNamespace(train_labels=[0] * 256))
+  for module, name in ((packing, "train_packed"), (train, "train_and_evaluate")):
+    monkeypatch.setattr(module, name, lambda *a, **k: (_ for _ in ()).throw(_Planned()))
+  with pytest.raises(_Planned):
+    cifar_table.main(["--data-dir", "unused", "--runs", str(tmp_path / "runs"),
+                      "--table", str(tmp_path / "table.json"), "--throughput", str(throughput),
+                      "--deadline-s", "100000", "--finish-s", "0", "--start-s", start_s,
+                      "--methods", "safe", "--epochs", epochs])
+  # 2 steps an epoch: 3 lone starts outweigh the pack's slower steps in a short run only
+  assert f'"layout": "{layout}"' in capsys.readouterr().out
+
+
 def test_lone_runs_train_one_after_another_each_merged_as_it_finishes(tmp_path, monkeypatch):
   # pylint: disable=import-outside-toplevel
   import json
@@ -120,6 +148,7 @@ def test_lone_runs_train_one_after_another_each_merged_as_it_finishes(tmp_path, 
   argv = ["--data-dir", "unused", "--runs", str(tmp_path / "runs"), "--table", str(table),
           "--throughput", str(throughput), "--deadline-s", "1000", "--finish-s", "1",
           "--methods", "safe", "--epochs", "1"]
+  argv += ["--layout", "lone"]  # for 2 steps auto would take the pack (one start, not three)
   cifar_table.main(argv + ["--bundle", str(tmp_path / "returned")])
   assert trained == ["safe-s0.9-seed0", "safe-s0.9-seed1", "safe-s0.9-seed2"]
   bundle = json.loads((tmp_path / "returned" / "runs_bundle.json").read_text())

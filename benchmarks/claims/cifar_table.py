@@ -9,8 +9,9 @@ Each lease runs, in order:
    against the time left before ``--deadline-s`` with that step time. With
    ``--layout auto`` (the default) a cell's seeds train as one pack, as lone
    runs one after another, or as lone runs in as many processes at once,
-   whichever the benchmark measured faster (:func:`layout_seconds`; on the
-   first H200 lease, lone runs in float32); a lone run is
+   whichever trains a cell from scratch soonest (:func:`cell_seconds`: the
+   benchmark's step times, :func:`layout_seconds`, and ``--start-s`` plus
+   ``--finish-s`` outside the steps, which lone runs pay in turn); a lone run is
    :func:`safe_optax.vision.train.train_and_evaluate`, which checkpoints every
    epoch, and ``processes`` starts one ``--layout lone`` child of this script
    per seed and merges the runs they finish. Each pack
@@ -143,6 +144,22 @@ def layout_seconds(throughput: dict[str, Any], model: str, dtype: str, runs: int
   if processes:
     seconds["processes"] = processes[min(processes)]
   return seconds
+
+
+def cell_seconds(seconds: dict[str, float], steps: int, runs: int,
+                 overhead_s: float) -> dict[str, float]:
+  """Seconds to train a cell of ``runs`` runs of ``steps`` steps, per layout of ``seconds``
+  (:func:`layout_seconds`), with ``overhead_s`` per pack or lone run outside its steps
+  (lone runs pay it in turn, a pack or processes once).
+
+  Examples:
+    >>> cell_seconds({"pack": 0.05, "lone": 0.03}, 100, 3, 10.0)  # a short run: the pack
+    {'pack': 15.0, 'lone': 33.0}
+    >>> cell_seconds({"pack": 0.05, "lone": 0.03}, 10_000, 3, 10.0)
+    {'pack': 510.0, 'lone': 330.0}
+  """
+  return {name: per_step * steps + overhead_s * (runs if name == "lone" else 1)
+          for name, per_step in seconds.items()}
 
 
 def choose_layout(seconds: dict[str, float], layout: str) -> str:
@@ -407,8 +424,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                       help="the models' convolutions; the plan reads that conv_impl's cells")
   parser.add_argument("--layout", default="auto", choices=["auto", *LAYOUTS],
                       help="a cell's seeds as one pack, as lone runs one after another, or as "
-                           "lone runs in as many processes at once; auto: whichever the "
-                           "throughput JSON measured faster")
+                           "lone runs in as many processes at once; auto: whichever trains a "
+                           "cell soonest by the throughput JSON, --start-s and --finish-s")
   parser.add_argument("--checkpoint-seconds", type=float, default=60.0)
   parser.add_argument("--resume-from", type=pathlib.Path, default=None,
                       help="a folder with an earlier lease's --bundle parts: unpacked into "
@@ -437,9 +454,9 @@ def main(argv: Optional[list[str]] = None) -> None:
                           for c in json.loads(pathlib.Path(path).read_text())["cells"]]}
   seconds = layout_seconds(throughput, MODEL, args.dtype, len(args.seeds),
                            mps=mps_daemon_running(), conv_impl=args.conv_impl)
-  layout = choose_layout(seconds, args.layout)
-  if layout == "processes":  # before this process first uses the device (versions, data)
-    share_device(len(args.seeds))
+  layout = choose_layout(seconds, args.layout)  # refuses an unmeasured --layout at once
+  if "processes" in (seconds if args.layout == "auto" else [layout]):
+    share_device(len(args.seeds))  # before this process first uses the device (versions, data)
   start = time.monotonic()
   deadline = start + args.deadline_s
   table_path = pathlib.Path(args.table)
@@ -453,6 +470,9 @@ def main(argv: Optional[list[str]] = None) -> None:
                             bnt_samples=min(10_000, args.train_subset or 10_000))
   data = datasets.load_dataset(base, args.data_dir)
   spe = input_pipeline.num_batches(len(data.train_labels), base.batch_size)
+  if args.layout == "auto":  # the layout that trains a cell from scratch soonest, start included
+    layout = choose_layout(cell_seconds(seconds, base.epochs * spe, len(args.seeds),
+                                        args.start_s + args.finish_s), "auto")
   finished_runs = table.get("runs", {})
   packs = []
   for s in args.sparsities:

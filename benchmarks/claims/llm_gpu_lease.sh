@@ -15,10 +15,12 @@
 #   run(command="python3 benchmarks/perf/llm_safe_step.py --out $OUT/llm_safe_step_gpu.json",
 #       timeout_s=150)
 #
-# `run` first times SAFE's block step alone and in a pack of 3 calibration seeds on the device
-# (llm_safe_step.py --packs 3, about a minute; its JSON comes back as llm_safe_step_gpu.json); where
-# the pack steps each seed at least PACK_MIN (1.2) times as fast, the prunes run packed
-# (llm_standard.py --pack: one command for a method's 3 seeds). PACK=0 or PACK=1 skips the timing.
+# Where the pack steps each calibration seed at least PACK_MIN (1.2) times as fast as a lone prune,
+# the prunes run packed (llm_standard.py --pack: one command for a method's 3 seeds). `run` reads
+# that from the committed H200 timing, benchmarks/perf/results/llm_safe_step_gpu.json
+# (device_over_pack), when the device is the one it was measured on; on another device it first
+# times SAFE's block step alone and in a pack of 3 (llm_safe_step.py --packs 3, about a minute and
+# a half; its JSON comes back as llm_safe_step_gpu.json). PACK=0 or PACK=1 decides without either.
 # It then works through llm_standard.py's pending SAFE+ and SAFE pieces (3 calibration seeds each,
 # lr / lambda / steps from the committed selection; NM=2:4 for the 2:4 pieces, from the 2:4 study), starts none past DEADLINE_S (380) and stops the
 # last at RUN_S (500); the finished pieces' JSON comes back in pieces.tar.gz. Another `run` call on
@@ -66,6 +68,13 @@ run)
   fi
   export SAFE_OPTAX_DATA=$PWD/.llm/b/data SAFE_OPTAX_REQUIRE_DATA=1
   pack=${PACK:-}
+  TIMED=benchmarks/perf/results/llm_safe_step_gpu.json
+  if [ -z "$pack" ] && [ -z "${DRY:-}" ] && [ -f "$TIMED" ]; then
+    # the committed timing, where this device is the one it was measured on
+    pack=$(python3 -c "import json, subprocess, sys; r = json.load(open(sys.argv[1])); kind = subprocess.run(['nvidia-smi', '--query-gpu=name', '--format=csv,noheader'], capture_output=True, text=True).stdout.strip(); print(int(r['device_over_pack']['pack3'] >= float(sys.argv[2])) if kind == r['versions']['device_kind'] else '')" \
+      "$TIMED" "${PACK_MIN:-1.2}" 2>/dev/null)
+    [ -n "$pack" ] && echo "pack decided from $TIMED"
+  fi
   if [ -z "$pack" ]; then
     timeout -s KILL ${PACK_S:-120} python3 benchmarks/perf/llm_safe_step.py --layouts device --packs 3 --repeats 1 \
       --epochs 1,3 ${DRY:+--windows 4 --seqlen 16 --batch-size 2 --epochs 1,2} \

@@ -291,6 +291,29 @@ def row(cell: dict[str, Any]) -> str:
           f"{cell.get('conv_impl', 'xla'):>6}")
 
 
+def show(paths: list[str]) -> dict[str, Any]:
+  """Prints the cells of ``paths`` as one table, each file's device and command first.
+
+  The speed-ups are recomputed over the first lone float32 run (XLA's
+  convolutions) among all the files, in their order, so that cells from calls
+  that measured no lone run of their own (under MPS, say) get one too. Ratios
+  across files are across calls: give the files of one lease.
+  """
+  merged: dict[str, Any] = {"cells": []}
+  for path in paths:
+    with open(path) as f:
+      report = json.load(f)
+    for cell in report["cells"]:
+      merged["cells"].append({**cell, "file": os.path.basename(path)})
+    merged.setdefault("device_kind", report.get("device_kind"))
+  with_speedups(merged)
+  print(f"{merged['device_kind']}: {', '.join(paths)}")
+  print(HEADER + "  file")
+  for cell in merged["cells"]:
+    print(f"{row(cell)}  {cell['file']}")
+  return merged
+
+
 def recount_flops(path: str) -> dict[str, Any]:
   """Recounts the FLOPs of ``path``'s measured cells from the lowered step, on this machine.
 
@@ -374,8 +397,14 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--recount-flops", metavar="FILE", default=None,
                       help="recount FILE's FLOPs from the lowered steps and rewrite its FLOP/s; "
                            "measures nothing")
+  parser.add_argument("--show", nargs="+", metavar="FILE", default=None,
+                      help="print the cells of measured JSONs (speed-ups over the first lone "
+                           "float32 run among them); measures nothing")
   parser.add_argument("--out", default="benchmarks/perf/results/cifar_pack_throughput.json")
   args = parser.parse_args(argv)
+  if args.show:
+    show(args.show)
+    return
   if args.recount_flops:
     report = recount_flops(args.recount_flops)
     print(f"{report['device_kind']} ({report['platform']}), FLOPs recounted on "

@@ -1,24 +1,24 @@
 #!/bin/bash
-# The next GPU lease's measurements, in order of what they decide:
-#   1. the other way to share one GPU: lone runs in 3 and 6 processes at once (cifar_pack_throughput
-#      --processes), beside the lone run, float32 and bfloat16 (issue 31's next step: the first H200
-#      lease found vmapped packs slower than a lone run in float32);
-#   2. the same with NVIDIA's MPS daemon, where the machine has one (kernels of processes at once);
-#   3a. one packed convolution written three ways (vmap's grouped convolution, im2col and a
-#      batched matmul, a loop of plain convolutions): which one a packed step should use;
-#   3b. the whole step with the models' im2col convolutions beside XLA's (--conv-impls im2col
-#      xla), lone and in packs of 15, float32 then bfloat16: whether a pack pays once its
-#      convolutions are batched matmuls instead of grouped convolutions;
-#   3. bfloat16 packs of 15 and 30 (the only packs that gained);
+# GPU lease measurements for issue 31 (CIFAR throughput) and issue 33 (the LLM block step).
+# The 2026-11-28 H200 lease ran steps 1, 2, 3a, 3b and 4 (benchmarks/perf/results/leases/
+# 2026-11-28_h200_*): its processes, MPS, packed-convolution and im2col cells are committed, and
+# step 4 failed there (the parent's preallocated memory starved its children; fixed since). What
+# the next lease still measures, in order (STEPS="2 3c 4" on the first call, "5 6" on the next):
+#   2. lone runs in 3 and 6 processes under NVIDIA's MPS daemon, bfloat16 first (only float32 3p was
+#      measured under MPS), where the machine has the daemon;
+#   3c. bfloat16 packs of the models' im2col convolutions (15 and 30): a float32 im2col pack of 15
+#      gained over the lone run where XLA's grouped convolutions lost;
 #   4. SAFE in float32 against bfloat16, 3 seeds, a few epochs of real CIFAR-10 (issue 31 item 2's
-#      GPU report; the first lease ran no training), in the layout steps 1-3 measured fastest
-#      (cifar_table.py --layout auto: a pack, lone runs in turn, or lone runs in processes);
-#   5. SparseGPT on the LLaMA-2-7B-shaped block (cut by the first lease's time; SAFE and SAFE+ are in
-#      results/leases/2026-11-27_h200_llm_7b_block.log).
+#      GPU report), each in the layout the committed and this call's cells say trains the cell
+#      soonest (cifar_table.py --layout auto);
+#   5. SparseGPT on the LLaMA-2-7B-shaped block (SAFE and SAFE+ are in
+#      results/leases/2026-11-27_h200_llm_7b_block.log);
 #   6. SAFE's LLM block step with the calibration windows on the device against minibatches sent
-#      from the host (llm_safe_step.py), on SmolLM2's block (the standard rows of issue 33) and on
-#      the 7B-shaped one: the first lease's 7B step time was measured with minibatches from the host.
-#      On SmolLM2's block also a pack of 3 calibration seeds' steps as one program (--packs 3).
+#      from the host (llm_safe_step.py) on the 7B-shaped block (SmolLM2's block, and its pack of 3
+#      calibration seeds, are in llm_safe_step_gpu.json since the 2026-11-28 lease).
+# Steps done on the 2026-11-28 lease, kept for a rerun: 1 (processes without MPS), 3a (one packed
+# convolution three ways), 3b (the models' im2col convolutions, lone and in packs of 15), 3
+# (bfloat16 packs of 15 and 30).
 # Each step has its own timeout and writes its JSON as it goes, so a step cut short keeps its cells.
 #
 # Prepare here once: `bash benchmarks/perf/gpu_lease.sh prepare` fills .gpu/ (git-excluded) with the
@@ -31,7 +31,7 @@
 # Check it on a CPU first: DRY=1 bash benchmarks/perf/gpu_lease.sh (dry-run cells, no 7B block).
 set -u
 export PYTHONUNBUFFERED=1
-STEPS=" ${STEPS:-1 2 3a 3b 3 4 5 6} "
+STEPS=" ${STEPS:-2 3c 4 5 6} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 if [ "${1:-}" = prepare ]; then
   mkdir -p .git/info && { grep -qx "/.gpu/" .git/info/exclude 2>/dev/null || echo "/.gpu/" >> .git/info/exclude; }
@@ -68,8 +68,9 @@ if want 2; then
 echo "== 2. processes under MPS at ${SECONDS}s"
 fi
 if want 2 && command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d; then
-  timeout -s KILL ${S2:-80} python3 $B --models resnet20x2 --packs --processes 3 6 $DRY_FLAG \
-    --deadline-s ${D2:-45} --out "$OUT/cifar_processes_mps_gpu.json" || echo "step 2: rc $?"
+  timeout -s KILL ${S2:-150} python3 $B --models resnet20x2 --dtypes ${S2_DTYPES:-bfloat16 float32} \
+    --packs --processes 3 6 $DRY_FLAG \
+    --deadline-s ${D2:-100} --out "$OUT/cifar_processes_mps_gpu.json" || echo "step 2: rc $?"
   reap
   echo quit | nvidia-cuda-mps-control
 elif want 2; then
@@ -86,6 +87,13 @@ timeout -s KILL ${S3B:-120} python3 $B --models resnet20x2 --conv-impls im2col x
   $DRY_FLAG --deadline-s ${D3B:-90} --out "$OUT/cifar_im2col_gpu.json" || echo "step 3b: rc $?"
 reap
 fi
+if want 3c; then
+echo "== 3c. bfloat16 packs of im2col convolutions at ${SECONDS}s"
+timeout -s KILL ${S3C:-110} python3 $B --models resnet20x2 --dtypes bfloat16 --conv-impls im2col xla \
+  --packs 1 15 30 $DRY_FLAG --deadline-s ${D3C:-80} --out "$OUT/cifar_im2col_bf16_gpu.json" \
+  || echo "step 3c: rc $?"
+reap
+fi
 if want 3; then
 echo "== 3. bfloat16 packs at ${SECONDS}s"
 timeout -s KILL ${S3:-45} python3 $B --models resnet20x2 --dtypes bfloat16 --packs 15 30 $DRY_FLAG \
@@ -100,16 +108,19 @@ if want 4 && [ -f .gpu/cifar10_jpg.tar.gz ]; then
   THROUGHPUT=benchmarks/perf/results/cifar_pack_throughput_${DRY:+cpu_dry_run}.json
   [ -z "${DRY:-}" ] && THROUGHPUT=benchmarks/perf/results/cifar_pack_throughput_gpu.json
   # with steps 1-2's cells, --layout auto may take lone runs in processes (under MPS where it runs)
-  THROUGHPUT="$THROUGHPUT $(ls "$KEEP"/cifar_processes*_gpu.json 2>/dev/null | tr '\n' ' ')"
+  [ -z "${DRY:-}" ] && THROUGHPUT="$THROUGHPUT $(ls benchmarks/perf/results/cifar_processes*_gpu.json | tr '\n' ' ')"
+  THROUGHPUT="$THROUGHPUT $(ls "$KEEP"/cifar_*_gpu.json 2>/dev/null | tr '\n' ' ')"
   MPS_ON=""
+  FINISH4=20; START4=30  # a CPU dry run starts and finishes its tiny runs sooner
+  [ -n "${DRY:-}" ] && FINISH4=5 && START4=5
   if [ -z "${DRY:-}" ] && command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d; then
     MPS_ON=1
   fi
   for dtype in float32 bfloat16; do
-    timeout -s KILL ${S4:-90} python3 benchmarks/claims/cifar_table.py \
+    timeout -s KILL ${S4:-150} python3 benchmarks/claims/cifar_table.py \
       --data-dir .gpu/cifar10_jpg.tar.gz --runs /tmp/runs_$dtype --methods safe \
       --throughput $THROUGHPUT --epochs ${EPOCHS:-2} \
-      --dtype $dtype --deadline-s $(( ${S4:-90} - 15 )) --finish-s 20 $TX \
+      --dtype $dtype --deadline-s $(( ${S4:-150} - 15 )) --finish-s $FINISH4 --start-s $START4 $TX \
       --table "$OUT/table_safe_$dtype.json" || echo "step 4 $dtype: rc $?"
     pkill -9 -f "cifar_tabl[e].py" 2>/dev/null  # a --layout processes child the timeout left
   done
