@@ -121,3 +121,16 @@ def test_chosen_from_refuses_a_selection_made_for_other_settings(tmp_path, capsy
   with pytest.raises(SystemExit):
     _erk(tmp_path, "--chosen-from", str(tmp_path / "earlier.json"))
   assert "its settings differ from the --sweep's beyond the budget" in capsys.readouterr().err
+
+
+def test_chosen_from_takes_a_selection_whose_test_runs_warmed_up_for_their_longer_budget():
+  # LeNet-5 at 95 %: GMP's end chosen on the 30-epoch validation runs (1 warm-up epoch), tested
+  # at 60 epochs (2): the shorter row's test runs at 30 epochs reuse that choice
+  lenet = ROOT / "results" / "sparsity_lenet5_fmnist"
+  earlier, committed = (json.loads((lenet / name).read_text(encoding="utf-8"))
+                        for name in ("gmp_60epochs_s95.json", "sweep_30epochs_95.json"))
+  assert earlier["config"]["warmup_epochs"] != committed["config"]["warmup_epochs"]
+  assert gmp_selection.earlier_problem(earlier, committed, [0.95]) is None
+  # another warm-up is still part of the budget only: other settings are refused
+  earlier["config"]["weight_decay"] = 2 * earlier["config"]["weight_decay"] + 1e-4
+  assert "beyond the budget" in gmp_selection.earlier_problem(earlier, committed, [0.95])

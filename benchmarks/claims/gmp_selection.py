@@ -76,7 +76,11 @@ def merge(selections: list[dict[str, Any]], epochs: int) -> dict[str, Any]:
 
 
 # Config fields that may differ between the selection's sweep and a test budget of the same settings.
-_BUDGET = ("epochs", "eval_every", "seed", "sparsity", "method", "checkpoint_every", "log_every")
+# the fields a run's budget sets, beside its seed, sparsity and method: the claims' runs scale the
+# warm-up with the epochs (LeNet-5's 60-epoch rows warm up for 2, its 30-epoch ones for 1), and an
+# earlier output's config is its test runs' (the --test-sweep's budget), not its validation runs'
+_BUDGET = ("epochs", "warmup_epochs", "eval_every", "seed", "sparsity", "method",
+           "checkpoint_every", "log_every")
 
 
 def earlier_problem(earlier: dict[str, Any], committed: dict[str, Any],
