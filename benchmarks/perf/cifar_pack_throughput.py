@@ -292,7 +292,8 @@ def row(cell: dict[str, Any]) -> str:
 
 
 def show(paths: list[str]) -> dict[str, Any]:
-  """Prints the cells of ``paths`` as one table, each file's device and command first.
+  """Prints the cells of ``paths`` as one table, each row naming its file, under the first
+  file's device and the paths.
 
   The speed-ups are recomputed over the first lone float32 run (XLA's
   convolutions) among all the files, in their order, so that cells from calls

@@ -65,6 +65,10 @@ G="python benchmarks/claims/gmp_selection.py --data-dir $FMNIST --workdir $WORK/
 $G --sweep $O/sweep_30epochs_90.json --test-sweep $O/sweep_10epochs_90_98_995.json --sparsities 0.9 --chosen-from $O/gmp_30epochs_s90.json --out $O/gmp_10epochs_s90.json
 $G --sweep $O/sweep_30epochs_99.json --test-sweep $O/sweep_10epochs_95_99.json --sparsities 0.99 --chosen-from $O/gmp_30epochs_s99.json --out $O/gmp_10epochs_s99.json
 $G --sweep $O/sweep_10epochs_995_rescaled.json --test-sweep $O/sweep_20epochs_995.json --sparsities 0.995 --chosen-from $O/gmp_40epochs_s995.json --out $O/gmp_20epochs_s995.json
+# 95 and 98 %: the 60-epoch rows' ends (chosen on the 30-epoch validation runs) at 30 epochs
+for s in 95 98; do
+  $G --sweep $O/sweep_30epochs_$s.json --test-sweep $O/sweep_30epochs_$s.json --sparsities 0.$s --chosen-from $O/gmp_60epochs_s$s.json --out $O/gmp_30epochs_s$s.json
+done
 python benchmarks/claims/sparsity_sweep.py --preset lenet5-fashion-mnist --data-dir $FMNIST --seeds 0 1 2 --epochs 10 --warmup-epochs 1 --eval-every 5 --rescale-dual --workdir $WORK/lenet10 --methods safe admm --sparsities 0.99 --safe-grid 0.03 --admm-grid 0.03 --out $WORK/lenet10_s99
 keep $WORK/lenet10_s99/sweep.json $O/sweep_10epochs_99_chosen30.json
 python benchmarks/claims/sparsity_sweep.py --preset lenet5-fashion-mnist --data-dir $FMNIST --seeds 0 1 2 --epochs 10 --warmup-epochs 1 --eval-every 5 --rescale-dual --workdir $WORK/lenet10 --methods safe --sparsities 0.9 --safe-grid 0.003 --out $WORK/lenet10_s90
