@@ -57,3 +57,24 @@ def test_tiny_run_records_both_layouts(tmp_path):
   assert report["host_over_device"] == pytest.approx(
       report["median_step_ms"]["host"] / report["median_step_ms"]["device"])
   assert report["versions"]["jax"] and report["backend"] == "cpu"
+
+
+def test_pack_pays_only_on_the_device_kind_it_was_measured_on():
+  report = {"device_over_pack": {"pack3": 1.16}, "versions": {"device_kind": "NVIDIA H200"}}
+  assert llm_safe_step.pack_pays(report, "NVIDIA H200", 1.2) is False
+  assert llm_safe_step.pack_pays(report, "NVIDIA H200", 1.16) is True  # the bound is inclusive
+  assert llm_safe_step.pack_pays(report, "NVIDIA H100 80GB HBM3", 1.0) is None
+
+
+@pytest.mark.parametrize("kind, pack_min, printed", [("cpu", "1.2", "1"), ("cpu", "1.5", "0"),
+                                                     ("NVIDIA H200", "1.2", "")])
+def test_pack_decision_reads_a_timing_of_this_device_kind_and_measures_nothing(
+    tmp_path, kind, pack_min, printed):
+  timing = tmp_path / "timing.json"
+  timing.write_text(json.dumps({"device_over_pack": {"pack3": 1.3},
+                                "versions": {"device_kind": kind}}))
+  proc = subprocess.run([sys.executable, str(SCRIPT), "--pack-decision", str(timing),
+                         "--pack-min", pack_min, "--out", str(tmp_path / "x.json")],
+                        capture_output=True, text=True, check=True, timeout=120)
+  assert proc.stdout.strip() == printed  # this CPU's device kind is "cpu"
+  assert not (tmp_path / "x.json").exists()

@@ -68,11 +68,10 @@ run)
   fi
   export SAFE_OPTAX_DATA=$PWD/.llm/b/data SAFE_OPTAX_REQUIRE_DATA=1
   pack=${PACK:-}
+  decide() { python3 benchmarks/perf/llm_safe_step.py --pack-decision "$1" --pack-min "${PACK_MIN:-1.2}" 2>/dev/null; }
   TIMED=benchmarks/perf/results/llm_safe_step_gpu.json
   if [ -z "$pack" ] && [ -z "${DRY:-}" ] && [ -f "$TIMED" ]; then
-    # the committed timing, where this device is the one it was measured on
-    pack=$(python3 -c "import json, subprocess, sys; r = json.load(open(sys.argv[1])); kind = subprocess.run(['nvidia-smi', '--query-gpu=name', '--format=csv,noheader'], capture_output=True, text=True).stdout.strip(); print(int(r['device_over_pack']['pack3'] >= float(sys.argv[2])) if kind == r['versions']['device_kind'] else '')" \
-      "$TIMED" "${PACK_MIN:-1.2}" 2>/dev/null)
+    pack=$(decide "$TIMED")  # the committed timing, where this device is the one it was measured on
     [ -n "$pack" ] && echo "pack decided from $TIMED"
   fi
   if [ -z "$pack" ]; then
@@ -80,8 +79,8 @@ run)
       --epochs 1,3 ${DRY:+--windows 4 --seqlen 16 --batch-size 2 --epochs 1,2} \
       --out "$OUT/llm_safe_step_gpu.json" > "$OUT/llm_safe_step.log" 2>&1 || echo "llm_safe_step.py: rc $?"
     tail -6 "$OUT/llm_safe_step.log"
-    pack=$(python3 -c "import json, sys; r = json.load(open(sys.argv[1]))['device_over_pack']['pack3']; print(int(r >= float(sys.argv[2])))" \
-      "$OUT/llm_safe_step_gpu.json" "${PACK_MIN:-1.2}" 2>/dev/null || echo 0)
+    pack=$(decide "$OUT/llm_safe_step_gpu.json")
+    pack=${pack:-0}
   fi
   echo "packed prunes: $pack"
   [ "$pack" = 1 ] && packflag=--pack || packflag=

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import pathlib
 import sys
@@ -57,6 +58,23 @@ def _epochs(text: str) -> tuple[int, int]:
   return a, b
 
 
+def pack_pays(report: dict, device_kind: str, pack_min: float) -> bool | None:
+  """Whether ``report`` (this script's JSON, with ``--packs 3``) found a pack of 3 calibration
+  seeds at least ``pack_min`` times as fast per seed as a lone prune; None where it was
+  measured on another device kind than ``device_kind`` (its verdict does not carry over).
+
+  Examples:
+    >>> report = {"device_over_pack": {"pack3": 1.16}, "versions": {"device_kind": "NVIDIA H200"}}
+    >>> pack_pays(report, "NVIDIA H200", 1.2), pack_pays(report, "NVIDIA H200", 1.1)
+    (False, True)
+    >>> pack_pays(report, "NVIDIA H100 80GB HBM3", 1.2) is None
+    True
+  """
+  if report["versions"]["device_kind"] != device_kind:
+    return None
+  return bool(report["device_over_pack"]["pack3"] >= pack_min)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
@@ -72,7 +90,19 @@ def main() -> None:
   parser.add_argument("--packs", type=int, nargs="*", default=[],
                       help="also time packs of this many calibration sets (each at least 2)")
   parser.add_argument("--out", default=str(OUT))
+  parser.add_argument("--pack-decision", metavar="FILE", default=None,
+                      help="measure nothing: print 1 if FILE (this script's JSON with --packs 3, "
+                           "from this device kind) found the pack at least --pack-min times as "
+                           "fast per seed, 0 if not, nothing if FILE was measured on another "
+                           "device kind (llm_gpu_lease.sh run packs the prunes on 1)")
+  parser.add_argument("--pack-min", type=float, default=1.2)
   args = parser.parse_args()
+  if args.pack_decision is not None:
+    import jax  # pylint: disable=import-outside-toplevel
+    report = json.loads(pathlib.Path(args.pack_decision).read_text(encoding="utf-8"))
+    pays = pack_pays(report, jax.devices()[0].device_kind, args.pack_min)
+    print("" if pays is None else int(pays))
+    return
   for flag in ("windows", "seqlen", "batch_size", "repeats"):
     if getattr(args, flag) < 1:
       parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
