@@ -3,7 +3,10 @@
 # The 2026-11-28 H200 lease ran steps 1, 2, 3a, 3b and 4 (benchmarks/perf/results/leases/
 # 2026-11-28_h200_*): its processes, MPS, packed-convolution and im2col cells are committed, and
 # step 4 failed there (the parent's preallocated memory starved its children; fixed since). What
-# the next lease still measures, in order (STEPS="2 3c 4" on the first call, "5 6" on the next):
+# the next lease still measures, in order (STEPS="7 2 3c" on the first call, "4 5 6" on the next):
+#   7. one lone run's step at batch 512 and 2048 beside 128 (float32): the images/s a step reaches
+#      when its kernels are larger, the ceiling of any pack (a pack of N runs is N x 128 images a
+#      step, in N times as many kernels or in grouped ones);
 #   2. lone runs in 3 and 6 processes under NVIDIA's MPS daemon, bfloat16 first (only float32 3p was
 #      measured under MPS), where the machine has the daemon;
 #   3c. bfloat16 packs of the models' im2col convolutions (15 and 30): a float32 im2col pack of 15
@@ -31,7 +34,7 @@
 # Check it on a CPU first: DRY=1 bash benchmarks/perf/gpu_lease.sh (dry-run cells, no 7B block).
 set -u
 export PYTHONUNBUFFERED=1
-STEPS=" ${STEPS:-2 3c 4 5 6} "
+STEPS=" ${STEPS:-7 2 3c 4 5 6} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 if [ "${1:-}" = prepare ]; then
   mkdir -p .git/info && { grep -qx "/.gpu/" .git/info/exclude 2>/dev/null || echo "/.gpu/" >> .git/info/exclude; }
@@ -58,6 +61,13 @@ DRY_FLAG=${DRY:+--dry-run}
 # empty on each call: the measured JSONs are also kept in $KEEP for a later call's step 4
 KEEP=${KEEP:-/tmp/gpu_lease_keep}; mkdir -p "$KEEP"
 reap() { pkill -9 -f "cifar_pack_throughpu[t].py" 2>/dev/null; cp "$OUT"/cifar_*_gpu.json "$KEEP" 2>/dev/null; true; }
+if want 7; then
+echo "== 7. one lone run at larger batches, at ${SECONDS}s"
+for b in 128 ${S7_BATCHES:-512 2048}; do
+  timeout -s KILL ${S7:-45} python3 $B --models resnet20x2 --dtypes float32 --packs 1 --batch $b \
+    $DRY_FLAG --out "$OUT/cifar_batch${b}_gpu.json" || echo "step 7 batch $b: rc $?"
+done
+fi
 if want 1; then
 echo "== 1. processes, no MPS, at ${SECONDS}s"
 timeout -s KILL ${S1:-120} python3 $B --models resnet20x2 --packs 1 --processes 3 6 $DRY_FLAG \
