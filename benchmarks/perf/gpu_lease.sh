@@ -3,7 +3,8 @@
 # The 2026-11-28 H200 lease ran steps 1, 2, 3a, 3b and 4 (benchmarks/perf/results/leases/
 # 2026-11-28_h200_*): its processes, MPS, packed-convolution and im2col cells are committed, and
 # step 4 failed there (the parent's preallocated memory starved its children; fixed since). What
-# the next lease still measures, in order (STEPS="7 2 3c" on the first call, "4 5 6" on the next):
+# the next lease still measures, in order (STEPS="7 2 3c" on the first call, at most about 400 s,
+# then "4 5" on the next, at most about 380 s; 6 where time is left):
 #   7. one lone run's step at batch 512 and 2048 beside 128 (float32): the images/s a step reaches
 #      when its kernels are larger, the ceiling of any pack (a pack of N runs is N x 128 images a
 #      step, in N times as many kernels or in grouped ones);
@@ -17,8 +18,9 @@
 #   5. SparseGPT on the LLaMA-2-7B-shaped block (SAFE and SAFE+ are in
 #      results/leases/2026-11-27_h200_llm_7b_block.log);
 #   6. SAFE's LLM block step with the calibration windows on the device against minibatches sent
-#      from the host (llm_safe_step.py) on the 7B-shaped block (SmolLM2's block, and its pack of 3
-#      calibration seeds, are in llm_safe_step_gpu.json since the 2026-11-28 lease).
+#      from the host (llm_safe_step.py) on the 7B-shaped block, about 2 minutes (SmolLM2's block,
+#      and its pack of 3 calibration seeds, are in llm_safe_step_gpu.json since the 2026-11-28
+#      lease; S6=SECONDS times it again).
 # Steps done on the 2026-11-28 lease, kept for a rerun: 1 (processes without MPS), 3a (one packed
 # convolution three ways), 3b (the models' im2col convolutions, lone and in packs of 15), 3
 # (bfloat16 packs of 15 and 30).
@@ -150,8 +152,11 @@ fi
 if want 6; then
   echo "== 6. LLM SAFE step, calibration on the device or from the host, at ${SECONDS}s"
   L=benchmarks/perf/llm_safe_step.py
-  timeout -s KILL ${S6:-180} python3 $L --packs 3 ${DRY:+--windows 4 --seqlen 16 --batch-size 2 --epochs 1,2 --repeats 1} \
-    --out "$OUT/llm_safe_step_gpu.json" || echo "step 6 smollm2: rc $?"
+  # SmolLM2's block is committed (llm_safe_step_gpu.json): S6=SECONDS times it again
+  if [ -n "${S6:-}" ] || [ -n "${DRY:-}" ]; then
+    timeout -s KILL ${S6:-180} python3 $L --packs 3 ${DRY:+--windows 4 --seqlen 16 --batch-size 2 --epochs 1,2 --repeats 1} \
+      --out "$OUT/llm_safe_step_gpu.json" || echo "step 6 smollm2: rc $?"
+  fi
   [ -z "${DRY:-}" ] && { timeout -s KILL ${S6B:-120} python3 $L --shape llama7b --windows 2 \
     --seqlen 2048 --batch-size 2 --epochs 10,60 --repeats 2 --out "$OUT/llm_safe_step_7b_gpu.json" \
     || echo "step 6 llama7b: rc $?"; }
