@@ -264,3 +264,9 @@ def test_show_prints_several_files_with_speedups_over_the_first_lone_run(tmp_pat
   assert rows["3p"][6] == "1.50" and rows["3p"][-1] == "mps.json"
   assert rows["1"][6] == "1.00" and rows["1"][-1] == "lone.json"
   assert not (tmp_path / "benchmarks").exists()  # measured and wrote nothing
+
+
+def test_show_refuses_a_missing_file_naming_it(tmp_path, capsys):
+  with pytest.raises(SystemExit):
+    bench.main(["--show", str(tmp_path / "none.json")])
+  assert f"--show: no such file: {tmp_path / 'none.json'}" in capsys.readouterr().err

@@ -412,3 +412,30 @@ def test_the_plan_reads_the_cells_of_its_conv_impl_only():
       "pack": pytest.approx(0.012), "lone": pytest.approx(0.024)}
   with pytest.raises(ValueError, match="conv_impl 'im2col'"):
     cifar_table.step_seconds(bench, "resnet20x2", "bfloat16", 3, conv_impl="im2col")
+
+
+@pytest.mark.parametrize("flag", ["--start-s", "--finish-s"])
+def test_a_negative_start_or_finish_time_is_refused_naming_it(tmp_path, capsys, flag):
+  with pytest.raises(SystemExit):
+    cifar_table.main(["--data-dir", "x", "--runs", str(tmp_path), "--throughput", "x.json",
+                      "--deadline-s", "10", flag, "-1"])
+  assert f"{flag} must be >= 0 seconds, got -1.0" in capsys.readouterr().err
+
+
+def test_throughput_files_of_another_batch_are_left_out_and_dry_runs_kept(tmp_path, capsys):
+  import json  # pylint: disable=import-outside-toplevel
+
+  def write(name, batch, lone_ms, **extra):
+    path = tmp_path / name
+    path.write_text(json.dumps({"settings": {"batch": batch}, **extra,
+                                "cells": [_bench(lone_ms, 48.21)["cells"][0]]}))
+    return str(path)
+
+  # a lone run at batch 2048 (gpu_lease.sh step 7) first, then the table's batch
+  paths = [write("b2048.json", 2048, 100.0), write("b128.json", 128, 9.73)]
+  throughput = cifar_table.read_throughput(paths, 128)
+  assert [c["mean_step_ms"] for c in throughput["cells"]] == [9.73]
+  assert "b2048.json: measured at batch 2048, not the runs' 128: left out" in (
+      capsys.readouterr().out)
+  dry = write("dry.json", 8, 200.0, dry_run=True)  # a CPU check plans at its own batch
+  assert len(cifar_table.read_throughput([dry], 128)["cells"]) == 1

@@ -78,3 +78,18 @@ def test_pack_decision_reads_a_timing_of_this_device_kind_and_measures_nothing(
                         capture_output=True, text=True, check=True, timeout=120)
   assert proc.stdout.strip() == printed  # this CPU's device kind is "cpu"
   assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.parametrize("report, argv, message", [
+    ({"device_over_pack": {}, "versions": {"device_kind": "cpu"}}, [],
+     "no pack of 3 timed there"),
+    ({"device_over_pack": {"pack3": 1.3}, "versions": {"device_kind": "cpu"}},
+     ["--pack-min", "0"], "--pack-min must be > 0 (a speed-up per seed), got 0.0"),
+])
+def test_a_pack_decision_without_a_pack_timing_or_bound_is_refused(tmp_path, report, argv,
+                                                                  message):
+  timing = tmp_path / "timing.json"
+  timing.write_text(json.dumps(report))
+  proc = subprocess.run([sys.executable, str(SCRIPT), "--pack-decision", str(timing), *argv],
+                        capture_output=True, text=True, check=False, timeout=120)
+  assert proc.returncode == 2 and message in proc.stderr

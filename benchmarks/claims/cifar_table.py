@@ -95,6 +95,22 @@ def step_seconds(throughput: dict[str, Any], model: str, dtype: str, runs: int,
   return cells[largest] * runs / largest
 
 
+def read_throughput(paths: Sequence[str], batch: int) -> dict[str, Any]:
+  """The cells of ``cifar_pack_throughput.py``'s JSONs at ``paths``, together, leaving out the
+  files measured at another ``--batch`` than the table's runs (a lone run at batch 2048 is not
+  a lone run of the table); a CPU dry run (any batch) is kept as the check it is."""
+  cells = []
+  for path in paths:
+    report = json.loads(pathlib.Path(path).read_text())
+    measured = report.get("settings", {}).get("batch", batch)
+    if measured != batch and not report.get("dry_run"):
+      print(f"--throughput {path}: measured at batch {measured}, not the runs' {batch}: "
+            "left out", flush=True)
+      continue
+    cells += report["cells"]
+  return {"cells": cells}
+
+
 def _cells(throughput: dict[str, Any], model: str, dtype: str, conv_impl: str,
            layout: str) -> list[dict[str, Any]]:
   """The measured cells of ``model``, ``dtype``, ``conv_impl`` (files older than the flag:
@@ -158,8 +174,14 @@ def cell_seconds(seconds: dict[str, float], steps: int, runs: int,
     >>> cell_seconds({"pack": 0.05, "lone": 0.03}, 10_000, 3, 10.0)
     {'pack': 510.0, 'lone': 330.0}
   """
-  return {name: per_step * steps + overhead_s * (runs if name == "lone" else 1)
+  return {name: per_step * steps + overhead_s * in_turn(name, runs)
           for name, per_step in seconds.items()}
+
+
+def in_turn(layout: str, runs: int) -> int:
+  """How many times a cell of ``runs`` runs pays a run's start and finish: lone runs one
+  after another each pay them, a pack or processes at once pay them once."""
+  return runs if layout == "lone" else 1
 
 
 def choose_layout(seconds: dict[str, float], layout: str) -> str:
@@ -447,11 +469,17 @@ def main(argv: Optional[list[str]] = None) -> None:
              if getattr(args, k) is None]
   if missing:
     parser.error(f"the following arguments are required to train: {', '.join(missing)}")
+  for flag in ("start_s", "finish_s"):
+    if getattr(args, flag) < 0:
+      parser.error(f"--{flag.replace('_', '-')} must be >= 0 seconds, got {getattr(args, flag)}")
+  base = configs.get_config(PRESET, epochs=args.epochs, dtype=args.dtype,
+                            conv_impl=args.conv_impl,
+                            train_subset=args.train_subset, test_subset=args.test_subset,
+                            bnt_samples=min(10_000, args.train_subset or 10_000))
   # the layout before the data: a --layout the benchmark did not measure fails at once
   sys.path.insert(0, str(REPO / "benchmarks" / "perf"))
   from cifar_pack_throughput import mps_daemon_running, share_device
-  throughput = {"cells": [c for path in args.throughput
-                          for c in json.loads(pathlib.Path(path).read_text())["cells"]]}
+  throughput = read_throughput(args.throughput, base.batch_size)
   seconds = layout_seconds(throughput, MODEL, args.dtype, len(args.seeds),
                            mps=mps_daemon_running(), conv_impl=args.conv_impl)
   layout = choose_layout(seconds, args.layout)  # refuses an unmeasured --layout at once
@@ -464,10 +492,6 @@ def main(argv: Optional[list[str]] = None) -> None:
   root = pathlib.Path(args.runs)
   if args.resume_from is not None:
     print(f"resuming {unbundle_runs(args.resume_from, root)['steps']}", flush=True)
-  base = configs.get_config(PRESET, epochs=args.epochs, dtype=args.dtype,
-                            conv_impl=args.conv_impl,
-                            train_subset=args.train_subset, test_subset=args.test_subset,
-                            bnt_samples=min(10_000, args.train_subset or 10_000))
   data = datasets.load_dataset(base, args.data_dir)
   spe = input_pipeline.num_batches(len(data.train_labels), base.batch_size)
   if args.layout == "auto":  # the layout that trains a cell from scratch soonest, start included
@@ -488,7 +512,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                     "processes": max(left)}[layout]
       packs.append({"method": method, "sparsity": s, "names": names, "steps_left": steps_left})
   per_step = seconds["lone"] / len(args.seeds) if layout == "lone" else seconds[layout]
-  each = len(args.seeds) if layout == "lone" else 1  # lone runs start and finish in turn
+  each = in_turn(layout, len(args.seeds))
   chosen = plan(packs, per_step, deadline - time.monotonic(), args.finish_s * each,
                 args.start_s * each)
   print(json.dumps({"layout": layout, "seconds_per_step_of_all_runs": seconds,

@@ -404,6 +404,9 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--out", default="benchmarks/perf/results/cifar_pack_throughput.json")
   args = parser.parse_args(argv)
   if args.show:
+    missing = [path for path in args.show if not os.path.isfile(path)]
+    if missing:
+      parser.error(f"--show: no such file: {', '.join(missing)}")
     show(args.show)
     return
   if args.recount_flops:

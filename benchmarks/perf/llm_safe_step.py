@@ -97,9 +97,14 @@ def main() -> None:
                            "device kind (llm_gpu_lease.sh run packs the prunes on 1)")
   parser.add_argument("--pack-min", type=float, default=1.2)
   args = parser.parse_args()
+  if args.pack_min <= 0:
+    parser.error(f"--pack-min must be > 0 (a speed-up per seed), got {args.pack_min}")
   if args.pack_decision is not None:
     import jax  # pylint: disable=import-outside-toplevel
     report = json.loads(pathlib.Path(args.pack_decision).read_text(encoding="utf-8"))
+    if "pack3" not in report.get("device_over_pack", {}):
+      parser.error(f"--pack-decision {args.pack_decision}: no pack of 3 timed there "
+                   "(this script's JSON with --packs 3)")
     pays = pack_pays(report, jax.devices()[0].device_kind, args.pack_min)
     print("" if pays is None else int(pays))
     return
