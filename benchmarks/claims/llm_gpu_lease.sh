@@ -10,6 +10,9 @@
 #   run(command="bash benchmarks/claims/llm_gpu_lease.sh run", carry=[".llm/b"], timeout_s=560)
 #   then here: tar xzf <files_at>/pieces.tar.gz; python benchmarks/report.py
 #
+# After a gpu_lease.sh call on the same lease (its header's plan), `run` gets what is left of the
+# lease's 900 s: e.g. RUN_S=330 DEADLINE_S=210 bash benchmarks/claims/llm_gpu_lease.sh run.
+#
 # Optional, on any call of the lease (it needs no model): SAFE's block step with the calibration
 # on the device against minibatches from the host (docs/performance.md), about a minute there:
 #   run(command="python3 benchmarks/perf/llm_safe_step.py --out $OUT/llm_safe_step_gpu.json",
