@@ -270,3 +270,48 @@ def test_show_refuses_a_missing_file_naming_it(tmp_path, capsys):
   with pytest.raises(SystemExit):
     bench.main(["--show", str(tmp_path / "none.json")])
   assert f"--show: no such file: {tmp_path / 'none.json'}" in capsys.readouterr().err
+
+
+MPS = "nvidia-cuda-mps-control"
+
+
+def test_a_running_mps_daemon_is_seen_though_its_name_is_longer_than_15_characters(tmp_path):
+  """Linux keeps 15 characters of a process name, so ``pgrep -x nvidia-cuda-mps-control`` never
+  matches: the 2026-11-28 lease recorded ``mps_daemon: false`` for cells measured under MPS. A
+  real process started as the daemon is (``nvidia-cuda-mps-control -d``) must be seen."""
+  import shutil as sh  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  fake = tmp_path / MPS
+  sh.copy(sh.which("sleep"), fake)
+  assert not bench.mps_daemon_running()
+  proc = subprocess.Popen([str(fake), "30"])
+  try:
+    deadline = time.time() + 10
+    while not (pathlib.Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")[0]
+               .endswith(MPS.encode())) and time.time() < deadline:
+      time.sleep(0.01)  # until the exec has replaced the forked child's command line
+    assert bench.mps_daemon_running()
+  finally:
+    proc.kill()
+    proc.wait()
+  assert not bench.mps_daemon_running()
+
+
+def _fake_proc(root, commands):
+  for pid, argv in commands.items():
+    (root / str(pid)).mkdir(parents=True)
+    (root / str(pid) / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
+  (root / "self").mkdir()  # not a process number: ignored
+  return root
+
+
+@pytest.mark.parametrize("argv, running", [
+    ([f"/usr/bin/{MPS}", "-d"], True),
+    ([MPS, "-d"], True),
+    (["python3", "-c", f"print('{MPS}')"], False),  # named in an argument, not the program
+    ([f"/usr/bin/{MPS}-helper"], False),
+    ([], False),  # a zombie's empty command line
+])
+def test_the_daemon_is_the_program_a_process_runs(tmp_path, argv, running):
+  proc = _fake_proc(tmp_path / "proc", {1: ["/sbin/init"], 4242: argv})
+  assert bench.mps_daemon_running(proc) is running

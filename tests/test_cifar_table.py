@@ -439,3 +439,19 @@ def test_throughput_files_of_another_batch_are_left_out_and_dry_runs_kept(tmp_pa
       capsys.readouterr().out)
   dry = write("dry.json", 8, 200.0, dry_run=True)  # a CPU check plans at its own batch
   assert len(cifar_table.read_throughput([dry], 128)["cells"]) == 1
+
+
+def test_the_committed_h200_cells_give_each_mps_state_its_own_processes_cell():
+  """The processes cells measured on the 2026-11-28 lease, with and without MPS, are each found
+  under their own daemon state (before the MPS check was fixed, both read "no daemon": a plan
+  made under MPS found no processes cell, one made without it could take the MPS one)."""
+  results = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "perf" / "results"
+  bench = cifar_table.read_throughput([str(results / "cifar_processes_gpu.json"),
+                                       str(results / "cifar_processes_mps_gpu.json")], 128)
+  under_mps = cifar_table.layout_seconds(bench, "resnet20x2", "float32", 3, mps=True)
+  without = cifar_table.layout_seconds(bench, "resnet20x2", "float32", 3, mps=False)
+  no_mps = cifar_table.read_throughput([str(results / "cifar_processes_gpu.json")], 128)
+  assert without["processes"] == cifar_table.layout_seconds(
+      no_mps, "resnet20x2", "float32", 3, mps=False)["processes"]
+  # MPS ran the three processes' kernels at once: a shorter span than taking turns
+  assert under_mps["processes"] < without["processes"]

@@ -53,7 +53,6 @@ import argparse
 import json
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -179,13 +178,27 @@ def file_barrier(folder: str, name: str, count: int, timeout_s: float = 900.0
   return wait
 
 
-def mps_daemon_running() -> bool:
+MPS_CONTROL = "nvidia-cuda-mps-control"
+
+
+def mps_daemon_running(proc: pathlib.Path = pathlib.Path("/proc")) -> bool:
   """Whether an NVIDIA MPS control daemon runs here (kernels of different processes then
-  share the GPU at once instead of taking turns)."""
-  if shutil.which("pgrep") is None:
-    return False
-  return subprocess.run(["pgrep", "-x", "nvidia-cuda-mps-control"], capture_output=True,
-                        check=False).returncode == 0
+  share the GPU at once instead of taking turns): a process whose program is
+  ``nvidia-cuda-mps-control``, read from each ``/proc/PID/cmdline``.
+
+  Not ``pgrep -x``: Linux keeps 15 characters of a process name, so that never
+  matched, and the 2026-11-28 lease recorded cells measured under MPS as without it.
+  """
+  for entry in proc.iterdir():
+    if not entry.name.isdigit():
+      continue
+    try:
+      program = (entry / "cmdline").read_bytes().split(b"\0", 1)[0]
+    except OSError:  # the process ended, or is not ours to read
+      continue
+    if os.path.basename(program.decode(errors="replace")) == MPS_CONTROL:
+      return True
+  return False
 
 
 PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"
