@@ -254,14 +254,17 @@ def test_show_prints_several_files_with_speedups_over_the_first_lone_run(tmp_pat
 
   # under MPS: 3 processes and no lone run of their own; then a call with the lone run
   mps, lone = tmp_path / "mps.json", tmp_path / "lone.json"
-  mps.write_text(json.dumps({"device_kind": "GPU", "cells": [cell(3, 20.0, layout="processes")]}))
+  mps.write_text(json.dumps({"device_kind": "GPU", "cells": [
+      cell(3, 20.0, layout="processes", mps_daemon=True),
+      cell(6, 60.0, layout="processes", mps_daemon=False)]}))
   lone.write_text(json.dumps({"device_kind": "GPU", "cells": [cell(1, 10.0)]}))
   bench.main(["--show", str(mps), str(lone)])
   out = capsys.readouterr().out.splitlines()
   assert out[0] == f"GPU: {mps}, {lone}"
   rows = {line.split()[2]: line.split() for line in out[2:]}
   # 3 x 128 images in 20 ms against 128 in 10 ms
-  assert rows["3p"][6] == "1.50" and rows["3p"][-1] == "mps.json"
+  assert rows["3mps"][6] == "1.50" and rows["3mps"][-1] == "mps.json"
+  assert rows["6p"][6] == "1.00"  # 6 x 128 in 60 ms, the processes taking turns
   assert rows["1"][6] == "1.00" and rows["1"][-1] == "lone.json"
   assert not (tmp_path / "benchmarks").exists()  # measured and wrote nothing
 

@@ -29,7 +29,7 @@ up, then stepped together after a barrier (table rows ``Np``). Their
 throughput is all their images over the span from the first timed step's start
 to the last one's end. Without NVIDIA's MPS daemon (``nvidia-cuda-mps-control
 -d``) the processes' kernels take turns on the GPU; with it they can run at
-once. The cell records whether the daemon ran.
+once. The cell records whether the daemon ran (table rows ``Nmps``).
 
 ``--deadline-s``: cells not started before it are skipped, and the JSON is
 rewritten after every cell, so a lease cut short keeps what it measured.
@@ -297,7 +297,9 @@ def row(cell: dict[str, Any]) -> str:
     return f"{cell['model']:>10} {cell['dtype']:>8} {cell['runs']:>4}   {cell['skipped']}"
   tflops = cell["flops_per_second"] / 1e12 if cell.get("flops_per_second") else float("nan")
   speedup = cell.get("speedup_vs_lone_float32") or float("nan")
-  runs = f"{cell['runs']}{'p' if cell.get('layout') == 'processes' else ''}"
+  runs = str(cell["runs"])
+  if cell.get("layout") == "processes":
+    runs += "mps" if cell.get("mps_daemon") else "p"
   return (f"{cell['model']:>10} {cell['dtype']:>8} {runs:>4} {cell['mean_step_ms']:8.2f} "
           f"{cell['images_per_second_per_run']:10.0f} {cell['images_per_second']:9.0f} "
           f"{speedup:8.2f} {tflops:8.2f} {cell['compile_s']:9.1f} "
