@@ -165,6 +165,8 @@ if want 5 && [ -z "${DRY:-}" ]; then
   timeout -s KILL ${S5:-120} python3 benchmarks/perf/llm_7b_block.py --windows 2 --seqlen 2048 \
     --steps 10,210 --sparsegpt-windows 8 --methods sparsegpt --out "$OUT/llm_7b_block_gpu.json" \
     || echo "step 5: rc $?"
+  # the timeout kills the script, not its --worker, which would hold the GPU through the LLM calls
+  pkill -9 -f "llm_7b_block.p[y]" 2>/dev/null
 fi
 if want 6; then
   echo "== 6. LLM SAFE step, calibration on the device or from the host, at ${SECONDS}s"
