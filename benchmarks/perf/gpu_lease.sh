@@ -6,8 +6,8 @@
 #
 # The next lease, in the order that finishes the issues' items first (one lease is 900 s with the
 # machine's start, about 45 s; leases are rare, so what closes an item goes first):
-#   call 1: STEPS="4 5" (at most about 440 s: 160 s a dtype, 120 s step 5): issue 31 item 2's GPU report (step 4) and issue 33
-#           item 4's SparseGPT on the GPU (step 5);
+#   call 1: STEPS="4 5" (at most about 440 s: 160 s a dtype, 120 s step 5): issue 31 item 2's
+#           GPU report (step 4) and issue 33 item 4's SparseGPT on the GPU (step 5);
 #   calls 2-3 on the same warm machine: the SAFE / SAFE+ pieces of issue 33 (llm_gpu_lease.sh
 #           receive, then run with RUN_S=330 DEADLINE_S=210 to fit what is left: about 2 pieces);
 #   the lease after: STEPS="7 2 3c" (at most about 400 s: the measurements that name issue 31's
