@@ -277,7 +277,7 @@ def test_show_refuses_a_missing_file_naming_it(tmp_path, capsys):
   assert f"--show: no such file: {tmp_path / 'none.json'}" in capsys.readouterr().err
 
 
-MPS = "nvidia-cuda-mps-control"
+MPS = bench.MPS_CONTROL
 
 
 def test_a_running_mps_daemon_is_seen_though_its_name_is_longer_than_15_characters(tmp_path):

@@ -126,7 +126,8 @@ EPOCHS=${EPOCHS:-$([ -n "${DRY:-}" ] && echo 1 || echo 2)}
 echo "== 4. SAFE float32 against bfloat16, 3 seeds, $EPOCHS epochs, at ${SECONDS}s"
 fi
 if want 4 && [ -f .gpu/cifar10_jpg.tar.gz ]; then
-  # a CPU step of ResNet-20x2 at batch 128 takes about 18 s: the dry run trains one step a run
+  # a CPU step of ResNet-20x2 at batch 128 takes about 18 s (results/cifar_batch128_cpu.json):
+  # the dry run trains one step a run
   TX=${DRY:+--train-subset 128 --test-subset 256}
   THROUGHPUT=benchmarks/perf/results/cifar_pack_throughput_${DRY:+cpu_dry_run}.json
   [ -z "${DRY:-}" ] && THROUGHPUT=benchmarks/perf/results/cifar_pack_throughput_gpu.json
