@@ -455,3 +455,24 @@ def test_the_committed_h200_cells_give_each_mps_state_its_own_processes_cell():
       no_mps, "resnet20x2", "float32", 3, mps=False)["processes"]
   # MPS ran the three processes' kernels at once: a shorter span than taking turns
   assert under_mps["processes"] < without["processes"]
+
+
+def test_where_two_files_measure_the_same_cell_the_later_one_counts_in_every_layout(tmp_path):
+  """A lease's fresh cells are passed after the committed ones (gpu_lease.sh step 4): the lone,
+  pack and processes steps all come from the later file (the lone step once came from the
+  first)."""
+  import json  # pylint: disable=import-outside-toplevel
+  paths = []
+  for name, lone_ms, pack_ms in (("old.json", 20.0, 31.5), ("new.json", 9.73, 48.21)):
+    paths.append(tmp_path / name)
+    paths[-1].write_text(json.dumps({"settings": {"batch": 128},
+                                     "cells": _bench(lone_ms, pack_ms)["cells"]}))
+  paths[-1].write_text(json.dumps({"settings": {"batch": 128}, "cells": [
+      dict(c, mean_step_ms=2.0) if c.get("layout") == "processes" else c
+      for c in _bench(9.73, 48.21)["cells"]]}))
+  for order, (lone_ms, pack_ms, processes_ms) in (((0, 1), (9.73, 48.21, 2.0)),
+                                                  ((1, 0), (20.0, 31.5, 1.0))):
+    bench = cifar_table.read_throughput([str(paths[i]) for i in order], 128)
+    assert cifar_table.layout_seconds(bench, "resnet20x2", "float32", 3, mps=True) == {
+        "lone": pytest.approx(3 * lone_ms / 1e3), "pack": pytest.approx(pack_ms / 1e3),
+        "processes": pytest.approx(processes_ms / 1e3)}

@@ -82,8 +82,7 @@ def step_seconds(throughput: dict[str, Any], model: str, dtype: str, runs: int,
     >>> round(step_seconds(bench, "m", "float32", 9), 6)
     0.045
   """
-  cells = {c["runs"]: c["mean_step_ms"] / 1e3
-           for c in _packs(throughput, model, dtype, conv_impl)}
+  cells = _seconds_by_runs(_packs(throughput, model, dtype, conv_impl))
   if not cells:
     raise ValueError(f"the throughput JSON has no measured cell of model {model!r}, dtype "
                      f"{dtype!r}, conv_impl {conv_impl!r}; run "
@@ -96,9 +95,11 @@ def step_seconds(throughput: dict[str, Any], model: str, dtype: str, runs: int,
 
 
 def read_throughput(paths: Sequence[str], batch: int) -> dict[str, Any]:
-  """The cells of ``cifar_pack_throughput.py``'s JSONs at ``paths``, together, leaving out the
-  files measured at another ``--batch`` than the table's runs (a lone run at batch 2048 is not
-  a lone run of the table); a CPU dry run (any batch) is kept as the check it is."""
+  """The cells of ``cifar_pack_throughput.py``'s JSONs at ``paths``, together, in the order
+  given (where two files measure the same cell, the later one counts: pass the newest last),
+  leaving out the files measured at another ``--batch`` than the table's runs (a lone run at
+  batch 2048 is not a lone run of the table); a CPU dry run (any batch) is kept as the check
+  it is."""
   cells = []
   for path in paths:
     report = json.loads(pathlib.Path(path).read_text())
@@ -118,6 +119,17 @@ def _cells(throughput: dict[str, Any], model: str, dtype: str, conv_impl: str,
   return [c for c in throughput["cells"] if c.get("model") == model and c.get("dtype") == dtype
           and c.get("conv_impl", "xla") == conv_impl and "mean_step_ms" in c
           and c.get("layout", "pack") == layout]
+
+
+def _seconds_by_runs(cells: Sequence[dict[str, Any]]) -> dict[int, float]:
+  """Seconds of one step per run count of ``cells``; where several cells measured the same
+  count (files of several leases), the last one read counts (:func:`read_throughput`).
+
+  Examples:
+    >>> _seconds_by_runs([{"runs": 1, "mean_step_ms": 9.0}, {"runs": 1, "mean_step_ms": 8.0}])
+    {1: 0.008}
+  """
+  return {c["runs"]: c["mean_step_ms"] / 1e3 for c in cells}
 
 
 def _packs(throughput: dict[str, Any], model: str, dtype: str,
@@ -150,13 +162,12 @@ def layout_seconds(throughput: dict[str, Any], model: str, dtype: str, runs: int
     ['lone', 'pack']
   """
   seconds = {"pack": step_seconds(throughput, model, dtype, runs, conv_impl)}
-  lone = [c["mean_step_ms"] for c in _packs(throughput, model, dtype, conv_impl)
-          if c["runs"] == 1]
-  if lone:
-    seconds["lone"] = runs * lone[0] / 1e3
-  processes = {c["runs"]: c["mean_step_ms"] / 1e3
-               for c in _cells(throughput, model, dtype, conv_impl, "processes")
-               if c["runs"] >= runs and bool(c.get("mps_daemon")) == mps}
+  lone = _seconds_by_runs(_packs(throughput, model, dtype, conv_impl)).get(1)
+  if lone is not None:
+    seconds["lone"] = runs * lone
+  processes = _seconds_by_runs(
+      [c for c in _cells(throughput, model, dtype, conv_impl, "processes")
+       if c["runs"] >= runs and bool(c.get("mps_daemon")) == mps])
   if processes:
     seconds["processes"] = processes[min(processes)]
   return seconds
@@ -428,7 +439,9 @@ def main(argv: Optional[list[str]] = None) -> None:
   parser.add_argument("--runs", help="run folders (kept between leases)")
   parser.add_argument("--table", default="results/cifar10_resnet20x2/table5.json")
   parser.add_argument("--throughput", nargs="+",
-                      help="cifar_pack_throughput.py's JSON (several: their cells together)")
+                      help="cifar_pack_throughput.py's JSON (several: their cells together; "
+                           "where two measure the same cell, the later one counts: pass the "
+                           "newest last)")
   parser.add_argument("--deadline-s", type=float)
   parser.add_argument("--finish-s", type=float, default=60.0,
                       help="seconds a pack (a lone run) spends after its last step")
