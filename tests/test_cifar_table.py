@@ -462,14 +462,11 @@ def test_where_two_files_measure_the_same_cell_the_later_one_counts_in_every_lay
   pack and processes steps all come from the later file (the lone step once came from the
   first)."""
   import json  # pylint: disable=import-outside-toplevel
-  paths = []
-  for name, lone_ms, pack_ms in (("old.json", 20.0, 31.5), ("new.json", 9.73, 48.21)):
-    paths.append(tmp_path / name)
-    paths[-1].write_text(json.dumps({"settings": {"batch": 128},
-                                     "cells": _bench(lone_ms, pack_ms)["cells"]}))
-  paths[-1].write_text(json.dumps({"settings": {"batch": 128}, "cells": [
-      dict(c, mean_step_ms=2.0) if c.get("layout") == "processes" else c
-      for c in _bench(9.73, 48.21)["cells"]]}))
+  old, new = _bench(20.0, 31.5)["cells"], _bench(9.73, 48.21)["cells"]
+  new[-1] = dict(new[-1], mean_step_ms=2.0)  # the processes cell (1.0 in the old file)
+  paths = [tmp_path / "old.json", tmp_path / "new.json"]
+  for path, cells in zip(paths, (old, new)):
+    path.write_text(json.dumps({"settings": {"batch": 128}, "cells": cells}))
   for order, (lone_ms, pack_ms, processes_ms) in (((0, 1), (9.73, 48.21, 2.0)),
                                                   ((1, 0), (20.0, 31.5, 1.0))):
     bench = cifar_table.read_throughput([str(paths[i]) for i in order], 128)
