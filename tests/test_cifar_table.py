@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import doctest
+import json
 import os
 import pathlib
 import sys
@@ -99,7 +100,6 @@ class _Planned(Exception):
 def test_auto_counts_each_lone_runs_start_against_a_packs_one(tmp_path, monkeypatch, capsys,
                                                              epochs, start_s, layout):
   # pylint: disable=import-outside-toplevel
-  import json
   import types
 
   from safe_optax.vision import datasets, packing, train
@@ -120,7 +120,6 @@ def test_auto_counts_each_lone_runs_start_against_a_packs_one(tmp_path, monkeypa
 
 def test_lone_runs_train_one_after_another_each_merged_as_it_finishes(tmp_path, monkeypatch):
   # pylint: disable=import-outside-toplevel
-  import json
   import types
 
   from safe_optax.vision import checkpoint as checkpoint_lib
@@ -169,7 +168,6 @@ def test_lone_runs_train_one_after_another_each_merged_as_it_finishes(tmp_path, 
 
 def test_a_layout_the_benchmark_did_not_measure_is_refused_before_the_data_loads(tmp_path,
                                                                                  monkeypatch):
-  import json  # pylint: disable=import-outside-toplevel
 
   from safe_optax.vision import datasets  # pylint: disable=import-outside-toplevel
   throughput = tmp_path / "bench.json"
@@ -235,7 +233,6 @@ def test_a_damaged_or_missing_part_or_an_older_bundle_is_refused(tmp_path):
 def test_a_bundle_member_outside_the_runs_folder_is_refused(tmp_path, monkeypatch, has_data_filter):
   import hashlib  # pylint: disable=import-outside-toplevel
   import io  # pylint: disable=import-outside-toplevel
-  import json  # pylint: disable=import-outside-toplevel
   import tarfile  # pylint: disable=import-outside-toplevel
   buffer = io.BytesIO()
   with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
@@ -257,7 +254,6 @@ def test_a_bundle_member_outside_the_runs_folder_is_refused(tmp_path, monkeypatc
 
 
 def test_compare_pairs_two_tables_by_seed_and_needs_no_training_arguments(tmp_path, capsys):
-  import json  # pylint: disable=import-outside-toplevel
   def table(accuracies):
     return {"runs": {f"safe-s0.9-seed{s}": {"method": "safe", "sparsity": 0.9, "seed": s,
                                             "accuracy": acc} for s, acc in accuracies.items()}}
@@ -308,7 +304,6 @@ class _FakeChild:
 
 def _processes_setup(tmp_path, monkeypatch, train_and_evaluate):
   # pylint: disable=import-outside-toplevel
-  import json
   import types
 
   from safe_optax.vision import datasets, packing, sweeps, train
@@ -338,7 +333,6 @@ def _processes_setup(tmp_path, monkeypatch, train_and_evaluate):
 def test_processes_start_a_lone_child_per_seed_at_once_and_merge_the_runs_they_finish(
     tmp_path, monkeypatch, capsys):
   # pylint: disable=import-outside-toplevel
-  import json
   import types
 
   from safe_optax.vision import checkpoint as checkpoint_lib
@@ -367,7 +361,6 @@ def test_processes_start_a_lone_child_per_seed_at_once_and_merge_the_runs_they_f
 
 def test_a_processes_child_gets_a_share_of_the_memory_and_a_failed_one_is_named(
     tmp_path, monkeypatch):
-  import json  # pylint: disable=import-outside-toplevel
   import types  # pylint: disable=import-outside-toplevel
   children = []
   real = _FakeChild.__init__
@@ -423,7 +416,6 @@ def test_a_negative_start_or_finish_time_is_refused_naming_it(tmp_path, capsys, 
 
 
 def test_throughput_files_of_another_batch_are_left_out_and_dry_runs_kept(tmp_path, capsys):
-  import json  # pylint: disable=import-outside-toplevel
 
   def write(name, batch, lone_ms, **extra):
     path = tmp_path / name
@@ -461,7 +453,6 @@ def test_where_two_files_measure_the_same_cell_the_later_one_counts_in_every_lay
   """A lease's fresh cells are passed after the committed ones (gpu_lease.sh step 4): the lone,
   pack and processes steps all come from the later file (the lone step once came from the
   first)."""
-  import json  # pylint: disable=import-outside-toplevel
   old, new = _bench(20.0, 31.5)["cells"], _bench(9.73, 48.21)["cells"]
   new[-1] = dict(new[-1], mean_step_ms=2.0)  # the processes cell (1.0 in the old file)
   paths = [tmp_path / "old.json", tmp_path / "new.json"]
