@@ -13,6 +13,18 @@ that tests start do not inherit it, so no two processes ever read and write
 one folder). The cache key is the program, the compile options, the XLA flags
 and the JAX version, so a hit is the executable a compile would give. Set
 ``SAFE_OPTAX_TEST_JAX_CACHE=0`` to compile everything afresh.
+
+For the same reason the suite compiles with JAX's ``jax_disable_most_optimizations``
+(XLA's backend optimisation level 0, no expensive LLVM passes: the switch JAX
+made for smoke tests, and that Flax uses on its slow-compiling tests). Programs
+compile faster and compute the same functions, rounded differently, so every
+tolerance-based check holds. Subprocesses that tests start inherit it through
+``JAX_DISABLE_MOST_OPTIMIZATIONS``. Tests marked ``xla_optimized`` (the claim
+tests, which rerun committed evidence and hold it to margins that the rounding
+of the committed run sets) compile with the optimisations a user gets, with
+JAX's in-memory caches cleared on the way in and out so no program crosses
+between the two settings (the persistent cache keys on the setting). Set
+``SAFE_OPTAX_TEST_XLA=optimized`` to compile every test as a user's run does.
 """
 
 import os
@@ -23,10 +35,22 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 _OWNED = pytest.StashKey[str]()  # this process's cache folder (deleted at the end)
+_XLA_MODES = ("fast", "optimized")
+_FAST_ENV = "JAX_DISABLE_MOST_OPTIMIZATIONS"
 
 
 def pytest_configure(config):
-  """Gives this process its own compilation cache (see the module docstring)."""
+  """Sets the compile mode and gives this process its own compilation cache (module docstring)."""
+  config.addinivalue_line(
+      "markers", "xla_optimized: compile with XLA's full optimisations even under the suite's "
+      "fast compile mode (tests/conftest.py)")
+  mode = os.environ.get("SAFE_OPTAX_TEST_XLA", "fast")
+  if mode not in _XLA_MODES:
+    raise pytest.UsageError(f"SAFE_OPTAX_TEST_XLA={mode!r}: use one of {_XLA_MODES}")
+  if mode == "fast":
+    import jax  # pylint: disable=import-outside-toplevel
+    os.environ[_FAST_ENV] = "1"  # for the subprocesses tests start
+    jax.config.update("jax_disable_most_optimizations", True)
   switch = os.environ.get("SAFE_OPTAX_TEST_JAX_CACHE", "1")
   if switch not in ("0", "1"):
     raise pytest.UsageError(f"SAFE_OPTAX_TEST_JAX_CACHE={switch!r}: use 1 (the default) or 0")
@@ -46,6 +70,26 @@ def pytest_unconfigure(config):
   folder = config.stash.get(_OWNED, None)
   if folder:
     shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _xla_optimized(request):
+  """Compiles a test marked ``xla_optimized`` with full optimisations (module docstring)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  if (request.node.get_closest_marker("xla_optimized") is None
+      or not jax.config.read("jax_disable_most_optimizations")):
+    yield
+    return
+  jax.clear_caches()
+  jax.config.update("jax_disable_most_optimizations", False)
+  saved = os.environ.pop(_FAST_ENV, None)
+  try:
+    yield
+  finally:
+    if saved is not None:
+      os.environ[_FAST_ENV] = saved
+    jax.config.update("jax_disable_most_optimizations", True)
+    jax.clear_caches()
 
 
 settings.register_profile(

@@ -1,0 +1,60 @@
+"""The suite's compile mode (tests/conftest.py): fast by default, full optimisations where marked.
+
+The tests in this file run in order in one process (pytest-xdist sends a
+file to one worker), so the last one sees what the marked one left behind.
+"""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+FAST = os.environ.get("SAFE_OPTAX_TEST_XLA", "fast") == "fast"
+_CHILD = "import jax; print(jax.config.read('jax_disable_most_optimizations'))"
+
+
+def _child_disables_optimizations() -> bool:
+  out = subprocess.run([sys.executable, "-c", _CHILD], check=True, capture_output=True,
+                       text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}).stdout
+  return out.strip() == "True"
+
+
+@jax.jit
+def _fused(x):
+  # A product and a sum that an optimising backend fuses into one multiply-add.
+  return x * 3.1 + 0.7
+
+
+def test_unmarked_tests_and_their_subprocesses_compile_without_optimisations():
+  assert jax.config.read("jax_disable_most_optimizations") is FAST
+  assert (os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS") == "1") is FAST
+  assert _child_disables_optimizations() is FAST
+  _fused(jnp.arange(4.0))  # compiled here, in this mode
+
+
+@pytest.mark.xla_optimized
+def test_a_marked_test_and_its_subprocesses_compile_as_a_users_run():
+  assert jax.config.read("jax_disable_most_optimizations") is False
+  assert "JAX_DISABLE_MOST_OPTIMIZATIONS" not in os.environ
+  assert _child_disables_optimizations() is False
+  x = jnp.linspace(-3.0, 3.0, 7)
+  np.testing.assert_allclose(_fused(x), np.asarray(x) * 3.1 + 0.7, rtol=1e-6)
+
+
+def test_the_mode_is_restored_after_a_marked_test():
+  assert jax.config.read("jax_disable_most_optimizations") is FAST
+  assert (os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS") == "1") is FAST
+
+
+def test_an_unknown_mode_is_refused_naming_the_variable_and_the_modes(tmp_path):
+  env = {**os.environ, "SAFE_OPTAX_TEST_XLA": "quick", "JAX_PLATFORMS": "cpu"}
+  done = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-n0", "--co", "--rootdir", os.path.dirname(os.path.dirname(__file__)), __file__],
+      capture_output=True, text=True, env=env, cwd=tmp_path, check=False)
+  assert done.returncode != 0
+  assert "SAFE_OPTAX_TEST_XLA='quick'" in done.stderr + done.stdout
+  assert "('fast', 'optimized')" in done.stderr + done.stdout
