@@ -74,7 +74,13 @@ def pytest_unconfigure(config):
 
 @pytest.fixture(autouse=True)
 def _xla_optimized(request):
-  """Compiles a test marked ``xla_optimized`` with full optimisations (module docstring)."""
+  """Compiles a test marked ``xla_optimized`` with full optimisations (module docstring).
+
+  The test's own body and its function-scoped fixtures only: a module-scoped
+  fixture is set up before this one, in the suite's mode (the marked files'
+  module fixtures read JSON, GGUF weights and text, and compile nothing that
+  their tests compare).
+  """
   import jax  # pylint: disable=import-outside-toplevel
   if (request.node.get_closest_marker("xla_optimized") is None
       or not jax.config.read("jax_disable_most_optimizations")):
