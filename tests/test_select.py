@@ -4,7 +4,9 @@ The reference is a plain stable sort: concatenate the leaves in the order given
 (row-major within a leaf), order by (NaN first, score descending, position
 ascending) with ``-0.0 == +0.0``, and keep the first ``k``. The kernel must
 return exactly that mask, for every ``k`` from 1 (sparsity near 1) to the total
-size (sparsity 0), whatever the ties.
+size (sparsity 0), whatever the ties. The per-row kernel
+(`_select.group_topk_mask`, N:M groups and Wanda's per-output rows) is checked
+the same way, row by row, for every ``k`` from 0 to the row length.
 
 Every new leaf shape costs a jit compilation, so property tests draw values
 for a handful of fixed leaf layouts and vary ``k`` as traced data.
@@ -261,3 +263,47 @@ def test_pick_bin_matches_suffix_sums(data):
   b, above = _pick_bin(jnp.asarray(hist), jnp.int32(k))
   assert (int(b), int(above)) == (want, int(at_or_above[want] - hist[want]))
 
+
+# Keys next to the edges of the uint32 range and of the radix passes, drawn often.
+_EDGE_KEYS = (0, 1, 0x7FFFFFFF, 0x80000000, 0x80000001, 0xFFFFFFFE, 0xFFFFFFFF, 0x8000FFFF)
+
+
+def ref_group_keep(keys: np.ndarray, k: int) -> np.ndarray:
+  """Per row: the k largest unsigned keys, ties to the lower column (a stable sort)."""
+  order = np.argsort(-keys.astype(np.int64), axis=-1, kind="stable")
+  keep = np.zeros(keys.shape, bool)
+  np.put_along_axis(keep, order[:, :k], True, axis=-1)
+  return keep
+
+
+@pytest.mark.parametrize("rows,size,k", [(0, 20, 3), (1, 1, 1), (1, 17, 0), (1, 40, 40),
+                                          (3, 16, 16), (2, 17, 17)])
+def test_group_topk_mask_empty_single_none_and_all(rows, size, k):
+  keys = np.arange(rows * size, dtype=np.uint32).reshape(rows, size) % 3
+  got = np.asarray(_group_mask(jnp.asarray(keys), jnp.int32(k)))
+  np.testing.assert_array_equal(got, ref_group_keep(keys, k))
+
+
+@given(data=st.data())
+def test_group_topk_mask_matches_a_stable_sort(data):
+  """Kernel level: rows of any length, any k in [0, size], heavy ties, NaN and edge keys.
+
+  Rows of at most 16 entries take the pairwise-rank path, longer ones the
+  long-row path; ``k`` is traced, so one program serves every count.
+  """
+  rows = data.draw(st.integers(1, 5), label="rows")
+  size = data.draw(st.sampled_from([2, 5, 16, 17, 31, 64, 257]), label="size")
+  pool = data.draw(st.lists(st.one_of(st.sampled_from(_EDGE_KEYS),
+                                      st.integers(0, 2**32 - 1)), min_size=1, max_size=6),
+                   label="distinct keys")
+  rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed"))
+  keys = rng.choice(np.asarray(pool, np.uint32), (rows, size))
+  k = data.draw(st.integers(0, size), label="k")
+  got = np.asarray(_group_mask(jnp.asarray(keys), jnp.int32(k)))
+  np.testing.assert_array_equal(got, ref_group_keep(keys, k))
+  assert (got.sum(-1) == k).all()
+
+
+@jax.jit
+def _group_mask(keys, k):
+  return _select.group_topk_mask(keys, k)

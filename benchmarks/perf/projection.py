@@ -56,7 +56,13 @@ Further tables (``--parts``; ``sizes`` is the table above):
   ``project_topk`` of the same params at sparsity 0.9, timed side by side for
   ResNet-20x2, VGG-19 (both 32x32x3 inputs, ``--share-batch``) and one
   SmolLM2-135M-shaped LLaMA block (576 / 1536, 9 heads, 3 KV heads; random
-  weights, block-output MSE on ``--share-batch`` x 128 tokens).
+  weights, block-output MSE on ``--share-batch`` x 128 tokens);
+* ``per_output``: Wanda's per-output grouping (``PerOutput``, each output unit's
+  row of input weights keeps its own top half) on one SmolLM2-135M block's seven
+  matrices (3.3M entries, rows of 576 and 1,536) and, with ``--per-output-7b``,
+  one LLaMA-2-7B block's (202M entries, rows of 4,096 and 11,008): the kernel
+  against ``--compare-kernel``'s (before 2026-11-29 a stable sort of every row)
+  in the same rounds, kept sets checked equal.
 
 Bars on this CPU: ours >= 50x faster than sort at 1.1M and at 20M, compile
 < 10 s, compile at 300 leaves within 2x of compile at 3 leaves, the slowest
@@ -566,10 +572,71 @@ def bench_share(batch: int, reps: int, dual_every: int = _common.DUAL_EVERY) -> 
   return rows
 
 
+# (in, out) Dense layouts of one LLaMA-family block's seven matrices: q, k, v, o, gate, up, down.
+def _llama_block_shapes(hidden: int, kv: int, mlp: int) -> list[Shape]:
+  return [(hidden, hidden), (hidden, kv), (hidden, kv), (hidden, hidden), (hidden, mlp),
+          (hidden, mlp), (mlp, hidden)]
+
+
+PER_OUTPUT_BLOCKS = {"smollm2_135m": _llama_block_shapes(576, 192, 1536),
+                     "llama2_7b": _llama_block_shapes(4096, 4096, 11008)}
+
+
+def per_output_projection(select: Any) -> Callable[[list[jax.Array], list[jax.Array]], list]:
+  """``project_topk(..., structure=PerOutput())`` on kernels, built on ``select``'s row kernel."""
+  def project(kernels: list[jax.Array], counts: list[jax.Array]) -> list[jax.Array]:
+    out = []
+    for w, k in zip(kernels, counts):
+      rows = jnp.moveaxis(select.magnitude_keys(w), -1, 0).reshape(w.shape[-1], -1)
+      mask = jnp.moveaxis(select.group_topk_mask(rows, k), 0, -1)
+      out.append(jax.lax.select(mask, w, jnp.zeros_like(w)))
+    return out
+  return project
+
+
+def bench_per_output(blocks: list[str], compare: Any, reps: int) -> list[dict]:
+  kernels = {"ours": jax.jit(per_output_projection(_select))}
+  if compare is not None:
+    kernels["compared"] = jax.jit(per_output_projection(compare))
+  rows = []
+  for block in blocks:
+    shapes = PER_OUTPUT_BLOCKS[block]
+    key = jax.random.key(0)  # unit scale, as LLM matrices; one tree (7B's is 0.8 GB)
+    tree = [jax.random.normal(jax.random.fold_in(key, i), shape) for i, shape in enumerate(shapes)]
+    counts = [jnp.int32(safe_optax.num_keep(shape[0], 0.5)) for shape in shapes]
+    calls, kept = {}, {}
+    for name, fn in kernels.items():
+      calls[name] = functools.partial(fn, tree, counts)
+      kept[name] = [np.asarray(w) != 0 for w in fn(tree, counts)]
+    exact = all((m.sum(0) == int(k)).all() for m, k in zip(kept["ours"], counts))
+    same = (None if compare is None else
+            all(np.array_equal(a, b) for a, b in zip(kept["ours"], kept["compared"])))
+    samples, _ = time_methods(calls, reps)
+    medians = {name: statistics.median(samples[name]) for name in kernels}
+    for name in kernels:
+      rows.append({"block": block, "kernel": name, "entries": sum(map(math.prod, shapes)),
+                   "sparsity": 0.5, "median_ms": 1e3 * medians[name],
+                   "compared_over_ours": (medians["compared"] / medians["ours"]
+                                          if compare is not None else None),
+                   "kept_exact": exact, "same_as_compared": same, "raw_s": samples[name]})
+  print(f"\n{'block':>14} {'kernel':>9} {'entries':>11} {'ms':>9} {'compared/ours':>14}")
+  for r in rows:
+    ratio = "" if r["compared_over_ours"] is None else f"{r['compared_over_ours']:.1f}x"
+    print(f"{r['block']:>14} {r['kernel']:>9} {r['entries']:>11,} {r['median_ms']:>9.1f} "
+          f"{ratio:>14}")
+  return rows
+
+
+PARTS = ("sizes", "dists", "compile", "share", "per_output")
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--parts", default="sizes,dists,compile,share",
-                      help="comma-separated tables to run: sizes, dists, compile, share")
+                      help="comma-separated tables to run: sizes, dists, compile, share, "
+                      "per_output")
+  parser.add_argument("--per-output-7b", action="store_true",
+                      help="per_output: also a LLaMA-2-7B block (202M entries)")
   parser.add_argument("--sizes", default=",".join(SIZES))
   parser.add_argument("--sparsities", default="0.5,0.9,0.99")
   parser.add_argument("--reps", type=int, default=10, help="max timed samples per case")
@@ -589,6 +656,8 @@ def main() -> None:
                                                     "results", "projection.json"))
   args = parser.parse_args()
   parts = args.parts.split(",")
+  if unknown := set(parts) - set(PARTS):
+    parser.error(f"--parts: unknown {sorted(unknown)}; choose from {', '.join(PARTS)}")
   sizes = args.sizes.split(",") if "sizes" in parts else []
   dist_sizes = args.dist_sizes.split(",") if "dists" in parts else []
   if unknown := set(sizes + dist_sizes) - set(SIZES):
@@ -608,6 +677,8 @@ def main() -> None:
                                 args.compile_runtime_max_leaves)
                   if "compile" in parts else [])
   share_rows = bench_share(args.share_batch, args.share_reps) if "share" in parts else []
+  per_output_rows = (bench_per_output(["smollm2_135m"] + ["llama2_7b"] * args.per_output_7b,
+                                      compare, args.reps) if "per_output" in parts else [])
   verdicts = bars(rows)
   for size in dist_sizes:
     times = [r["median_ms"] for r in dist_rows if r["kernel"] == "ours" and r["size"] == size]
@@ -627,13 +698,15 @@ def main() -> None:
               "loadavg_1_5_15_start": load_start, "loadavg_1_5_15_end": os.getloadavg()},
       "compare_kernel": args.compare_kernel,
       "total_wall_s": time.perf_counter() - start, "bars": verdicts, "rows": rows,
-      "distributions": dist_rows, "compile": compile_rows, "share": share_rows}
+      "distributions": dist_rows, "compile": compile_rows, "share": share_rows,
+      "per_output": per_output_rows}
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(report, f, indent=1)
   print(f"wrote {args.out} ({report['total_wall_s']:.0f} s)")
   failed = [r for r in rows if not r["check"]["ok"]] + [
-      r for r in dist_rows if not r["kept_exact"] or r.get("same_as_compared") is False]
+      r for r in dist_rows + per_output_rows
+      if not r["kept_exact"] or r.get("same_as_compared") is False]
   if failed:
     sys.exit("CHECK FAILED: see the check column and the JSON 'check' / 'kept_exact' entries")
 
