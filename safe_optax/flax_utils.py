@@ -75,9 +75,6 @@ Examples:
 from safe_optax._flax_linen import loss_and_grad_with_state
 from safe_optax._flax_linen import recalibrate_batch_stats
 from safe_optax._flax_linen import sam_grad_fn
-from safe_optax._flax_nnx import nnx_loss_and_grad
-from safe_optax._flax_nnx import nnx_recalibrate_batch_stats
-from safe_optax._flax_nnx import nnx_sam_grad_fn
 
 __all__ = (
     "loss_and_grad_with_state",
@@ -87,3 +84,18 @@ __all__ = (
     "recalibrate_batch_stats",
     "sam_grad_fn",
 )
+
+# The NNX helpers load flax.nnx (about 0.75 s: it imports IPython and treescope) on first
+# use, so a Linen program (the vision and LLM CLIs) does not pay for it at start-up.
+_NNX = ("nnx_loss_and_grad", "nnx_recalibrate_batch_stats", "nnx_sam_grad_fn")
+
+
+def __getattr__(name):
+  if name in _NNX:
+    from safe_optax import _flax_nnx  # pylint: disable=import-outside-toplevel
+    return getattr(_flax_nnx, name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+  return sorted(set(globals()) | set(_NNX))

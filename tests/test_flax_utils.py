@@ -214,3 +214,25 @@ def test_batch_must_be_a_pair(setup):
   with pytest.raises(TypeError, match=r"\(inputs, targets\)"):
     flax_utils.loss_and_grad_with_state(MODEL.apply, params, model_state,
                                         {"image": batch[0], "label": batch[1]}, loss_fn)
+
+
+def test_linen_programs_do_not_load_flax_nnx_and_the_nnx_helpers_load_it_on_use():
+  """flax.nnx costs about a second of every CLI process's start (it imports IPython):
+  the Linen engines never load it; flax_utils' NNX helpers still resolve, from the module
+  and by name."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  code = ("import sys\n"
+          "from safe_optax.vision import cli, train\n"
+          "from safe_optax.llm import cli as llm_cli, prune\n"
+          "from safe_optax import flax_utils\n"
+          "print('flax.nnx' in sys.modules)\n"
+          "from safe_optax.flax_utils import nnx_sam_grad_fn\n"
+          "print('flax.nnx' in sys.modules, nnx_sam_grad_fn.__name__,\n"
+          "      sorted(set(flax_utils.__all__) - set(dir(flax_utils))))\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       check=True).stdout.split("\n")
+  assert out[0] == "False", out
+  assert out[1] == "True nnx_sam_grad_fn []", out
+  with pytest.raises(AttributeError, match="no attribute 'nnx_missing'"):
+    flax_utils.nnx_missing  # pylint: disable=pointless-statement
