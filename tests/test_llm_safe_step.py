@@ -44,7 +44,7 @@ def test_tiny_run_records_both_layouts(tmp_path):
   """Every layout (a pack of 2 included) timed every repeat; the ratios are host over
   device and device over the pack's time per calibration set; versions recorded."""
   out = tmp_path / "step.json"
-  subprocess.run([sys.executable, str(SCRIPT), "--windows", "2", "--seqlen", "4",
+  subprocess.run([sys.executable, str(SCRIPT), "--shape", "tiny", "--windows", "2", "--seqlen", "4",
                   "--batch-size", "1", "--epochs", "1,2", "--repeats", "2", "--packs", "2",
                   "--out", str(out)],
                  check=True, capture_output=True, timeout=600)
@@ -56,7 +56,7 @@ def test_tiny_run_records_both_layouts(tmp_path):
   assert report["steps_per_epoch"] == 2
   assert report["host_over_device"] == pytest.approx(
       report["median_step_ms"]["host"] / report["median_step_ms"]["device"])
-  assert report["versions"]["jax"] and report["backend"] == "cpu"
+  assert report["versions"]["jax"] and report["backend"] == "cpu" and report["shape"] == "tiny"
 
 
 def test_pack_pays_only_on_the_device_kind_it_was_measured_on():

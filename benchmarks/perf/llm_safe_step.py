@@ -7,7 +7,7 @@ host and sent it over (``host``; still the several-device path, here over a
 one-device mesh): two copies of ``batch x seqlen x hidden`` floats a step.
 Both give the same weights bit for bit (``tests/test_llm_prune.py``); this
 script times them side by side in one process, alternating, on one block of
-SmolLM2-135M's shape (the standard rows of issue 33) or LLaMA-2-7B's.
+SmolLM2-135M's shape (the standard rows of issue 33) or LLaMA-2-7B's (``--shape tiny``: a dry run).
 
 ``--packs 3``: also ``pack3``, three calibration sets' SAFE steps as one
 vmapped program (``safe_optax.llm.block.safe_blocks``, what ``safe-optax-llm
@@ -44,6 +44,8 @@ SHAPES = {
     "smollm2": {"hidden_size": 576, "intermediate_size": 1536, "num_heads": 9, "num_kv_heads": 3},
     "llama7b": {"hidden_size": 4096, "intermediate_size": 11008, "num_heads": 32,
                 "num_kv_heads": 32},
+    # A dry run's: every layout and pack compiled and timed, in seconds on a CPU.
+    "tiny": {"hidden_size": 32, "intermediate_size": 64, "num_heads": 4, "num_kv_heads": 2},
 }
 LAYOUTS = ("device", "host")
 
