@@ -338,9 +338,8 @@ def _row_thresholds(keys: jax.Array, k: jax.Array) -> jax.Array:
   """Each row's k-th largest ``uint32`` key: the largest ``t`` with ``#{key >= t} >= k``.
 
   Decided one bit at a time from the top, 32 passes of a fused compare and row
-  count: a stable sort of SmolLM2's seven block matrices (3.3M entries in rows
-  of 192 to 1,536) took 0.70 s on a 2-core CPU, this 0.07 s
-  (``benchmarks/perf/projection.py --parts per_output``). ``k = 0`` gives the
+  count, with no sort (against the stable row sort it replaced:
+  ``benchmarks/perf/results/projection_per_output.json``). ``k = 0`` gives the
   largest key, so nothing is above it and no tie is kept.
   """
 

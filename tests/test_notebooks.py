@@ -33,8 +33,8 @@ NOTEBOOK_DATA = {"cifar_safe.ipynb": ("cifar10",),
                  "llm_pruning.ipynb": ("wikitext-2-raw/wiki.test.raw", "wikitext-2/valid.txt")}
 # Kernels compiled as a user's run is (conftest's fast compile mode left out of their
 # environment): llm_pruning is bound by execution, not compilation (SAFE+ on SmolLM2's 30
-# blocks): 76 s optimized against 112 s in the fast mode on a 2-core CPU; the other three
-# compile more than they run (cifar_safe 98 s optimized against 72 s).
+# blocks), and ran faster so on a 2-core CPU; the other three compile more than they run
+# and ran faster in the fast mode (benchmarks/perf/notebook_time.py, its results JSON).
 XLA_OPTIMIZED = {"llm_pruning.ipynb"}
 
 
