@@ -94,6 +94,7 @@ import optax
 
 import _common
 import safe_optax
+from safe_optax import _projection
 from safe_optax import _select
 from safe_optax import flax_utils
 
@@ -355,10 +356,16 @@ def kernel_projection(select: Any) -> Callable[[list[jax.Array], jax.Array], lis
   return project
 
 
-def bench_distributions(sizes: list[str], reps: int, compare: Any) -> list[dict]:
-  kernels = {"ours": jax.jit(kernel_projection(_select))}
+def jitted_kernels(build: Callable[[Any], Callable], compare: Any) -> dict[str, Callable]:
+  """``build``'s projection on this package's ``_select`` ("ours") and on ``compare``'s."""
+  kernels = {"ours": jax.jit(build(_select))}
   if compare is not None:
-    kernels["compared"] = jax.jit(kernel_projection(compare))
+    kernels["compared"] = jax.jit(build(compare))
+  return kernels
+
+
+def bench_distributions(sizes: list[str], reps: int, compare: Any) -> list[dict]:
+  kernels = jitted_kernels(kernel_projection, compare)
   rows = []
   for size in sizes:
     shapes = SIZES[size]()
@@ -578,6 +585,7 @@ def _llama_block_shapes(hidden: int, kv: int, mlp: int) -> list[Shape]:
           (hidden, mlp), (mlp, hidden)]
 
 
+PER_OUTPUT = safe_optax.PerOutput()
 PER_OUTPUT_BLOCKS = {"smollm2_135m": _llama_block_shapes(576, 192, 1536),
                      "llama2_7b": _llama_block_shapes(4096, 4096, 11008)}
 
@@ -587,17 +595,16 @@ def per_output_projection(select: Any) -> Callable[[list[jax.Array], list[jax.Ar
   def project(kernels: list[jax.Array], counts: list[jax.Array]) -> list[jax.Array]:
     out = []
     for w, k in zip(kernels, counts):
-      rows = jnp.moveaxis(select.magnitude_keys(w), -1, 0).reshape(w.shape[-1], -1)
-      mask = jnp.moveaxis(select.group_topk_mask(rows, k), 0, -1)
+      # project_topk's own grouping into rows and back; only the row kernel differs.
+      rows = _projection._to_groups(select.magnitude_keys(w), PER_OUTPUT)
+      mask = _projection._from_groups(select.group_topk_mask(rows, k), w.shape, PER_OUTPUT)
       out.append(jax.lax.select(mask, w, jnp.zeros_like(w)))
     return out
   return project
 
 
 def bench_per_output(blocks: list[str], compare: Any, reps: int) -> list[dict]:
-  kernels = {"ours": jax.jit(per_output_projection(_select))}
-  if compare is not None:
-    kernels["compared"] = jax.jit(per_output_projection(compare))
+  kernels = jitted_kernels(per_output_projection, compare)
   rows = []
   for block in blocks:
     shapes = PER_OUTPUT_BLOCKS[block]
