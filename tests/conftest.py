@@ -42,6 +42,10 @@ _FAST_ENV = "JAX_DISABLE_MOST_OPTIMIZATIONS"
 def pytest_configure(config):
   """Sets the compile mode and gives this process its own compilation cache (module docstring)."""
   config.addinivalue_line(
+      "markers", "slow: the slow tier (claims, notebooks, fault injection, multi-process runs, the "
+      "real LLM, packaging, long property tests): `python -m pytest -q -n 2 -m slow`; the README's "
+      "command runs the rest (CONTRIBUTING.md)")
+  config.addinivalue_line(
       "markers", "xla_optimized: compile with XLA's full optimisations even under the suite's "
       "fast compile mode (tests/conftest.py)")
   mode = os.environ.get("SAFE_OPTAX_TEST_XLA", "fast")

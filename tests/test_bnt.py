@@ -103,6 +103,7 @@ def test_errors():
     flax_utils.recalibrate_batch_stats(model.apply, params, {}, [x])
 
 
+@pytest.mark.slow
 def test_resnet_blocks_match_flax_batch_statistics():
   model = ResNet(blocks_per_stage=1, width=1, num_classes=10)
   rng = np.random.default_rng(2)

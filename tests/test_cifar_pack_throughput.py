@@ -46,6 +46,7 @@ def _conv_flops(batch):
   return 2 * batch * (macs + channels * 10)
 
 
+@pytest.mark.slow
 def test_the_lowered_count_holds_the_convolutions_and_grows_with_the_pack():
   lone = bench.flops_of(bench.lowered_step(_config(), 1).lowered)
   # SAM's two gradients: two forward and two backward passes, the backward about twice the forward
@@ -55,6 +56,7 @@ def test_the_lowered_count_holds_the_convolutions_and_grows_with_the_pack():
   assert packed == pytest.approx(3 * lone, rel=0.02)
 
 
+@pytest.mark.slow
 def test_a_recount_replaces_the_flops_keeps_the_times_and_says_how(tmp_path):
   path = tmp_path / "gpu.json"
   cells = [{"model": "resnet20x2", "dtype": "float32", "runs": 1, "plain_step": {"median_ms": 2.0},

@@ -33,7 +33,7 @@ from data_required import require_data  # noqa: E402  pylint: disable=wrong-impo
 
 # Reruns of committed evidence, held to the committed run's margins: compiled as a user's run
 # is (tests/conftest.py: the suite otherwise compiles with XLA's optimisations off).
-pytestmark = pytest.mark.xla_optimized
+pytestmark = [pytest.mark.slow, pytest.mark.xla_optimized]
 
 # Seed 0 by default (each seed is a full evidence-budget run, the suite's largest cost);
 # SAFE_OPTAX_CLAIM_SEEDS="0,1" reruns more of the committed seeds.

@@ -315,6 +315,7 @@ def test_constructible_under_jit(name):
   assert int(build_and_init(init_mlp())) == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", INJECT_NAMES)
 def test_inject_hyperparams_traced_sparsity_without_recompiling(name):
   spec = SPECS[name]
@@ -354,6 +355,7 @@ def test_inject_hyperparams_traced_sparsity_without_recompiling(name):
   assert nnz(kernels(sparse)) == safe_optax.num_keep(N_PRUNABLE, final)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MULTISTEPS_NAMES)
 def test_multisteps_advances_admm_every_k_micro_steps(name):
   """sam(MultiSteps(rest, k), rho): ADMM counts emitted steps, not micro-batches.
@@ -426,6 +428,7 @@ def test_map_params_over_state(name):
   assert n_mapped >= 4  # z and u kernels at least
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", BF16_NAMES)
 def test_bfloat16_params_stay_bfloat16(name):
   spec = SPECS[name]

@@ -54,6 +54,7 @@ def conv_cases(draw):
 
 
 # Every example compiles a new convolution: the profile (tests/conftest.py) sets how many.
+@pytest.mark.slow
 @given(conv_cases(), st.integers(0, 2**31 - 1))
 def test_any_convolution_is_unchanged(case, seed):
   lhs_shape, rhs_shape, kwargs = case
@@ -168,6 +169,7 @@ def test_not_callable_is_refused():
     safe_optax.experimental.canonical_convs(3)
 
 
+@pytest.mark.slow
 def test_power_iteration_inside_jit_matches_outside_and_is_canonical():
   loss, params, x = _conv_net()
   batches = [x[:1], x[1:]]
@@ -184,6 +186,7 @@ def test_power_iteration_inside_jit_matches_outside_and_is_canonical():
   assert labels and all(label == CANONICAL_LABELS[2] for label in labels)
 
 
+@pytest.mark.slow
 def test_obd_dual_branch_is_canonical_and_matches_the_split_program():
   # SAFE+ with OBD scores differentiates the model inside the dual update's
   # lax.cond; that branch must run canonical convolutions and give what the

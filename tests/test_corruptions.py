@@ -19,6 +19,7 @@ def rms(a, b):
   return float(np.sqrt(np.mean((a.astype(np.float64) - b) ** 2)))
 
 
+@pytest.mark.slow
 def test_all_types_shapes_dtypes_and_determinism():
   x = images()
   assert len(corruptions.CORRUPTIONS) == 19

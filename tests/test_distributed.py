@@ -53,6 +53,7 @@ def runs(tmp_path_factory) -> dict[str, dict[str, np.ndarray]]:
           for name in ("one", "two_devices", "two_processes")}
 
 
+@pytest.mark.slow
 def test_two_processes_form_one_global_mesh(runs):
   assert int(runs["two_processes"]["process_count"]) == 2
   assert int(runs["two_processes"]["device_count"]) == 2
@@ -60,6 +61,7 @@ def test_two_processes_form_one_global_mesh(runs):
   assert int(runs["two_devices"]["device_count"]) == 2
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_process_with_two_devices(runs):
   # The same program over the same mesh shape: the same bits.
   a, b = _weights(runs["two_processes"]), _weights(runs["two_devices"])
@@ -68,6 +70,7 @@ def test_two_processes_match_one_process_with_two_devices(runs):
     np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_device(runs):
   # One device reduces the batch in another order: equal to float rounding.
   a, b = _weights(runs["two_processes"]), _weights(runs["one"])
@@ -76,6 +79,7 @@ def test_two_processes_match_one_device(runs):
     np.testing.assert_array_equal(a[name] != 0, b[name] != 0, err_msg=f"mask of {name}")
 
 
+@pytest.mark.slow
 def test_sparse_target_has_the_requested_sparsity(runs):
   # Not a trivial agreement: the dual updates ran and z is 75 % sparse over the kernels.
   z = [v for k, v in _weights(runs["two_processes"]).items() if k.startswith("z/")]
@@ -83,6 +87,7 @@ def test_sparse_target_has_the_requested_sparsity(runs):
   assert sum(int(np.count_nonzero(v)) for v in z) == total - int(0.75 * total)
 
 
+@pytest.mark.slow
 def test_checkpoint_of_two_processes_resumes_in_one(runs, tmp_path):
   ckpt = tmp_path / "ckpt"
   launch(2, "--out", str(tmp_path / "unused.npz"), "--steps", str(STEPS), "--save-at", "6",
@@ -96,6 +101,7 @@ def test_checkpoint_of_two_processes_resumes_in_one(runs, tmp_path):
     np.testing.assert_array_equal(resumed[name], straight[name], err_msg=name)
 
 
+@pytest.mark.slow
 def test_checkpoint_of_one_process_resumes_in_two(runs, tmp_path):
   ckpt = tmp_path / "ckpt"
   launch(1, "--out", str(tmp_path / "unused.npz"), "--steps", str(STEPS), "--save-at", "6",
@@ -108,6 +114,7 @@ def test_checkpoint_of_one_process_resumes_in_two(runs, tmp_path):
     np.testing.assert_allclose(resumed[name], straight[name], rtol=0, atol=1e-6, err_msg=name)
 
 
+@pytest.mark.slow
 def test_a_dead_peer_fails_the_launch_fast(tmp_path):
   with pytest.raises(RuntimeError, match=r"exited with 3"):
     launch(2, "--out", str(tmp_path / "x.npz"), "--steps", str(STEPS), "--die-at", "2",

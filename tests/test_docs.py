@@ -83,7 +83,12 @@ def test_readme_keeps_the_two_setup_commands():
   section = text.split("## Set-up: two commands", 1)[1].split("\n## ", 1)[0]
   blocks = re.findall(r"^```\n(.*?)^```", section, re.M | re.S)
   assert blocks == [SETUP_COMMANDS], blocks
-  assert (ROOT / ".ci" / "run").read_text(encoding="utf-8").rstrip().endswith("python -m pytest -q -n 2")
+  # .ci/run runs exactly the README's test command (the default tier), then the slow tier.
+  commands = [line.strip() for line in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+              if line.strip().startswith("python -m pytest")]
+  readme_test_command = SETUP_COMMANDS.splitlines()[1]
+  assert commands == [f"{readme_test_command} || status=1",
+                      f"{readme_test_command} -m slow || status=1"], commands
 
 
 def test_readme_evidence_is_one_line_and_the_generated_block():
@@ -97,6 +102,7 @@ def test_readme_evidence_is_one_line_and_the_generated_block():
   assert len(outside) == 1 and "](results/README.md)" in outside[0], outside
 
 
+@pytest.mark.slow
 def test_readme_example_runs():
   result = doctest.testfile(
       str(README), module_relative=False,
@@ -156,6 +162,7 @@ def _documented_names(out: pathlib.Path) -> set[str]:
   return names
 
 
+@pytest.mark.slow
 def test_sphinx_build_has_no_warnings(built):
   out, proc = built
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -165,6 +172,7 @@ def test_sphinx_build_has_no_warnings(built):
     assert (out / page).is_file(), page
 
 
+@pytest.mark.slow
 def test_api_reference_covers_the_public_api(built):
   out, proc = built
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -190,6 +198,7 @@ def test_api_reference_covers_the_public_api(built):
   assert 'class="math' in api, "maths not rendered"
 
 
+@pytest.mark.slow
 def test_guide_examples_run():
   result = doctest.testfile(
       str(DOCS / "guide.md"), module_relative=False,

@@ -34,6 +34,7 @@ def test_every_block_is_run_or_says_why_not(page):
       assert info in ("python", "bash"), info
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", PAGES)
 def test_python_blocks_run(page, tmp_path):
   namespace: dict = {"__name__": f"docs_{page}"}

@@ -80,6 +80,7 @@ def _run(tx, split: bool, separate: bool = False):
   return params, state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(TRANSFORMS))
 def test_split_programs_equal_the_cond_program_bit_for_bit(name):
   tx = TRANSFORMS[name]()
@@ -107,6 +108,7 @@ WRAPPED = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(set(TRANSFORMS) - {"safe_plus"}) + sorted(WRAPPED))
 def test_dual_update_as_its_own_program_equals_one_program_bit_for_bit(name):
   tx = {**TRANSFORMS, **WRAPPED}[name]()
@@ -118,6 +120,7 @@ def test_dual_update_as_its_own_program_equals_one_program_bit_for_bit(name):
   assert int(admm_state.count) == STEPS and int(admm_state.dual_count) == 6
 
 
+@pytest.mark.slow
 def test_run_dual_update_changes_only_z_u_and_runs_once_per_count():
   tx = TRANSFORMS["safe"]()
   params = _params()
@@ -193,6 +196,7 @@ def test_non_dual_program_holds_no_projection():
   assert not PROJECTION_PRIMITIVES & traced[False], sorted(PROJECTION_PRIMITIVES & traced[False])
 
 
+@pytest.mark.slow
 def test_non_dual_program_temp_buffer_excludes_the_projection():
   # One large matrix and a one-row batch: the projection's temporaries (flat keys,
   # histograms) dwarf the forward and backward passes', as on a small MLP.
@@ -265,6 +269,7 @@ def test_is_dual_step():
     safe_optax.experimental.is_dual_step(-1, 4)
 
 
+@pytest.mark.slow
 def test_llm_block_step_split_equals_cond_program():
   from safe_optax.llm import block, model as model_lib
   from safe_optax.llm.prune_config import PruneConfig
@@ -289,6 +294,7 @@ def test_llm_block_step_split_equals_cond_program():
   assert int(safe_optax.find_admm_state(runs[1][1]).invalid_hyperparams) == 0
 
 
+@pytest.mark.slow
 def test_run_dual_update_under_multisteps_equals_the_plain_run():
   """Under optax.MultiSteps the ADMM count is the inner one (one per accumulated step): the
   dual program runs on the micro-steps that end an accumulation at a due inner count."""

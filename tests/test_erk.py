@@ -132,6 +132,7 @@ def test_odd_shapes_single_entry_and_scalar_like():
   assert erk_keep_counts([(1, 1), (30, 30)], 0.5) == [1, 450]
 
 
+@pytest.mark.slow
 @given(shapes_st, st.integers(0, 999).map(lambda i: float(np.float32(i / 1000))))
 def test_traced_sparsity_total_exact_and_within_one_of_eager(shapes, s):
   eager = erk_keep_counts(shapes, np.float32(s))
@@ -228,6 +229,7 @@ def test_structure_is_hashable_static_and_distinct():
   assert ERK(0) == ERK(0.0)
 
 
+@pytest.mark.slow
 def test_transforms_accept_erk_and_schedules_do_not_recompile():
   """GMP with a traced polynomial schedule under ERK: exact ERK counts, one compilation."""
   schedule = safe_optax.polynomial_sparsity(0.9, begin_step=0, end_step=4)
@@ -251,6 +253,7 @@ def test_transforms_accept_erk_and_schedules_do_not_recompile():
   assert [int(np.count_nonzero(x)) for x in leaves] == counts
 
 
+@pytest.mark.slow
 def test_safe_reaches_the_erk_allocation_after_finalize():
   tx = safe_optax.safe(0.05, 0.9, structure=ERK(), penalty=1.0, total_steps=20)
   params = TREE
@@ -267,6 +270,7 @@ def test_safe_reaches_the_erk_allocation_after_finalize():
           if x.ndim >= 2] == counts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(3))
 def test_at_init_global_empties_the_mlp_input_layer_and_erk_does_not(seed):
   """The mechanism of CrAM's collapse at 99.5 % (results/erk_cram): at initialisation the

@@ -403,6 +403,7 @@ def test_missing_params_at_update(make, name):
     tx.update(GRADS, state, None, grad_fn=grad_fn)
 
 
+@pytest.mark.slow
 def test_sam_perturb_ignores_unrelated_extra_args():
   tx = safe_optax.sam_perturb(0.5)
   state = tx.init(PARAMS)

@@ -98,6 +98,7 @@ def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
 
 
+@pytest.mark.slow
 def test_eager_hvp_equals_jvp_of_grad(conv_case):
   loss_fn, params, batches = conv_case
   vector = optax.tree.random_like(jax.random.PRNGKey(1), params)
@@ -105,6 +106,7 @@ def test_eager_hvp_equals_jvp_of_grad(conv_case):
   assert_trees_close(got, reference_hvp(loss_fn, params, batches, vector))
 
 
+@pytest.mark.slow
 def test_eager_power_iteration_equals_the_while_loop(conv_case):
   loss_fn, params, batches = conv_case
   support = flatness.support_mask(params)
@@ -139,6 +141,7 @@ def test_eager_power_iteration_equals_the_while_loop(conv_case):
       ~np.asarray(support["Conv_0"]["kernel"])])
 
 
+@pytest.mark.slow
 def test_eager_trace_equals_the_traced_estimate(conv_case):
   loss_fn, params, batches = conv_case
   key = jax.random.PRNGKey(4)
@@ -148,6 +151,7 @@ def test_eager_trace_equals_the_traced_estimate(conv_case):
   np.testing.assert_allclose(float(eager), float(traced), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_eager_product_compiles_once_without_a_loop(conv_case):
   loss_fn, params, batches = conv_case
   key = jax.random.PRNGKey(5)
@@ -189,6 +193,7 @@ def plain_evaluation(model, params, model_state, images, labels, batch_size):
   return {"accuracy": correct / len(labels), "loss": loss / len(labels)}
 
 
+@pytest.mark.slow
 def test_evaluate_equals_a_plain_loop_and_compiles_once(resnet_case):
   config, data, programs, state = resnet_case
   # 40 test images in batches of 16: the last one padded.
@@ -220,6 +225,7 @@ def test_evaluate_equals_a_plain_loop_and_compiles_once(resnet_case):
                                 rel=1e-5)
 
 
+@pytest.mark.slow
 def test_recalibration_reads_results_once_and_equals_per_batch_statistics(resnet_case):
   config, data, programs, state = resnet_case
   batches = list(finish.bnt_batches(programs, config, data.train_images, test_train.N_TRAIN))
@@ -236,6 +242,7 @@ def test_recalibration_reads_results_once_and_equals_per_batch_statistics(resnet
   np.testing.assert_allclose(stats["var"], h.var((0, 1, 2)), rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_predict_takes_the_variables_as_arguments(resnet_case):
   config, data, programs, state = resnet_case
   variables = {"params": state.params, **state.model_state}
@@ -249,6 +256,7 @@ def test_predict_takes_the_variables_as_arguments(resnet_case):
   np.testing.assert_array_equal(got, np.argmax(logits, -1))
 
 
+@pytest.mark.slow
 def test_finish_reuses_the_last_records_test_passes(tmp_path, monkeypatch):
   data = test_train.tiny_dataset()
   config = test_train.tiny_config(epochs=1, warmup_epochs=0)

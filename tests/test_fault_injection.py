@@ -45,6 +45,8 @@ from safetensors.numpy import load_file
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_vision_interrupt  # noqa: E402  (the tiny MNIST files)
 
+pytestmark = pytest.mark.slow  # child processes killed at random moments
+
 RUNS = int(os.environ.get("SAFE_OPTAX_FAULT_RUNS", "8"))
 FOLDERS = 4
 

@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_train  # noqa: E402  (the tiny data set and config of the trainer tests)
 
 
+@pytest.mark.slow
 def test_final_scores_take_the_batch_as_an_argument():
   config = test_train.tiny_config(method="safe-plus")
   programs = programs_lib.build_programs(config, test_train.N_TRAIN, 4, (8, 8, 1))
@@ -49,6 +50,7 @@ def test_final_scores_take_the_batch_as_an_argument():
                                                     jax.tree.leaves(other)))
 
 
+@pytest.mark.slow
 def test_evaluation_deploys_through_finish_and_leaves_the_run_alone(tmp_path, monkeypatch):
   from safe_optax.vision import evaluation  # pylint: disable=import-outside-toplevel
   data = test_train.tiny_dataset()
@@ -69,6 +71,7 @@ def test_evaluation_deploys_through_finish_and_leaves_the_run_alone(tmp_path, mo
     assert (tmp_path / name).read_bytes() == content, name
 
 
+@pytest.mark.slow
 def test_evaluation_of_an_unfinished_run_says_so(tmp_path):
   from safe_optax.vision import evaluation  # pylint: disable=import-outside-toplevel
   data = test_train.tiny_dataset()
@@ -90,6 +93,7 @@ def python_sigint_handler():
   signal.signal(signal.SIGINT, previous)
 
 
+@pytest.mark.slow
 def test_ctrl_c_after_a_donating_step_saves_the_new_state(tmp_path, monkeypatch,
                                                            python_sigint_handler):
   """SIGINT arrives once the step has consumed (donated) the old state, before `state` is
@@ -123,6 +127,7 @@ def test_ctrl_c_after_a_donating_step_saves_the_new_state(tmp_path, monkeypatch,
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 def test_finish_writes_results_of_the_deployed_model(tmp_path):
   data = test_train.tiny_dataset()
   config = test_train.tiny_config(method="admm", sparsity=0.5, epochs=1, warmup_epochs=0)

@@ -102,6 +102,7 @@ def dominant(eigenvalues):
   return eigenvalues[np.argmax(np.abs(eigenvalues))]
 
 
+@pytest.mark.slow
 def test_tiny_mlp_matches_full_hessian():
   params, batches = tiny_mlp()
   eig = np.linalg.eigvalsh(exact_hessian(mlp_loss, params, batches))
@@ -110,6 +111,7 @@ def test_tiny_mlp_matches_full_hessian():
   np.testing.assert_allclose(float(result.eigenvalue), dominant(eig), rtol=1e-3)
 
 
+@pytest.mark.slow
 def test_tiny_mlp_support_matches_restricted_hessian():
   params, batches = tiny_mlp()
   sparse, keep = magnitude_prune(params, 0.5)
@@ -130,6 +132,7 @@ def test_tiny_mlp_support_matches_restricted_hessian():
                              atol=1e-5)
 
 
+@pytest.mark.slow
 def test_hutchinson_trace():
   diag = jnp.array([4.0, -1.0, 2.5, 0.5, 3.0, 1.0])
   loss = lambda p, _: 0.5 * jnp.sum(diag * ravel_pytree(p)[0] ** 2)
@@ -183,6 +186,7 @@ def test_filter_normalization_matches_reference(vectors):
       np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @settings(max_examples=15)
 @given(shape=st.sampled_from([(1, 1), (3, 1), (1, 4), (2, 3, 2), (5, 3)]),
        scale=st.floats(0.0, 1e3), keep=st.floats(0.0, 1.0), seed=st.integers(0, 2 ** 16))
@@ -218,6 +222,7 @@ def test_power_iteration_on_random_quadratics(eigenvalues, seed):
   np.testing.assert_allclose(float(result.eigenvalue), want, rtol=1e-3, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_landscapes_match_plain_evaluation():
   params, batches = tiny_mlp()
   d1 = direction(jax.random.PRNGKey(1), params)

@@ -80,6 +80,7 @@ def reference_step(model, batch):
   return new_params, mean, var
 
 
+@pytest.mark.slow
 def test_the_notebook_recipe_fails_with_batchnorm():
   """What the helpers replace: nnx.merge of the model's own state inside grad_fn."""
   model = Net(nnx.Rngs(0))
@@ -96,6 +97,7 @@ def test_the_notebook_recipe_fails_with_batchnorm():
     step(model, optimizer, *batch(0))
 
 
+@pytest.mark.slow
 def test_safe_step_is_sam_on_the_same_batch_and_keeps_clean_pass_statistics():
   model = Net(nnx.Rngs(0))
   optimizer = nnx.Optimizer(model, tx_plain_sam(), wrt=nnx.Param)
@@ -133,6 +135,7 @@ def test_grad_fn_at_the_unperturbed_params_is_the_clean_gradient_with_dropout():
   assert not np.allclose(np.asarray(grads2["l1"]["kernel"]), np.asarray(grads["l1"]["kernel"]))
 
 
+@pytest.mark.slow
 def test_safe_trains_an_nnx_batchnorm_model_and_finalizes():
   model = Net(nnx.Rngs(1), dropout=0.0)
   tx = safe_optax.safe(0.1, 0.5, penalty=1.0, total_steps=40, dual_every=4, rho=0.05)
@@ -145,6 +148,7 @@ def test_safe_trains_an_nnx_batchnorm_model_and_finalizes():
   assert kept == safe_optax.num_keep(4 * 6 + 6 * 3, 0.5)
 
 
+@pytest.mark.slow
 def test_recalibration_is_exact_over_all_examples_and_restores_the_layers():
   model = Net(nnx.Rngs(2))
   model.eval()  # dropout off; BatchNorm uses running averages in eval

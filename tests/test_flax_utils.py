@@ -98,6 +98,7 @@ def make_train_step(tx):
   return train_step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(TXS))
 def test_bn_stats_after_full_step_are_the_first_pass_stats(setup, name):
   """Bit-for-bit, so the step runs eagerly: under jit the step and the reference
@@ -216,6 +217,7 @@ def test_batch_must_be_a_pair(setup):
                                         {"image": batch[0], "label": batch[1]}, loss_fn)
 
 
+@pytest.mark.slow
 def test_linen_programs_do_not_load_flax_nnx_and_the_nnx_helpers_load_it_on_use():
   """flax.nnx costs about a second of every CLI process's start (it imports IPython):
   the Linen engines never load it; flax_utils' NNX helpers still resolve, from the module

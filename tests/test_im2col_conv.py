@@ -31,6 +31,7 @@ def _im2col(x, w, strides, padding):
                             precision=lax.Precision.HIGHEST)
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 # Explicit padding that leaves the image shorter than the window: no output row (found by
 # hypothesis; the slices had wrapped around to a nonempty window).
@@ -82,6 +83,7 @@ def test_what_it_does_not_cover_is_refused_by_name(kwargs, message):
     models.im2col_conv(x, w, (1, 1), "SAME", **call)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["resnet8", "vgg19", "lenet5"])
 def test_a_model_with_im2col_convolutions_has_the_same_parameters_and_outputs(model):
   dataset = "mnist" if model == "lenet5" else "cifar10"

@@ -163,6 +163,7 @@ def test_gguf_source_metadata_becomes_hf_side_files(tmp_path):
     checkpoints.source_metadata(tmp_path / "nope.gguf")
 
 
+@pytest.mark.slow
 def test_gguf_quantized_tensor_dequantised(tmp_path):
   """A Q8_0 tensor comes back dequantised, within the format's rounding."""
   tokens, merges = _byte_vocab()
@@ -266,6 +267,7 @@ def test_export_keeps_the_requested_dtype_and_reloads(tmp_path, dtype, on_disk):
     checkpoints.save_safetensors(tmp_path / "bad", CFG, params, dtype="int8")
 
 
+@pytest.mark.slow
 def test_gguf_source_dtype_is_its_matrices_type(tmp_path):
   """F32 matrices -> float32; F16 -> float16; quantised (Q8_0) -> float16 (documented)."""
   tokens, merges = _byte_vocab()
@@ -299,6 +301,7 @@ def _tiny_prune_argv(folder, text, out, *extra):
           "--nsamples", "2", "--seqlen", "16", "--out", str(out), "--quiet", *extra]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_prune_exports_in_the_source_dtype_with_sparsity_metadata(tmp_path, capsys, dtype):
   """bf16 stays bf16, f16 stays f16, f32 stays f32; sparsity.json describes the 2:4 zeros;

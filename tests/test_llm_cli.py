@@ -35,6 +35,7 @@ def fixture_tiny(tmp_path):
   return folder, text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method, nm", [("sparsegpt", None), ("wanda", "2:4")])
 def test_prune_exports_sparse_safetensors(tiny, tmp_path, method, nm, capsys):
   folder, text = tiny
@@ -111,6 +112,7 @@ def _prune_argv(folder, text, out, *extra):
           "--lr", "3e-3", *extra]
 
 
+@pytest.mark.slow
 def test_prune_resumes_after_interruption(tiny, tmp_path, monkeypatch, capsys):
   """Ctrl-C after block 0: the same command finishes with the uninterrupted export; other
   arguments are refused by name unless --restart."""

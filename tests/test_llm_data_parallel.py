@@ -88,6 +88,7 @@ def layouts(tmp_path_factory):
 # SAFE+ runs SAFE's whole step (SAM's two gradients, the dual update) and needs Wanda's
 # activation norms besides; SparseGPT's Hessians are the other cross-device sum. SAFE alone
 # would add only the magnitude score, which reads no calibration data.
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["safe-plus", "sparsegpt", "wanda"])
 def test_two_devices_prune_like_one(layouts, method):
   one, two = layouts
@@ -102,6 +103,7 @@ def test_two_devices_prune_like_one(layouts, method):
     np.testing.assert_allclose(two[name], one[name], rtol=1e-4, atol=1e-6, err_msg=name)
 
 
+@pytest.mark.slow
 def test_lanes_run_one_after_another_over_a_mesh(layouts):
   """``prune_models`` with several devices: each lane equals its lone run (checked, bit for
   bit, inside the two-device process)."""
@@ -109,6 +111,7 @@ def test_lanes_run_one_after_another_over_a_mesh(layouts):
   assert "lanes_over_mesh_equal_lone" not in one and bool(two["lanes_over_mesh_equal_lone"])
 
 
+@pytest.mark.slow
 def test_pruning_did_prune(layouts):
   # Not a vacuous agreement: every method left half of each kernel at zero.
   one, _ = layouts

@@ -75,6 +75,7 @@ def layouts(tmp_path_factory):
   return (_load(tmp / "one.0.npz"), _load(tmp / "two.0.npz"), _load(tmp / "two.1.npz"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 def test_two_processes_prune_bit_for_bit_like_one(layouts, method):
   one, two0, two1 = layouts
@@ -86,6 +87,7 @@ def test_two_processes_prune_bit_for_bit_like_one(layouts, method):
     assert two0[name].tobytes() == two1[name].tobytes(), name
 
 
+@pytest.mark.slow
 def test_pruning_did_prune(layouts):
   one = layouts[0]
   kernels = [k for k in one if k.endswith("kernel")]
@@ -97,6 +99,7 @@ def test_pruning_did_prune(layouts):
                             one["sparsegpt/0/mlp/up_proj/kernel"])
 
 
+@pytest.mark.slow
 def test_cli_two_processes_write_one_export_like_one_process(tiny, tmp_path):
   folder, text = tiny
 

@@ -118,6 +118,7 @@ def test_causal_prefix_invariance():
   assert not np.allclose(a[0, 3], b[0, 3])
 
 
+@pytest.mark.slow
 @settings(max_examples=20, deadline=None)
 @given(st.integers(1, 9), st.integers(1, 3), st.sampled_from([2, 4, 8]), st.floats(2.0, 1e6))
 def test_rope_layouts_are_a_permutation(seq, heads, dim, base):

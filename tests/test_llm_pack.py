@@ -74,6 +74,7 @@ def _stack(trees):
   return None if trees[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *trees)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["safe", "safe-plus"])
 def test_safe_blocks_lanes_equal_lone_runs(method):
   """Three lanes (12 windows in batches of 5: windows left out of each epoch) against
@@ -93,6 +94,7 @@ def test_safe_blocks_lanes_equal_lone_runs(method):
   assert not np.array_equal(first, np.asarray(packed[1][0]["mlp"]["up_proj"]["kernel"]))
 
 
+@pytest.mark.slow
 @settings(max_examples=6, deadline=None)
 @given(lanes=st.integers(1, 3), n=st.integers(1, 7), batch=st.integers(1, 4),
        method=st.sampled_from(["safe", "safe-plus"]), nm=st.booleans())
@@ -111,6 +113,7 @@ def test_safe_blocks_property(lanes, n, batch, method, nm):
       assert int(np.sum(np.asarray(kernel) == 0)) == kernel.size // 2
 
 
+@pytest.mark.slow
 def test_safe_blocks_compile_once(monkeypatch):
   """Two blocks' worth of packs with other data: the packed step is traced twice in all
   (with and without a dual update), never again."""
@@ -129,6 +132,7 @@ def test_safe_blocks_compile_once(monkeypatch):
   block._compiled_step.cache_clear()
 
 
+@pytest.mark.slow
 def test_lone_runs_of_other_seeds_share_one_compiled_step(monkeypatch):
   """The seed orders minibatches on the host: lone ``safe_block`` runs at two seeds trace
   the step twice in all (with and without a dual update), not twice per seed."""
@@ -165,6 +169,7 @@ def test_pack_refuses_bad_input():
     block.safe_blocks(CFG, block_params, np.stack(xs), np.stack(ys), cfgs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["safe-plus", "wanda"])
 def test_prune_models_lanes_equal_prune_model(method):
   """A 3-block model, three calibration seeds: each lane is its lone ``prune_model``
@@ -188,6 +193,7 @@ def test_prune_models_lanes_equal_prune_model(method):
     assert all(b.get("pack") == (3 if method == "safe-plus" else None) for b in report["blocks"])
 
 
+@pytest.mark.slow
 def test_prune_models_resumes_each_lane(tmp_path):
   """Stopped after block 0 of 3, the pack continues from block 1 to exactly the
   uninterrupted pack's weights; one lane's saved state also continues alone."""
@@ -244,6 +250,7 @@ def test_prune_models_refuses_bad_lanes(tmp_path):
     prune.prune_models(cfg, params, calibs, cfgs, progress=False, state_dirs=dirs)
 
 
+@pytest.mark.slow
 def test_cli_several_seeds_write_what_one_seed_writes(tiny, tmp_path, capsys):
   """``--seed 0 1 --out DIR_{seed}``: each export and report is the one-seed command's
   (masks equal, weights within rounding), and a one-seed rerun finds it finished."""

@@ -84,6 +84,7 @@ def fixture_tiny(tmp_path):
   return cfg, folder, text
 
 
+@pytest.mark.slow
 def test_ppl_standard_is_default_and_recorded(tiny, tmp_path):
   cfg, folder, text = tiny
   assert cli.model_context(str(folder)) == CONTEXT
@@ -106,6 +107,7 @@ def test_ppl_standard_is_default_and_recorded(tiny, tmp_path):
   np.testing.assert_allclose(result["perplexity"], want, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_ppl_short_protocol_recorded(tiny, tmp_path):
   _, folder, text = tiny
   out = tmp_path / "ppl.json"
@@ -133,6 +135,7 @@ def test_protocol_errors_name_the_flags(tiny, tmp_path, capsys):
   assert f"fewer than seqlen={CONTEXT}" in err and "--seqlen" in err
 
 
+@pytest.mark.slow
 def test_prune_eval_records_the_protocol(tiny, tmp_path, capsys):
   _, folder, text = tiny
   out = tmp_path / "out"

@@ -160,6 +160,7 @@ def _block_data(seed=0, n=8, seq=8):
   return params["layers_0"], x, out, stats
 
 
+@pytest.mark.slow
 def test_wanda_per_row_counts_and_scores():
   block_params, x, y, stats = _block_data()
   pruned, _ = prune.prune_block(CFG, block_params, x, y, stats, prune_config.PruneConfig("wanda"))
@@ -179,6 +180,7 @@ def _rel_error(block_params, x, y):
   return float(jnp.sum(jnp.square(out - y)) / jnp.sum(jnp.square(y)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method, baseline", [("safe", "magnitude"), ("safe-plus", "wanda")])
 def test_safe_block_beats_one_shot_baseline(method, baseline):
   """SAFE lowers the block reconstruction error below magnitude's (SAFE+: below Wanda's)."""
@@ -221,6 +223,7 @@ def test_safe_schedule_and_adam():
   np.testing.assert_allclose(params["w"], w, rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method, grouping", [("magnitude", "per_row"), ("wanda", "per_matrix"),
                                               ("safe-plus", "per_matrix")])
 def test_grouping(method, grouping):
@@ -248,6 +251,7 @@ def test_grouping(method, grouping):
     assert unequal_rows > 0
 
 
+@pytest.mark.slow
 def test_prune_model_runs_on_the_pruned_stream():
   """Targets are the dense block on the pruned stream's inputs; its statistics come from there."""
   cfg = dataclasses.replace(CFG, num_layers=2)
@@ -272,6 +276,7 @@ def test_prune_model_runs_on_the_pruned_stream():
     np.testing.assert_allclose(report["blocks"][i]["relative_error"], error, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_bad_calibration():
   params = model_lib.init_params(CFG)
   with pytest.raises(ValueError, match="vocab_size is 40"):
@@ -282,6 +287,7 @@ def test_bad_calibration():
                       progress=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", prune_config.METHODS)
 def test_nm_groups_along_input_dim(method):
   calib = np.random.default_rng(0).integers(0, CFG.vocab_size, (4, 8))
@@ -332,6 +338,7 @@ def _stop_after(block):
   return hook
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["safe-plus", "sparsegpt"])
 def test_resume_after_interruption_matches_uninterrupted_run(tmp_path, method):
   """Stopped after block 1 of 4, a rerun prunes only blocks 2-3 and returns the same params."""
@@ -363,6 +370,7 @@ def test_resume_after_interruption_matches_uninterrupted_run(tmp_path, method):
   jax.tree.map(np.testing.assert_array_equal, again, want)
 
 
+@pytest.mark.slow
 def test_resume_keeps_bfloat16_params(tmp_path):
   cfg = dataclasses.replace(CFG, num_layers=2)
   params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), model_lib.init_params(cfg, 1))
@@ -378,6 +386,7 @@ def test_resume_keeps_bfloat16_params(tmp_path):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+@pytest.mark.slow
 def test_resume_refuses_different_arguments(tmp_path):
   cfg = dataclasses.replace(CFG, num_layers=2)
   params = model_lib.init_params(cfg)
@@ -397,6 +406,7 @@ def test_resume_refuses_different_arguments(tmp_path):
                       state_dir=tmp_path, identity={"--model": "b"})
 
 
+@pytest.mark.slow
 def test_lr_scale_rms_multiplies_each_matrix_step():
   """``lr_scale="rms"``: each matrix's update is the unscaled update times its dense RMS."""
   linears = {"a": {"kernel": jnp.full((4, 4), 3.0)}, "b": {"kernel": jnp.arange(8.0).reshape(2, 4)}}
@@ -418,6 +428,7 @@ def test_lr_scale_rms_multiplies_each_matrix_step():
                  up_p, up_s, scales)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["safe", "safe-plus"])
 def test_safe_block_keeps_calibration_on_the_device(method):
   """One device: bit for bit what host minibatches over a one-device mesh give.
@@ -442,6 +453,7 @@ def test_safe_block_keeps_calibration_on_the_device(method):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("leak", ["numpy batch", "numpy indices"])
 def test_safe_block_steps_refuse_implicit_transfers(monkeypatch, leak):
   """One device: the step loop runs under ``jax.transfer_guard("disallow")``.

@@ -26,7 +26,7 @@ import llm_block0_seeds  # noqa: E402  pylint: disable=wrong-import-position
 
 # Real weights and committed block-0 results, and execution-bound: compiled as a user's run is
 # (tests/conftest.py: the suite otherwise compiles with XLA's optimisations off).
-pytestmark = pytest.mark.xla_optimized
+pytestmark = [pytest.mark.slow, pytest.mark.xla_optimized]
 
 
 def _gguf() -> pathlib.Path:

@@ -24,6 +24,7 @@ def test_epochs_pair():
   assert llm_safe_step._epochs("2,6") == (2, 6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv, message", [
     (["--windows", "2", "--batch-size", "4"], "--windows (2) must be at least --batch-size (4)"),
     (["--repeats", "0"], "--repeats must be at least 1, got 0"),
@@ -40,6 +41,7 @@ def test_bad_arguments_are_refused_before_any_work(tmp_path, argv, message):
   assert not (tmp_path / "x.json").exists()
 
 
+@pytest.mark.slow
 def test_tiny_run_records_both_layouts(tmp_path):
   """Every layout (a pack of 2 included) timed every repeat; the ratios are host over
   device and device over the pack's time per calibration set; versions recorded."""
@@ -66,6 +68,7 @@ def test_pack_pays_only_on_the_device_kind_it_was_measured_on():
   assert llm_safe_step.pack_pays(report, "NVIDIA H100 80GB HBM3", 1.0) is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, pack_min, printed", [("cpu", "1.2", "1"), ("cpu", "1.5", "0"),
                                                      ("NVIDIA H200", "1.2", "")])
 def test_pack_decision_reads_a_timing_of_this_device_kind_and_measures_nothing(
@@ -80,6 +83,7 @@ def test_pack_decision_reads_a_timing_of_this_device_kind_and_measures_nothing(
   assert not (tmp_path / "x.json").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("report, argv, message", [
     ({"device_over_pack": {}, "versions": {"device_kind": "cpu"}}, [],
      "no pack of 3 timed there"),

@@ -89,6 +89,7 @@ def test_seeded_methods_get_programs_of_their_own_per_seed():
   assert build(a) is not build(a.replace(seed=3))
 
 
+@pytest.mark.slow
 def test_the_trainer_projects_onto_methods_projection(monkeypatch, tmp_path):
   """Every projection of a run (the optimizer's, ||x - Proj(x)||, the final one) follows
   `methods.projection`: changing it there changes the deployed sparsity."""

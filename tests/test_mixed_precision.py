@@ -43,6 +43,7 @@ def four_steps(config, data):
   return state, initial
 
 
+@pytest.mark.slow
 def test_bfloat16_training_keeps_float32_state_and_stays_close_to_float32():
   data = test_packing.tiny_dataset()
   low, initial = four_steps(test_packing.tiny_config("safe", dtype="bfloat16"), data)

@@ -116,6 +116,7 @@ def test_notebook_is_committed_clean_and_installs_first(path):
   assert "jax.default_backend()" in first and "SAFE_OPTAX_NOTEBOOK_BUDGET" in first
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs(executed, path):
   nb, _ = _run(executed, path)
@@ -133,6 +134,7 @@ def _summary(executed, name):
   return summary
 
 
+@pytest.mark.slow
 def test_quickstart_outputs(executed):
   s = _summary(executed, "quickstart.ipynb")
   assert s["chains_max_diff"] == 0.0  # the hand-built chain is safe_optax.safe
@@ -152,6 +154,7 @@ def test_quickstart_outputs(executed):
       assert r["accuracy"] > 0.3 and r["distance"] >= 0.0
 
 
+@pytest.mark.slow
 def test_custom_model_outputs(executed):
   s = _summary(executed, "custom_model.ipynb")
   nnx = s["nnx"]
@@ -168,6 +171,7 @@ def test_custom_model_outputs(executed):
   assert linen["accuracy"] > 0.3
 
 
+@pytest.mark.slow
 def test_cifar_safe_outputs(executed):
   s = _summary(executed, "cifar_safe.ipynb")
   config = s["config"]
@@ -200,6 +204,7 @@ def test_cifar_safe_outputs(executed):
     assert 2 <= result["iterations"]
 
 
+@pytest.mark.slow
 def test_llm_pruning_outputs(executed):
   s = _summary(executed, "llm_pruning.ipynb")
   assert s["model"] == "SmolLM2-135M-Instruct.Q4_1.gguf" and s["num_layers"] == 30

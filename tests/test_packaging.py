@@ -68,6 +68,7 @@ def dist(tmp_path_factory):
   return out
 
 
+@pytest.mark.slow
 def test_build_produces_wheel_and_sdist(dist):
   version = safe_optax.__version__
   (wheel,) = dist.glob("*.whl")
@@ -124,6 +125,7 @@ _NESTED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_fresh_venv_sees_the_packages_of_the_environment_running_the_tests(tmp_path):
   """Run from inside a venv, the test venv sees that venv's packages, not only the base's.
 
@@ -148,6 +150,7 @@ def test_fresh_venv_sees_the_packages_of_the_environment_running_the_tests(tmp_p
   assert mark == 42 and pathlib.Path(prefix).resolve() == (tmp_path / "inner").resolve()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("artifact", ["*.whl", "*.tar.gz"], ids=["wheel", "sdist"])
 def test_artifact_installs_and_imports_in_a_fresh_venv(dist, tmp_path, artifact):
   """The wheel, and the sdist built into a wheel by pip, each install and work."""

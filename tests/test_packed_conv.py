@@ -22,6 +22,7 @@ def _reference(x, w):
       precision=lax.Precision.HIGHEST)) for r in range(x.shape[0])])
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None)
 @given(runs=st.integers(1, 3), batch=st.integers(1, 2), height=st.integers(1, 6),
        width=st.integers(1, 5), channels=st.integers(1, 4), out=st.integers(1, 4),
@@ -58,6 +59,7 @@ def test_bad_forms_are_refused():
     packed_conv.packed("winograd")
 
 
+@pytest.mark.slow
 def test_the_benchmark_writes_each_cell_with_its_ratio_to_the_grouped_form(tmp_path, monkeypatch):
   monkeypatch.setattr(packed_conv, "SHAPES", ((4, 2),))
   out = tmp_path / "packed.json"

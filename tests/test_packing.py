@@ -87,6 +87,7 @@ def train_both(runs, tmp_path, *, stop_after_epoch=None):
   return lone, packed, dirs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method,model,conv_impl", [
     ("admm", "mlp", "xla"), ("gmp", "mlp", "xla"), ("dense", "resnet8", "xla"),
     # im2col: the packed step's convolutions are batched matmuls, not grouped convolutions
@@ -98,6 +99,7 @@ def test_a_packed_run_resumed_from_its_checkpoint_equals_the_run_alone(method, m
   assert all(o.results is None and int(o.state.step) == 2 for o in lone + packed)
 
 
+@pytest.mark.slow
 def test_a_finished_packed_safe_run_writes_what_a_lone_run_writes(tmp_path):
   runs = [tiny_config("safe", seed=s) for s in SEEDS]
   lone, packed, dirs = train_both(runs, tmp_path)

@@ -470,6 +470,7 @@ def test_per_output_hand_computed():
   assert out["w"].tolist() == [[0.0, 5.0], [-3.0, 0.0], [4.0, 0.0]]
 
 
+@pytest.mark.slow
 def test_per_leaf_reads_python_float_as_decimal():
   # 0.29 * 100 and 0.29 * 200 are 28.99.. and 57.99.. in binary floating point.
   assert math.floor(0.29 * 100) == 28 and math.floor(0.29 * 200) == 57
@@ -623,6 +624,7 @@ def many_mixed_template(mk):
   return {f"layer_{i:02d}": mk(shape, dtype) for i, (shape, dtype) in enumerate(shapes * 5)}
 
 
+@pytest.mark.slow
 @given(data=st.data())
 def test_many_mixed_leaves_match_reference(data):
   """Global projection of a many-leaf tree: exact masks, values and counts, ties across leaves."""
@@ -641,6 +643,7 @@ def test_many_mixed_leaves_match_reference(data):
 STATIC_CASES = [("tuple", "per_leaf", "0.999", True), ("custom", None, "0", True)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("template,scope,sparsity,use_scores", STATIC_CASES)
 @given(data=st.data())
 def test_unstructured_python_float_sparsity_matches_reference(template, scope, sparsity, use_scores, data):
@@ -1042,6 +1045,7 @@ def _check_large(masks, leaves, k):
   np.testing.assert_array_equal(got, ref_keep(scores, k))
 
 
+@pytest.mark.slow
 def test_large_tree_global_09():
   tree, leaves = _large_tree()
   n = sum(x.size for x in leaves)

@@ -16,6 +16,7 @@ sys.path.insert(0, str(ROOT / "benchmarks" / "perf"))
 import projection as bench  # noqa: E402  pylint: disable=wrong-import-position
 
 
+@pytest.mark.slow
 def test_per_output_projection_is_project_topk_per_output():
   shapes = [(40, 24), (24, 40), (24, 8)]  # rows of 40 and 24 entries: the long-row kernel
   key = jax.random.key(1)

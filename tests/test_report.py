@@ -147,6 +147,7 @@ def test_a_row_with_a_method_not_run_is_pending_and_compares_nothing():
   assert line.diff is None and line.verdict == "pending: SAFE+ not run yet"
 
 
+@pytest.mark.slow
 def test_the_committed_report_is_what_the_json_gives():
   """The CI check: ``python benchmarks/report.py --check`` on this checkout."""
   out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "report.py"), "--check"],
@@ -154,6 +155,7 @@ def test_the_committed_report_is_what_the_json_gives():
   assert out.returncode == 0, out.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_check_fails_when_a_committed_number_changes(tmp_path):
   shutil.copytree(ROOT / "results", tmp_path / "results")
   shutil.copy(ROOT / "README.md", tmp_path / "README.md")

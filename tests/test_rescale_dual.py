@@ -111,6 +111,7 @@ def test_rescaled_admm_matches_the_unscaled_dual_reference_under_a_cosine_ramp(d
   assert np.abs(_run(plain, steps)[0] - want).max() > 1e-3
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(lams=st.lists(st.sampled_from([0.0, 0.05, 0.3, 1.0, 4.0]), min_size=5, max_size=5),
        dual_every=st.integers(1, 5), kept=st.integers(0, 12))
@@ -130,6 +131,7 @@ def test_rescaled_dual_matches_the_reference_for_any_piecewise_penalty(lams, dua
   np.testing.assert_allclose(got, want, rtol=5e-5, atol=5e-6)
 
 
+@pytest.mark.slow
 def test_a_constant_penalty_makes_rescaling_a_no_op():
   # SAFE (SAM, momentum, weight decay) on a small pytree, 48 steps with 12 dual updates.
   key = jax.random.PRNGKey(0)

@@ -26,6 +26,7 @@ def per_example(delta, norm):
   return np.abs(flat).max(1) if norm == "linf" else np.linalg.norm(flat, axis=1)
 
 
+@pytest.mark.slow
 @settings(max_examples=20)
 @given(norm=st.sampled_from(robustness.NORMS), eps=st.floats(1e-4, 2.0),
        steps=st.just(3), random_start=st.booleans(),
@@ -45,6 +46,7 @@ def test_perturbation_stays_in_ball_and_pixel_range(norm, eps, steps, random_sta
   assert np.all(per_example(adv - images, norm) <= eps * (1 + 1e-5) + 1e-6)
 
 
+@pytest.mark.slow
 def test_l2_ball_is_per_example():
   # Mid-grey images, a small radius: no pixel clipping, so every example moves
   # to the surface of its *own* ball. One batch-wide ball would give each of
@@ -58,6 +60,7 @@ def test_l2_ball_is_per_example():
   assert np.linalg.norm(np.asarray(adv - images)) > 2 * eps  # what a batch ball forbids
 
 
+@pytest.mark.slow
 def test_linf_steps_match_plain_reference():
   """Two steps of eps/4 from the clean image, against a numpy re-implementation."""
   rng = np.random.default_rng(1)
@@ -79,6 +82,7 @@ def test_linf_steps_match_plain_reference():
   np.testing.assert_allclose(np.asarray(adv), x, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_attack_accuracy_not_above_clean():
   rng = np.random.default_rng(2)
   images = (rng.uniform(size=(200,) + SHAPE[1:]) * 255).astype(np.uint8)
@@ -119,6 +123,7 @@ def test_bad_arguments():
     robustness.pgd_accuracy(apply_fn, np.zeros(SHAPE, np.uint8), np.zeros(6), batch_size=0)
 
 
+@pytest.mark.slow
 def test_evaluation_suite_on_a_trained_workdir(tmp_path):
   """`evaluate_workdir` rebuilds the deployed model: its clean accuracy is training's own."""
   import json
@@ -149,6 +154,7 @@ def test_evaluation_suite_on_a_trained_workdir(tmp_path):
     evaluation.parse_suite("clean,fgsm")
 
 
+@pytest.mark.slow
 def test_evaluation_subsets_are_seeded_samples_not_the_first_images(tmp_path):
   """A class-sorted test set (as image folders store it): the first 8 images are one class.
 

@@ -185,6 +185,7 @@ def _magnitude_masks(leaves, k):
   return _select.topk_masks(leaves, k, key_fn=_select.magnitude_keys)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("values", ["few_distinct", "any_float32"])
 @given(data=st.data())
 def test_many_mixed_leaves_with_key_fn_match_the_sort_reference(values, data):

@@ -79,6 +79,7 @@ def test_sam_pass_traces_grad_fn_once():
   assert calls == [0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_penalty_keeps_dtypes(dtype):
   params = _params(dtype)

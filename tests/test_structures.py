@@ -83,6 +83,7 @@ def test_equality_is_type_and_fields_property(kind_a, kind_b, axis_a, axis_b):
     assert hash(a) == hash(b)
 
 
+@pytest.mark.slow
 def test_structures_are_distinct_static_jit_arguments():
   """Equal-looking empty tuples must not share a compilation (Global vs PerLeaf)."""
   tree = {"a": jnp.array([[1., 2.]]), "b": jnp.array([[3., 4.]])}
@@ -147,6 +148,7 @@ def test_scope_keyword_is_gone(name):
     BUILDERS[name](scope="global")
 
 
+@pytest.mark.slow
 def test_per_leaf_and_global_differ_on_this_tree():
   """So the equivalence tests above compare two different answers, not one."""
   global_masks = _masks(BUILDERS["project_topk"](structure=Global()))
@@ -154,6 +156,7 @@ def test_per_leaf_and_global_differ_on_this_tree():
   assert not np.array_equal(global_masks["w1"], per_leaf_masks["w1"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in BUILDERS if n not in ("add_projected_gradient", "cram")])
 def test_every_builder_takes_erk_and_keeps_its_counts(name):
   """Each function with a sparsity set keeps exactly the ERK count in every leaf."""
@@ -166,6 +169,7 @@ def test_every_builder_takes_erk_and_keeps_its_counts(name):
   assert [int(np.sum(global_masks["w1"])), int(np.sum(global_masks["w2"]))] != counts
 
 
+@pytest.mark.slow
 def test_no_deprecation_warning_anywhere():
   with warnings.catch_warnings():
     warnings.simplefilter("error", DeprecationWarning)

@@ -28,6 +28,7 @@ def _affine(x):
   return x * 3.1 + 0.7
 
 
+@pytest.mark.slow
 def test_unmarked_tests_and_their_subprocesses_compile_without_optimisations():
   assert jax.config.read("jax_disable_most_optimizations") is FAST
   assert (os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS") == "1") is FAST
@@ -35,6 +36,7 @@ def test_unmarked_tests_and_their_subprocesses_compile_without_optimisations():
   _affine(jnp.arange(4.0))  # compiled here, in this mode, for the marked test below
 
 
+@pytest.mark.slow
 @pytest.mark.xla_optimized
 def test_a_marked_test_and_its_subprocesses_compile_as_a_users_run():
   assert jax.config.read("jax_disable_most_optimizations") is False
@@ -51,6 +53,7 @@ def test_the_mode_is_restored_after_a_marked_test():
   assert (os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS") == "1") is FAST
 
 
+@pytest.mark.slow
 def test_an_unknown_mode_is_refused_naming_the_variable_and_the_modes(tmp_path):
   env = {**os.environ, "SAFE_OPTAX_TEST_XLA": "quick", "JAX_PLATFORMS": "cpu"}
   done = subprocess.run(

@@ -292,6 +292,7 @@ def test_run_or_load_refuses_a_finished_run_of_other_settings(tmp_path):
                        data_dir="/")
 
 
+@pytest.mark.slow
 def test_cli_sweep_refuses_stale_results_and_train_reports_the_validation_split(tmp_path,
                                                                                  capsys):
   mnist = str(require_data("mnist"))

@@ -180,6 +180,7 @@ class _ConvBN(nn.Module):
     return nn.Dense(4)(jnp.mean(nn.relu(x), axis=(1, 2)))
 
 
+@pytest.mark.slow
 def test_sam_pass_leaves_batch_stats_of_the_clean_pass():
   data = tiny_dataset()
   images, labels = jnp.asarray(data.train_images), jnp.asarray(data.train_labels)
@@ -293,6 +294,7 @@ def test_train_step_compiles_once_per_batch_shape(full_run):
   assert programs.train._cache_size() == len(used) and programs.dual._cache_size() == 1
 
 
+@pytest.mark.slow
 def test_split_dual_programs_train_bit_for_bit_like_one_program(full_run, tmp_path, monkeypatch):
   """The host's dual hint (the dual update as a program of its own, the steps without the
   projection) changes nothing: a run with one program that decides inside reaches the same
@@ -321,6 +323,7 @@ def test_stop_and_resume_is_bit_identical(full_run, tmp_path):
       r["train_loss"] for r in full_run.results["history"]]
 
 
+@pytest.mark.slow
 def test_ctrl_c_checkpoints_and_resumes_mid_epoch(full_run, tmp_path):
   data = tiny_dataset()
 
@@ -370,6 +373,7 @@ def test_bnt_batches_cover_bnt_samples_distinct_training_images():
   np.testing.assert_array_equal(got, again)
 
 
+@pytest.mark.slow
 def test_a_workdir_is_one_run(full_run, full_dir, tmp_path, capsys):
   data = tiny_dataset()
   results_before = (full_dir / "results.json").read_text()
@@ -400,6 +404,7 @@ def test_a_workdir_is_one_run(full_run, full_dir, tmp_path, capsys):
   assert [r["epoch"] for r in fresh.results["history"]] == list(range(EPOCHS))
 
 
+@pytest.mark.slow
 def test_divergence_stops_at_once_with_the_step_and_the_last_finite_loss(tmp_path):
   data = tiny_dataset()
   config = tiny_config(learning_rate=1e30, warmup_epochs=0, epochs=20)

@@ -55,6 +55,7 @@ def _run(tmp_path, **overrides):
                                   dataset=test_train.tiny_dataset())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method, structure, overrides", CASES,
                          ids=[f"{m}-{s}" + "".join(f"-{v}" for v in o.values())
                               for m, s, o in CASES])
@@ -90,6 +91,7 @@ def test_method_prunes_every_kernel_to_its_exact_count(method, structure, overri
     assert _kernel_counts(z) == counts
 
 
+@pytest.mark.slow
 def test_dense_prunes_nothing(tmp_path):
   out = _run(tmp_path, method="dense")
   report = out.results["sparsity_report"]
@@ -97,6 +99,7 @@ def test_dense_prunes_nothing(tmp_path):
   assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(out.sparse_params))
 
 
+@pytest.mark.slow
 def test_bnt_accuracy_is_reported_for_a_batchnorm_model(tmp_path):
   """A BatchNorm model (ResNet-8): BNT replaces the running statistics with a true average."""
   config = test_train.tiny_config(model="resnet8", method="admm", epochs=1, warmup_epochs=0,
@@ -116,6 +119,7 @@ def test_bnt_accuracy_is_reported_for_a_batchnorm_model(tmp_path):
       out.results["sparsity_report"]["prunable_size"], 0.8)
 
 
+@pytest.mark.slow
 def test_global_structure_leaves_layers_at_different_sparsities(tmp_path):
   """The default (one top-k over both kernels) does not split the budget evenly on this
   model, so the per-leaf test above could not pass by accident."""

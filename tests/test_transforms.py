@@ -231,6 +231,7 @@ def test_safe_multi_draws_sparsity_from_choices():
   assert seen == {safe_optax.num_keep(n, s) for s in choices}
 
 
+@pytest.mark.slow
 def test_hutchinson_is_exact_for_diagonal_hessian_and_unbiased_otherwise():
   h = jnp.array([[1.0, 2.0], [3.0, 4.0]])
   quad = lambda p, _: jax.grad(lambda q: 0.5 * jnp.sum(h * q["w"] ** 2))(p)
@@ -274,6 +275,7 @@ def test_obd_saliency_needs_grad_fn():
     tx.update(jax.tree.map(jnp.zeros_like, params), state, params)
 
 
+@pytest.mark.slow
 def test_projected_gradient_adds_gradient_at_sparse_point():
   params, (xs, ys) = init_params(6), make_batches(6, 1)
   grad_fn = lambda p, _: jax.grad(loss)(p, xs[0], ys[0])
@@ -303,6 +305,7 @@ def test_decoupled_safe_plus_scores_with_the_gradient_under_warmup():
   np.testing.assert_array_equal(z, [[1., 0.], [0., 4.]])  # neither magnitude nor first-2
 
 
+@pytest.mark.slow
 def test_decoupled_penalty_matches_the_chain_with_the_penalty_after_sgd():
   """With magnitude scores the wrapper is the chain ``sgd -> admm_penalty(learning_rate)``."""
   params, batches = init_params(7), make_batches(7, 20)
@@ -320,6 +323,7 @@ def test_decoupled_penalty_matches_the_chain_with_the_penalty_after_sgd():
       np.testing.assert_array_equal(z[k], z_ref[k])
 
 
+@pytest.mark.slow
 def test_safe_multi_draw_and_saliency_key_are_independent():
   """One key used to drive both SAFE-Multi's draw and the saliency (OBD's probes)."""
   params = init_params(8)
@@ -376,6 +380,7 @@ def test_safe_is_the_documented_chain():
       np.testing.assert_array_equal(p[k], p_ref[k])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant, same_as", [
     (lambda **kw: safe_optax.safe_plus(0.05, 0.7, **kw),
      lambda **kw: safe_optax.safe(0.05, 0.7, scores=safe_optax.snip_saliency(), **kw)),

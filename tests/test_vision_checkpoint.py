@@ -142,6 +142,7 @@ def _assert_restored(restored: dict[str, np.ndarray], state: dict[str, Any]) -> 
     assert restored[name].dtype == value.dtype, name
 
 
+@pytest.mark.slow
 def test_plain_orbax_restores_the_trainers_checkpoint_without_safe_optax(bn_run):
   out, base = bn_run
   _assert_restored(_restore_with_the_docs_recipe(base), out.state._asdict())
@@ -170,6 +171,7 @@ _TWO_DEVICE_SAVE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_the_docs_recipe_reads_a_checkpoint_of_two_devices_on_one(tmp_path):
   env = {**os.environ, "JAX_PLATFORMS": "cpu",
          "XLA_FLAGS": process_launcher.forced_devices_flags(2)}
@@ -192,6 +194,7 @@ def test_the_docs_recipe_reads_a_checkpoint_of_two_devices_on_one(tmp_path):
   _assert_restored(_restore_with_the_docs_recipe(tmp_path), state)
 
 
+@pytest.mark.slow
 def test_the_export_is_the_deployed_model_at_the_requested_sparsity(bn_run, monkeypatch):
   out, base = bn_run
   workdir = base / "runs" / "my-run"
@@ -246,6 +249,7 @@ def _assert_same(a, b):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.slow
 def test_a_relative_workdir_resumes_from_another_current_directory(whole_mlp_run, tmp_path,
                                                                    monkeypatch, capsys):
   config, data = test_train.tiny_config(**MLP_CONFIG), test_train.tiny_dataset()
@@ -271,6 +275,7 @@ def _save_format_1(directory, step: int, state) -> None:
     manager.save(step, args=ocp.args.StandardSave(jax.tree.leaves(state)))
 
 
+@pytest.mark.slow
 def test_a_run_resumes_from_a_checkpoint_of_the_earlier_format(whole_mlp_run, tmp_path):
   config, data = test_train.tiny_config(**MLP_CONFIG), test_train.tiny_dataset()
   stopped = train.train_and_evaluate(config, tmp_path, data_dir=None, dataset=data,
@@ -374,6 +379,7 @@ def test_a_checkpoint_records_the_sha256_of_every_item(tmp_path):
                               "rng": checkpoint_lib.digest(np.array([1, 2], np.uint32))}
 
 
+@pytest.mark.slow
 def test_the_trainer_refuses_a_damaged_checkpoint_and_restart_retrains(whole_mlp_run, tmp_path):
   config, data = test_train.tiny_config(**MLP_CONFIG), test_train.tiny_dataset()
   train.train_and_evaluate(config, tmp_path, data_dir=None, dataset=data, stop_after_epoch=1)

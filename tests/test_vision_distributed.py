@@ -165,6 +165,7 @@ def _writes(record: pathlib.Path) -> dict[int, dict]:
           for p in record.glob("process*.json")}
 
 
+@pytest.mark.slow
 def test_two_processes_form_one_global_mesh(runs):
   root, records = runs
   two = _writes(records["two_processes"])
@@ -174,6 +175,7 @@ def test_two_processes_form_one_global_mesh(runs):
   assert _results(root, "two_processes")["versions"]["device_count"] == 2
 
 
+@pytest.mark.slow
 def test_only_process_0_writes_outside_the_checkpoints(runs):
   _, records = runs
   writes = _writes(records["two_processes"])
@@ -185,6 +187,7 @@ def test_only_process_0_writes_outside_the_checkpoints(runs):
   assert any(p.startswith("checkpoints") for p in writes[0]["written"])
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_process_with_two_devices(runs):
   root, _ = runs
   a, b = _final(root, "two_processes"), _final(root, "two_devices")
@@ -197,6 +200,7 @@ def test_two_processes_match_one_process_with_two_devices(runs):
   assert _results(root, "two_processes")["history"][-1]["train_examples"] == N_TRAIN
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_device(runs):
   root, _ = runs
   a, b = _final(root, "two_processes"), _final(root, "one_device")
@@ -211,6 +215,7 @@ def test_two_processes_match_one_device(runs):
                                                                                       abs=1e-3)
 
 
+@pytest.mark.slow
 def test_a_run_stopped_by_two_processes_resumes_in_one(runs):
   root, _ = runs
   record = _run(root, "resumed", 2, ONE_DEVICE, "--stop-after-epoch", "1")

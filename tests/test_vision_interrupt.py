@@ -85,6 +85,7 @@ def _train(tmp_path: pathlib.Path, *, interrupt: bool) -> subprocess.CompletedPr
                         env=env, timeout=600, check=False)
 
 
+@pytest.mark.slow
 def test_sigint_during_a_checkpoint_save_exits_130_with_one_line_and_resumes(tmp_path):
   first = _train(tmp_path, interrupt=True)
   checkpoints = tmp_path / "run" / "checkpoints"

@@ -81,6 +81,7 @@ def run(tmp_path_factory):
   return workdir, outcome
 
 
+@pytest.mark.slow
 def test_step_rows_match_the_epoch_sums_and_the_schedules(run):
   workdir, _ = run
   records = read_records(workdir)
@@ -107,6 +108,7 @@ def test_step_rows_match_the_epoch_sums_and_the_schedules(run):
     assert record["sparsity"] == 0.0 and record["images_per_second"] > 0
 
 
+@pytest.mark.slow
 def test_mask_churn_rows_are_the_dual_updates_after_the_first(run):
   workdir, _ = run
   records = read_records(workdir)
@@ -120,6 +122,7 @@ def test_mask_churn_rows_are_the_dual_updates_after_the_first(run):
   assert max(r["mask_churn"] for record in records for r in record["dual_updates"]) > 0
 
 
+@pytest.mark.slow
 def test_mask_churn_matches_masks_read_on_the_host(run):
   """The same run stepped by hand: z read back after every step, churn counted with numpy."""
   del run  # compiled the programs
@@ -210,6 +213,7 @@ def test_rows_are_logged_every_log_every_steps_of_each_epoch():
   assert all(r["sparsity"] == 0.0 and set(r) == {"step", *metrics.STEP_FIELDS} for r in seen)
 
 
+@pytest.mark.slow
 def test_event_files_hold_the_values_of_metrics_jsonl(run):
   workdir, outcome = run
   scalars = read_scalars(workdir / "tensorboard")
@@ -236,6 +240,7 @@ def test_event_files_hold_the_values_of_metrics_jsonl(run):
   assert outcome.results["history"] == [metrics.without_step_rows(r) for r in records]
 
 
+@pytest.mark.slow
 def test_no_recompilation_across_epochs(run):
   del run
   programs = programs_lib.build_programs(CONFIG, N_TRAIN, 4, (8, 8, 1))
@@ -248,6 +253,7 @@ def test_no_recompilation_across_epochs(run):
   assert programs.dual._cache_size() == 1
 
 
+@pytest.mark.slow
 def test_a_resumed_run_logs_the_rows_of_the_uninterrupted_one(run, tmp_path):
   """The log is part of the checkpointed state: a Ctrl-C mid-epoch loses no row."""
   workdir, _ = run
@@ -270,6 +276,7 @@ def test_a_resumed_run_logs_the_rows_of_the_uninterrupted_one(run, tmp_path):
       assert resumed[tag] == whole[tag], tag
 
 
+@pytest.mark.slow
 def test_only_process_0_writes_event_files(tmp_path, monkeypatch):
   from safe_optax import distributed  # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(distributed, "is_primary", lambda: False)
