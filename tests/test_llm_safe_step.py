@@ -24,7 +24,6 @@ def test_epochs_pair():
   assert llm_safe_step._epochs("2,6") == (2, 6)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("argv, message", [
     (["--windows", "2", "--batch-size", "4"], "--windows (2) must be at least --batch-size (4)"),
     (["--repeats", "0"], "--repeats must be at least 1, got 0"),
@@ -34,10 +33,10 @@ def test_epochs_pair():
     (["--packs", "2", "--layouts", "host"], "a pack is compared with the 'device' layout"),
     (["--packs", "3", "3"], "--packs: distinct lane counts of at least 2, got [3, 3]"),
 ])
-def test_bad_arguments_are_refused_before_any_work(tmp_path, argv, message):
-  proc = subprocess.run([sys.executable, str(SCRIPT), *argv, "--out", str(tmp_path / "x.json")],
-                        capture_output=True, text=True, check=False, timeout=120)
-  assert proc.returncode == 2 and message in proc.stderr
+def test_bad_arguments_are_refused_before_any_work(tmp_path, capsys, argv, message):
+  with pytest.raises(SystemExit) as exit_:
+    llm_safe_step.main([*argv, "--out", str(tmp_path / "x.json")])
+  assert exit_.value.code == 2 and message in capsys.readouterr().err
   assert not (tmp_path / "x.json").exists()
 
 
@@ -68,32 +67,29 @@ def test_pack_pays_only_on_the_device_kind_it_was_measured_on():
   assert llm_safe_step.pack_pays(report, "NVIDIA H100 80GB HBM3", 1.0) is None
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind, pack_min, printed", [("cpu", "1.2", "1"), ("cpu", "1.5", "0"),
                                                      ("NVIDIA H200", "1.2", "")])
 def test_pack_decision_reads_a_timing_of_this_device_kind_and_measures_nothing(
-    tmp_path, kind, pack_min, printed):
+    tmp_path, capsys, kind, pack_min, printed):
   timing = tmp_path / "timing.json"
   timing.write_text(json.dumps({"device_over_pack": {"pack3": 1.3},
                                 "versions": {"device_kind": kind}}))
-  proc = subprocess.run([sys.executable, str(SCRIPT), "--pack-decision", str(timing),
-                         "--pack-min", pack_min, "--out", str(tmp_path / "x.json")],
-                        capture_output=True, text=True, check=True, timeout=120)
-  assert proc.stdout.strip() == printed  # this CPU's device kind is "cpu"
+  llm_safe_step.main(["--pack-decision", str(timing), "--pack-min", pack_min,
+                      "--out", str(tmp_path / "x.json")])
+  assert capsys.readouterr().out.strip() == printed  # this CPU's device kind is "cpu"
   assert not (tmp_path / "x.json").exists()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("report, argv, message", [
     ({"device_over_pack": {}, "versions": {"device_kind": "cpu"}}, [],
      "no pack of 3 timed there"),
     ({"device_over_pack": {"pack3": 1.3}, "versions": {"device_kind": "cpu"}},
      ["--pack-min", "0"], "--pack-min must be > 0 (a speed-up per seed), got 0.0"),
 ])
-def test_a_pack_decision_without_a_pack_timing_or_bound_is_refused(tmp_path, report, argv,
-                                                                  message):
+def test_a_pack_decision_without_a_pack_timing_or_bound_is_refused(tmp_path, capsys, report,
+                                                                  argv, message):
   timing = tmp_path / "timing.json"
   timing.write_text(json.dumps(report))
-  proc = subprocess.run([sys.executable, str(SCRIPT), "--pack-decision", str(timing), *argv],
-                        capture_output=True, text=True, check=False, timeout=120)
-  assert proc.returncode == 2 and message in proc.stderr
+  with pytest.raises(SystemExit) as exit_:
+    llm_safe_step.main(["--pack-decision", str(timing), *argv])
+  assert exit_.value.code == 2 and message in capsys.readouterr().err

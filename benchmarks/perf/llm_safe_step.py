@@ -77,7 +77,7 @@ def pack_pays(report: dict, device_kind: str, pack_min: float) -> bool | None:
   return bool(report["device_over_pack"]["pack3"] >= pack_min)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
   parser.add_argument("--windows", type=int, default=64)
@@ -98,7 +98,7 @@ def main() -> None:
                            "fast per seed, 0 if not, nothing if FILE was measured on another "
                            "device kind (llm_gpu_lease.sh run packs the prunes on 1)")
   parser.add_argument("--pack-min", type=float, default=1.2)
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
   if args.pack_min <= 0:
     parser.error(f"--pack-min must be > 0 (a speed-up per seed), got {args.pack_min}")
   if args.pack_decision is not None:
