@@ -5,14 +5,22 @@ for the radix-select kernels on CPU), so property tests draw from a small set
 of tree templates and keep the example count modest.
 
 Most of a trainer test's time is XLA compiling small programs, many of them
-the same program in another test of the same file (the tiny trainer's
-evaluation, projection, BatchNorm and initialisation steps under every method).
-So each test process keeps a persistent JAX compilation cache of its own: a
-fresh folder, deleted at the end, used by that process alone (subprocesses
-that tests start do not inherit it, so no two processes ever read and write
-one folder). The cache key is the program, the compile options, the XLA flags
-and the JAX version, so a hit is the executable a compile would give. Set
-``SAFE_OPTAX_TEST_JAX_CACHE=0`` to compile everything afresh.
+the same program in another test, in the other test process or in a
+subprocess that a test starts (a CLI run of the tiny trainer compiles what the
+in-process tests compiled). So one run of pytest keeps one persistent JAX
+compilation cache: a fresh folder that the controlling process makes and
+deletes at the end, passed to the test processes and every subprocess they
+start through ``JAX_COMPILATION_CACHE_DIR`` (with the thresholds at zero, so
+every program is kept). A caller who sets ``JAX_COMPILATION_CACHE_DIR`` keeps
+that folder (``.ci/run`` gives both tiers one, so the slow tier starts from
+what the default tier compiled). The cache key is the program, the compile
+options, the XLA flags and the JAX version, so a hit is the executable a
+compile would give. The cache runs without a size limit, so JAX takes no file
+lock (a lock with eviction serialised the processes; benchmarks/perf/results/
+test_suite_time.json, ``rejected``); an entry that another process is still
+writing reads as a damaged zlib stream, which JAX reports as a warning and
+compiles afresh. Set ``SAFE_OPTAX_TEST_JAX_CACHE=0`` to compile everything
+afresh.
 
 For the same reason the suite compiles with JAX's ``jax_disable_most_optimizations``
 (XLA's backend optimisation level 0, no expensive LLVM passes: the switch JAX
@@ -34,13 +42,16 @@ import tempfile
 import pytest
 from hypothesis import HealthCheck, settings
 
-_OWNED = pytest.StashKey[str]()  # this process's cache folder (deleted at the end)
+_OWNED = pytest.StashKey[str]()  # the cache folder this process made (deleted at the end)
+_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+_CACHE_THRESHOLDS = ("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+                     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
 _XLA_MODES = ("fast", "optimized")
 _FAST_ENV = "JAX_DISABLE_MOST_OPTIMIZATIONS"
 
 
 def pytest_configure(config):
-  """Sets the compile mode and gives this process its own compilation cache (module docstring)."""
+  """Sets the compile mode and the compilation cache of this pytest run (module docstring)."""
   config.addinivalue_line(
       "markers", "slow: the slow tier (claims, notebooks, fault injection, multi-process runs, the "
       "real LLM, packaging, long property tests): `python -m pytest -q -n 2 -m slow`; the README's "
@@ -60,14 +71,18 @@ def pytest_configure(config):
     raise pytest.UsageError(f"SAFE_OPTAX_TEST_JAX_CACHE={switch!r}: use 1 (the default) or 0")
   if switch == "0":
     return
+  if _CACHE_ENV not in os.environ:  # the controlling process (or a run without xdist)
+    folder = tempfile.mkdtemp(prefix="safe_optax_test_jax_cache_")
+    config.stash[_OWNED] = folder
+    os.environ[_CACHE_ENV] = folder  # test processes and their subprocesses inherit it
+  for name in _CACHE_THRESHOLDS:
+    os.environ.setdefault(name, "0")
   import jax  # pylint: disable=import-outside-toplevel
-  if jax.config.jax_compilation_cache_dir:  # the caller's own cache
-    return
-  folder = tempfile.mkdtemp(prefix="safe_optax_test_jax_cache_")
-  config.stash[_OWNED] = folder
-  jax.config.update("jax_compilation_cache_dir", folder)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                    float(os.environ[_CACHE_THRESHOLDS[0]]))
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes",
+                    int(os.environ[_CACHE_THRESHOLDS[1]]))
 
 
 def pytest_unconfigure(config):

@@ -3,7 +3,7 @@
 Trains a small MLP with ``safe_optax.safe`` for ``--steps`` steps on a fixed
 stream of global batches, each process feeding only its own rows of every
 batch, optionally saving an Orbax checkpoint at ``--save-at`` and stopping
-there, or starting from the newest checkpoint in ``--checkpoint``. Process 0
+there (or going on, with ``--go-on``), or starting from the newest checkpoint in ``--checkpoint``. Process 0
 writes the final parameters and masks to ``--out`` (``.npz``).
 
   python tests/distributed_worker.py --out p.npz --steps 12 \\
@@ -28,6 +28,7 @@ def parse(argv):
   p.add_argument("--process-id", type=int)
   p.add_argument("--checkpoint", help="Orbax checkpoint folder (resume from its newest step)")
   p.add_argument("--save-at", type=int, help="save a checkpoint after this step and stop")
+  p.add_argument("--go-on", action="store_true", help="after --save-at, train to --steps")
   p.add_argument("--die-at", type=int, help="exit abruptly (code 3) before this step")
   return p.parse_args(argv)
 
@@ -91,8 +92,9 @@ def main(argv=None) -> int:
     state = step(state, batch)
     if args.save_at is not None and t + 1 == args.save_at:
       ckpt.save(t + 1, state)
-      ckpt.close()
-      return 0
+      if not args.go_on:
+        ckpt.close()
+        return 0
   final = multihost_utils.process_allgather(state["params"], tiled=True)
   admm = safe_optax.find_admm_state(state["opt"])
   z = multihost_utils.process_allgather(admm.z, tiled=True)

@@ -43,14 +43,18 @@ def _weights(run: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, dict[str, np.ndarray]]:
-  """The three layouts, uninterrupted."""
+def runs(tmp_path_factory) -> dict[str, dict]:
+  """The three layouts, uninterrupted; one process and two processes also save a checkpoint at
+  step 6 on the way (``checkpoints``), which the resume tests start from."""
   root = tmp_path_factory.mktemp("distributed")
-  launch(1, "--out", str(root / "one.npz"), "--steps", str(STEPS))
+  save = lambda name: ("--save-at", "6", "--go-on", "--checkpoint", str(root / f"ckpt_{name}"))
+  launch(1, "--out", str(root / "one.npz"), "--steps", str(STEPS), *save("one"))
   launch(1, "--out", str(root / "two_devices.npz"), "--steps", str(STEPS), "--devices", "2")
-  launch(2, "--out", str(root / "two_processes.npz"), "--steps", str(STEPS))
-  return {name: _load(root / f"{name}.npz")
-          for name in ("one", "two_devices", "two_processes")}
+  launch(2, "--out", str(root / "two_processes.npz"), "--steps", str(STEPS),
+         *save("two_processes"))
+  runs_ = {name: _load(root / f"{name}.npz") for name in ("one", "two_devices", "two_processes")}
+  runs_["checkpoints"] = {name: root / f"ckpt_{name}" for name in ("one", "two_processes")}
+  return runs_
 
 
 @pytest.mark.slow
@@ -89,9 +93,7 @@ def test_sparse_target_has_the_requested_sparsity(runs):
 
 @pytest.mark.slow
 def test_checkpoint_of_two_processes_resumes_in_one(runs, tmp_path):
-  ckpt = tmp_path / "ckpt"
-  launch(2, "--out", str(tmp_path / "unused.npz"), "--steps", str(STEPS), "--save-at", "6",
-         "--checkpoint", str(ckpt))
+  ckpt = runs["checkpoints"]["two_processes"]
   assert sorted(p.name for p in ckpt.iterdir() if p.name.isdigit()) == ["6"]
   launch(1, "--out", str(tmp_path / "resumed.npz"), "--steps", str(STEPS), "--devices", "2",
          "--checkpoint", str(ckpt))
@@ -103,9 +105,8 @@ def test_checkpoint_of_two_processes_resumes_in_one(runs, tmp_path):
 
 @pytest.mark.slow
 def test_checkpoint_of_one_process_resumes_in_two(runs, tmp_path):
-  ckpt = tmp_path / "ckpt"
-  launch(1, "--out", str(tmp_path / "unused.npz"), "--steps", str(STEPS), "--save-at", "6",
-         "--checkpoint", str(ckpt))
+  ckpt = runs["checkpoints"]["one"]
+  assert sorted(p.name for p in ckpt.iterdir() if p.name.isdigit()) == ["6"]
   launch(2, "--out", str(tmp_path / "resumed.npz"), "--steps", str(STEPS),
          "--checkpoint", str(ckpt))
   resumed, straight = _weights(_load(tmp_path / "resumed.npz")), _weights(runs["one"])
