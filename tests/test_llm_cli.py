@@ -157,6 +157,7 @@ def test_prune_resumes_after_interruption(tiny, tmp_path, monkeypatch, capsys):
   assert not (out / cli.STATE_DIR).exists()  # removed once the export is written
 
 
+@pytest.mark.slow
 def test_prune_restart_discards_saved_state(tiny, tmp_path, monkeypatch):
   folder, text = tiny
   out = tmp_path / "out"

@@ -41,6 +41,7 @@ def _one_line(err: str) -> str:
   return err.strip()
 
 
+@pytest.mark.slow
 def test_a_finished_export_is_not_replaced_by_other_settings(tiny, tmp_path, monkeypatch,
                                                               capsys):
   folder, text = tiny

@@ -181,6 +181,7 @@ def test_no_deprecation_warning_anywhere():
 # ---------------------------------------------------------------------------- Projection
 
 
+@pytest.mark.slow
 def test_projection_feeds_project_topk_finalize_and_the_transforms():
   projection = Projection(0.5, PerLeaf(), prunable=lambda path, leaf: path[0].key == "w1")
   masks = safe_optax.project_topk(PARAMS, **projection._asdict())[1]
