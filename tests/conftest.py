@@ -33,11 +33,28 @@ of the committed run sets) compile with the optimisations a user gets, with
 JAX's in-memory caches cleared on the way in and out so no program crosses
 between the two settings (the persistent cache keys on the setting). Set
 ``SAFE_OPTAX_TEST_XLA=optimized`` to compile every test as a user's run does.
+
+The fast mode also turns off XLA:CPU's MLIR fusion emitters
+(``--xla_cpu_use_fusion_emitters=false`` in ``XLA_FLAGS``, which the test
+processes and their subprocesses inherit; ``process_launcher.forced_devices_flags``
+keeps it): XLA generates each fusion's code with its older elemental emitter,
+which compiles the suite's small programs in about half the time (the tiny
+trainer's eleven programs: 9.2 s of backend compiling against 4.5 s; the
+default tier 249 s against 346 s of wall, run back to back,
+benchmarks/perf/results/test_suite_time.json ``fusion_emitters``) and computes
+the same functions. ``XLA_FLAGS`` is read once per process, so the tests
+marked ``xla_optimized`` share it; their execution-bound runs took the same
+time either way. A jaxlib whose XLA no longer knows the flag would abort on
+it, so the controlling process first starts one child with it and leaves the
+flag out (with a warning) if that child fails.
 """
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import warnings
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -48,6 +65,32 @@ _CACHE_THRESHOLDS = ("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
                      "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
 _XLA_MODES = ("fast", "optimized")
 _FAST_ENV = "JAX_DISABLE_MOST_OPTIMIZATIONS"
+# XLA flags of the fast mode (module docstring), added to XLA_FLAGS by the controlling process.
+FAST_XLA_FLAGS = ("--xla_cpu_use_fusion_emitters=false",)
+
+
+def xla_accepts(flags) -> bool:
+  """Whether a child process with ``flags`` added to ``XLA_FLAGS`` starts JAX's CPU backend.
+
+  XLA aborts the process on a flag it does not know, so this is asked of a child.
+  """
+  env = {**os.environ, "JAX_PLATFORMS": "cpu",
+         "XLA_FLAGS": " ".join([os.environ.get("XLA_FLAGS", ""), *flags]).strip()}
+  done = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
+                        capture_output=True, check=False)
+  return done.returncode == 0
+
+
+def _add_fast_xla_flags() -> None:
+  """Adds ``FAST_XLA_FLAGS`` to ``XLA_FLAGS`` once per pytest run (xdist workers inherit it)."""
+  present = os.environ.get("XLA_FLAGS", "").split()
+  missing = [f for f in FAST_XLA_FLAGS if f not in present]
+  if not missing:
+    return
+  if not xla_accepts(missing):
+    warnings.warn(f"this jaxlib's XLA refuses {missing}: the suite compiles without them")
+    return
+  os.environ["XLA_FLAGS"] = " ".join([*present, *missing])
 
 
 def pytest_configure(config):
@@ -63,6 +106,8 @@ def pytest_configure(config):
   if mode not in _XLA_MODES:
     raise pytest.UsageError(f"SAFE_OPTAX_TEST_XLA={mode!r}: use one of {_XLA_MODES}")
   if mode == "fast":
+    if not hasattr(config, "workerinput"):  # the controlling process (workers inherit it)
+      _add_fast_xla_flags()
     import jax  # pylint: disable=import-outside-toplevel
     os.environ[_FAST_ENV] = "1"  # for the subprocesses tests start
     jax.config.update("jax_disable_most_optimizations", True)

@@ -35,7 +35,8 @@ def parse(argv):
 
 def main(argv=None) -> int:
   args = parse(argv)
-  os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices} --xla_cpu_collective_call_terminate_timeout_seconds=120"
+  import process_launcher  # pylint: disable=import-outside-toplevel  (beside this script)
+  os.environ["XLA_FLAGS"] = process_launcher.forced_devices_flags(args.devices)
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel

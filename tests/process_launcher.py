@@ -87,5 +87,12 @@ def forced_devices_flags(devices: int) -> str:
   120 s: long enough for a late thread, short enough that a run whose thread
   never arrives (a deadlock seen with 8 devices on 2 busy cores) fails soon.
   """
-  return (f"--xla_force_host_platform_device_count={devices} "
-          "--xla_cpu_collective_call_terminate_timeout_seconds=120")
+  return " ".join([*_other_xla_flags(), f"--xla_force_host_platform_device_count={devices}",
+                   "--xla_cpu_collective_call_terminate_timeout_seconds=120"])
+
+
+def _other_xla_flags() -> list[str]:
+  """This process's ``XLA_FLAGS`` but its device count and collective timeout (the suite's
+  compile flags, tests/conftest.py, stay with every child)."""
+  ours = ("--xla_force_host_platform_device_count", "--xla_cpu_collective_call_terminate_timeout")
+  return [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(ours)]

@@ -63,3 +63,21 @@ def test_an_unknown_mode_is_refused_naming_the_variable_and_the_modes(tmp_path):
   assert done.returncode != 0
   assert "SAFE_OPTAX_TEST_XLA='quick'" in done.stderr + done.stdout
   assert "('fast', 'optimized')" in done.stderr + done.stdout
+
+
+def test_the_fast_mode_turns_off_the_fusion_emitters_in_every_child():
+  import conftest  # pylint: disable=import-outside-toplevel
+  import process_launcher  # pylint: disable=import-outside-toplevel
+  flags = os.environ.get("XLA_FLAGS", "").split()
+  for flag in conftest.FAST_XLA_FLAGS:
+    assert (flag in flags) is FAST
+    # A child with forced devices keeps the suite's flags, once each.
+    assert process_launcher.forced_devices_flags(2).split().count(flag) == int(FAST)
+  assert "--xla_force_host_platform_device_count=2" in process_launcher.forced_devices_flags(2)
+
+
+@pytest.mark.slow
+def test_a_flag_that_xla_does_not_know_is_detected_before_it_aborts_a_test():
+  import conftest  # pylint: disable=import-outside-toplevel
+  assert conftest.xla_accepts(conftest.FAST_XLA_FLAGS)
+  assert not conftest.xla_accepts(["--xla_no_such_flag_in_any_xla=1"])
