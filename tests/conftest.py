@@ -46,7 +46,12 @@ the same functions. ``XLA_FLAGS`` is read once per process, so the tests
 marked ``xla_optimized`` share it; their execution-bound runs took the same
 time either way. A jaxlib whose XLA no longer knows the flag would abort on
 it, so the controlling process first starts one child with it and leaves the
-flag out (with a warning) if that child fails.
+flag out (with a warning) if that child fails. A test that asserts what XLA's
+default code generation does (two program structures equal bit for bit, the
+HLO a user's compile gives) is marked ``xla_default_codegen``: under the fast
+flags it runs in a child pytest process whose ``XLA_FLAGS`` lack them (the
+elemental emitter rounds some fusions another way, by an ulp, in one of the
+two programs).
 """
 
 import os
@@ -67,6 +72,8 @@ _XLA_MODES = ("fast", "optimized")
 _FAST_ENV = "JAX_DISABLE_MOST_OPTIMIZATIONS"
 # XLA flags of the fast mode (module docstring), added to XLA_FLAGS by the controlling process.
 FAST_XLA_FLAGS = ("--xla_cpu_use_fusion_emitters=false",)
+# Set in the child pytest process that runs one ``xla_default_codegen`` test (no fast flags).
+_CHILD_ENV = "SAFE_OPTAX_TEST_DEFAULT_CODEGEN_CHILD"
 
 
 def xla_accepts(flags) -> bool:
@@ -83,6 +90,8 @@ def xla_accepts(flags) -> bool:
 
 def _add_fast_xla_flags() -> None:
   """Adds ``FAST_XLA_FLAGS`` to ``XLA_FLAGS`` once per pytest run (xdist workers inherit it)."""
+  if os.environ.get(_CHILD_ENV) == "1":
+    return
   present = os.environ.get("XLA_FLAGS", "").split()
   missing = [f for f in FAST_XLA_FLAGS if f not in present]
   if not missing:
@@ -102,6 +111,9 @@ def pytest_configure(config):
   config.addinivalue_line(
       "markers", "xla_optimized: compile with XLA's full optimisations even under the suite's "
       "fast compile mode (tests/conftest.py)")
+  config.addinivalue_line(
+      "markers", "xla_default_codegen: asserts what XLA's default CPU code generation does; "
+      "runs in a child process without the suite's fast XLA flags (tests/conftest.py)")
   mode = os.environ.get("SAFE_OPTAX_TEST_XLA", "fast")
   if mode not in _XLA_MODES:
     raise pytest.UsageError(f"SAFE_OPTAX_TEST_XLA={mode!r}: use one of {_XLA_MODES}")
@@ -134,6 +146,58 @@ def pytest_unconfigure(config):
   folder = config.stash.get(_OWNED, None)
   if folder:
     shutil.rmtree(folder, ignore_errors=True)
+
+
+_CHILD_OUTCOMES: dict = {}  # nodeid -> (outcome, text) of the xla_default_codegen children
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+  """Runs a test marked ``xla_default_codegen`` in a child pytest without the fast XLA flags.
+
+  One child per test file: the first marked test of a file runs every selected
+  marked test of that file, and each reports its own outcome from the child's
+  JUnit XML.
+  """
+  if pyfuncitem.get_closest_marker("xla_default_codegen") is None:
+    return None
+  flags = os.environ.get("XLA_FLAGS", "").split()
+  if not any(flag in FAST_XLA_FLAGS for flag in flags):
+    return None  # this process compiles as XLA does by default: the test runs here
+  if pyfuncitem.nodeid not in _CHILD_OUTCOMES:
+    _run_default_codegen_child(pyfuncitem, [flag for flag in flags if flag not in FAST_XLA_FLAGS])
+  outcome, text = _CHILD_OUTCOMES.pop(pyfuncitem.nodeid)
+  if outcome == "skipped":
+    pytest.skip(f"skipped in its child process: {text}")
+  if outcome != "passed":
+    pytest.fail(f"{pyfuncitem.nodeid} failed in a child process with XLA's default code "
+                f"generation (tests/conftest.py):\n{text}", pytrace=False)
+  return True
+
+
+def _run_default_codegen_child(item, xla_flags: list[str]) -> None:
+  import xml.etree.ElementTree as ET  # pylint: disable=import-outside-toplevel
+  ids = [i.nodeid for i in item.session.items
+         if i.get_closest_marker("xla_default_codegen") is not None and i.path == item.path]
+  env = {**os.environ, _CHILD_ENV: "1", "XLA_FLAGS": " ".join(xla_flags)}
+  with tempfile.TemporaryDirectory() as folder:
+    junit = os.path.join(folder, "junit.xml")
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-m", "", "--no-header", f"--junitxml={junit}",
+         *ids], cwd=item.config.rootpath, env=env, capture_output=True, text=True, check=False)
+    log = f"{done.stdout[-6000:]}\n{done.stderr[-2000:]}"
+    cases = ET.parse(junit).getroot().iter("testcase") if os.path.exists(junit) else ()
+    for case in cases:
+      nodeid = case.get("classname").replace(".", "/") + ".py::" + case.get("name")
+      bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+      if bad is not None:
+        _CHILD_OUTCOMES[nodeid] = ("failed", (bad.text or bad.get("message") or "")[-6000:])
+      elif case.find("skipped") is not None:
+        _CHILD_OUTCOMES[nodeid] = ("skipped", case.find("skipped").get("message", ""))
+      else:
+        _CHILD_OUTCOMES[nodeid] = ("passed", "")
+  for nodeid in ids:  # not run by the child at all (a collection error, a crash)
+    _CHILD_OUTCOMES.setdefault(nodeid, ("failed", f"the child did not run it:\n{log}"))
 
 
 @pytest.fixture(autouse=True)

@@ -108,6 +108,7 @@ WRAPPED = {
 }
 
 
+@pytest.mark.xla_default_codegen  # bit for bit / HLO: XLA's own code generation
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(set(TRANSFORMS) - {"safe_plus"}) + sorted(WRAPPED))
 def test_dual_update_as_its_own_program_equals_one_program_bit_for_bit(name):
@@ -269,6 +270,7 @@ def test_is_dual_step():
     safe_optax.experimental.is_dual_step(-1, 4)
 
 
+@pytest.mark.xla_default_codegen  # bit for bit / HLO: XLA's own code generation
 @pytest.mark.slow
 def test_llm_block_step_split_equals_cond_program():
   from safe_optax.llm import block, model as model_lib

@@ -151,6 +151,7 @@ def test_eager_trace_equals_the_traced_estimate(conv_case):
   np.testing.assert_allclose(float(eager), float(traced), rtol=1e-5)
 
 
+@pytest.mark.xla_default_codegen  # bit for bit / HLO: XLA's own code generation
 @pytest.mark.slow
 def test_eager_product_compiles_once_without_a_loop(conv_case):
   loss_fn, params, batches = conv_case

@@ -428,6 +428,7 @@ def test_lr_scale_rms_multiplies_each_matrix_step():
                  up_p, up_s, scales)
 
 
+@pytest.mark.xla_default_codegen  # bit for bit / HLO: XLA's own code generation
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["safe", "safe-plus"])
 def test_safe_block_keeps_calibration_on_the_device(method):

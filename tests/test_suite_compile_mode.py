@@ -81,3 +81,14 @@ def test_a_flag_that_xla_does_not_know_is_detected_before_it_aborts_a_test():
   import conftest  # pylint: disable=import-outside-toplevel
   assert conftest.xla_accepts(conftest.FAST_XLA_FLAGS)
   assert not conftest.xla_accepts(["--xla_no_such_flag_in_any_xla=1"])
+
+
+@pytest.mark.slow
+@pytest.mark.xla_default_codegen
+def test_a_default_codegen_test_runs_where_xla_flags_lack_the_fast_flags():
+  import conftest  # pylint: disable=import-outside-toplevel
+  flags = os.environ.get("XLA_FLAGS", "").split()
+  assert not set(conftest.FAST_XLA_FLAGS) & set(flags)
+  # Run in a child process when this pytest run has the fast flags; here otherwise.
+  assert (os.environ.get("SAFE_OPTAX_TEST_DEFAULT_CODEGEN_CHILD") == "1") is (
+      FAST and conftest.xla_accepts(conftest.FAST_XLA_FLAGS))

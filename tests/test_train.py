@@ -91,8 +91,21 @@ def _launch_sharded_run() -> subprocess.Popen:
 
 
 _BACKGROUND = {}
-if __name__ != "__main__" and os.environ.get("XLA_FLAGS", "").find("device_count=8") < 0:
-  _BACKGROUND["sharded"] = _launch_sharded_run()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _background_sharded_run(request):
+  """Starts the 8-device run when this module's first test starts, if its test is selected
+  (not at import: every test process imports this module, and other test files import it)."""
+  if any(getattr(item, "module", None) is sys.modules[__name__]
+         and item.originalname == "test_8_devices_match_1_device"
+         for item in request.session.items):
+    _BACKGROUND["sharded"] = _launch_sharded_run()
+  yield
+  proc = _BACKGROUND.pop("sharded", None)
+  if proc is not None and proc.poll() is None:
+    proc.kill()
+    proc.communicate()
 
 
 # ----------------------------------------------------------------------------- configs
@@ -340,7 +353,7 @@ def test_ctrl_c_checkpoints_and_resumes_mid_epoch(full_run, tmp_path):
 
 
 def test_8_devices_match_1_device(full_run):
-  proc = _BACKGROUND.get("sharded") or _launch_sharded_run()
+  proc = _BACKGROUND.pop("sharded", None) or _launch_sharded_run()
   stdout, stderr = proc.communicate(timeout=900)
   assert proc.returncode == 0, stderr[-4000:]
   result = json.loads(stdout.strip().splitlines()[-1])
