@@ -54,7 +54,9 @@ elemental emitter rounds some fusions another way, by an ulp, in one of the
 two programs).
 """
 
+import json
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -149,6 +151,29 @@ def pytest_unconfigure(config):
 
 
 _CHILD_OUTCOMES: dict = {}  # nodeid -> (outcome, text) of the xla_default_codegen children
+
+
+# Recorded seconds of the tests, from JUnit XML (tests/record_durations.py).
+DURATIONS = pathlib.Path(__file__).with_name("durations.json")
+UNRECORDED_SECONDS = 0.5  # a test of a file with no record (a new file)
+
+
+@pytest.hookimpl(trylast=True)  # after -m has deselected the other tier
+def pytest_collection_modifyitems(config, items):
+  """Test files with the most recorded seconds first, each file's tests in their order.
+
+  With ``--dist loadfile`` (and xdist's reordering by test count turned off,
+  ``--no-loadscope-reorder``), the two test processes take files in this order,
+  so a long file never starts last while the other process has nothing left.
+  """
+  del config
+  recorded = json.loads(DURATIONS.read_text(encoding="utf-8")) if DURATIONS.exists() else {}
+  cost: dict = {}
+  for item in items:
+    file = item.nodeid.split("::")[0]
+    seconds = recorded.get(item.nodeid, recorded.get(f"{file}::*", UNRECORDED_SECONDS))
+    cost[item.path] = cost.get(item.path, 0.0) + seconds
+  items.sort(key=lambda item: -cost[item.path])  # stable: a file's tests keep their order
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -69,7 +69,10 @@ def _env(tmp_path: pathlib.Path) -> dict[str, str]:
           # Every child compiles the same programs: the first one's, from disk, save seconds.
           "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache"),
           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+          # The suite's compile mode (tests/conftest.py), as every other subprocess gets it.
+          **{name: os.environ[name] for name in ("XLA_FLAGS", "JAX_DISABLE_MOST_OPTIMIZATIONS")
+             if name in os.environ}}
 
 
 def _run(engine: str, argv: list[str], env: dict[str, str], log: pathlib.Path,

@@ -36,27 +36,24 @@ def _gguf() -> pathlib.Path:
   return pathlib.Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def test_smollm2_wikitext2_perplexity():
+@pytest.fixture(name="smollm2", scope="module")
+def fixture_smollm2():
+  """The GGUF's config, weights and tokenizer, loaded once for both tests (about 15 s)."""
   path = _gguf()
   config, params = checkpoints.load_gguf(path)
+  return config, params, checkpoints.load_tokenizer(path)
+
+
+def test_smollm2_wikitext2_perplexity(smollm2):
+  config, params, tokenizer = smollm2
   assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads) == (
       30, 576, 9, 3)
   assert config.rope_base == 1e5 and config.tie_embeddings
-  tokenizer = checkpoints.load_tokenizer(path)
   wikitext = require_data("wikitext-2-raw/wiki.test.raw")
   result = cli.evaluate(config, params, tokenizer, str(wikitext), 512, 2048,
                         protocol="short")
   assert result["tokens"] == 2048 and result["windows"] == 4
   assert 27.0 < result["perplexity"] < 33.0, result  # measured 30.23
-
-
-@pytest.fixture(name="smollm2", scope="module")
-def fixture_smollm2():
-  path = _gguf()
-  config, params = checkpoints.load_gguf(path)
-  text = data.read_text(require_data("wikitext-2/valid.txt"))
-  tokens = data.tokenize(checkpoints.load_tokenizer(path), text)
-  return config, params, tokens
 
 
 def test_safe_plus_beats_wanda_on_held_out_block0(smollm2):
@@ -72,8 +69,10 @@ def test_safe_plus_beats_wanda_on_held_out_block0(smollm2):
   """
   committed = json.loads((ROOT / "results" / "llm_pruning" / "block0_seeds_16x128_60steps.json"
                           ).read_text(encoding="utf-8"))
+  config, params, tokenizer = smollm2
+  tokens = data.tokenize(tokenizer, data.read_text(require_data("wikitext-2/valid.txt")))
   errors = llm_block0_seeds.block0_held_out_errors(
-      *smollm2, seed=0, methods=("wanda", "safe-plus"), steps=committed["steps"],
+      config, params, tokens, seed=0, methods=("wanda", "safe-plus"), steps=committed["steps"],
       windows=committed["windows"], seqlen=committed["seqlen"])
   want = committed["seeds"]["0"]
   assert errors["wanda"] == pytest.approx(want["wanda"], rel=1e-2), errors

@@ -9,6 +9,7 @@ runs it. Moving a test between tiers keeps these lists true.
 from __future__ import annotations
 
 import ast
+import json
 import pathlib
 
 import pytest
@@ -113,3 +114,24 @@ def test_every_public_module_is_reached_by_the_default_tier():
 ])
 def test_the_tier_reader_sees_function_and_file_marks(source, slow):
   assert (not _default_tests(ast.parse(source))) == slow
+
+
+def test_the_longest_test_files_run_first_each_file_in_one_piece(tmp_path, monkeypatch,
+                                                                 pytestconfig):
+  import types  # pylint: disable=import-outside-toplevel
+  import conftest  # pylint: disable=import-outside-toplevel
+  durations = tmp_path / "durations.json"
+  durations.write_text(json.dumps({"tests/test_b.py::test_long": 30.0, "tests/test_a.py::*": 0.5,
+                                   "tests/test_c.py::test_one": 4.0}))
+  monkeypatch.setattr(conftest, "DURATIONS", durations)
+  names = ["tests/test_a.py::test_1", "tests/test_a.py::test_2", "tests/test_b.py::test_short",
+           "tests/test_b.py::test_long", "tests/test_c.py::test_one", "tests/test_new.py::test_x"]
+  items = [types.SimpleNamespace(nodeid=n, path=pathlib.Path(n.split("::")[0])) for n in names]
+  conftest.pytest_collection_modifyitems(None, items)
+  # b: 30 + an unrecorded test (0.5); c: 4; a: 2 x 0.5; new: one unrecorded test.
+  assert [i.nodeid for i in items] == [
+      "tests/test_b.py::test_short", "tests/test_b.py::test_long", "tests/test_c.py::test_one",
+      "tests/test_a.py::test_1", "tests/test_a.py::test_2", "tests/test_new.py::test_x"]
+  assert conftest.UNRECORDED_SECONDS == 0.5
+  # xdist would otherwise reorder the files by their number of tests.
+  assert "--no-loadscope-reorder" in pytestconfig.getini("addopts")
