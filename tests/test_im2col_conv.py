@@ -50,14 +50,23 @@ def test_values_and_gradients_match_lax_conv(batch, height, width, channels, out
   rng = np.random.default_rng(seed)
   x = jnp.asarray(rng.standard_normal((batch, height, width, channels)), jnp.float32)
   w = jnp.asarray(rng.standard_normal((kh, kw, channels, out)), jnp.float32)
-  expected = _reference(x, w, strides, padding)
-  got = _im2col(x, w, strides, padding)
+  shape = jax.eval_shape(lambda x, w: _reference(x, w, strides, padding), x, w).shape
+  cotangent = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+
+  # One compiled program an example (run op by op, each example compiled a few dozen).
+  @jax.jit
+  def values_and_gradients(x, w, cotangent):
+    out = {}
+    for name, conv in (("im2col", _im2col), ("lax", _reference)):
+      loss = lambda x, w, conv=conv: jnp.sum(conv(x, w, strides, padding) * cotangent)
+      out[name] = (conv(x, w, strides, padding), jax.grad(loss, (0, 1))(x, w))
+    return out
+
+  out = values_and_gradients(x, w, cotangent)
+  (got, got_grads), (expected, expected_grads) = out["im2col"], out["lax"]
   assert got.shape == expected.shape and got.dtype == expected.dtype
   np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
-  cotangent = jnp.asarray(rng.standard_normal(expected.shape), jnp.float32)
-  loss = lambda f: lambda x, w: jnp.sum(f(x, w, strides, padding) * cotangent)
-  for g, e in zip(jax.grad(loss(_im2col), (0, 1))(x, w),
-                  jax.grad(loss(_reference), (0, 1))(x, w)):
+  for g, e in zip(got_grads, expected_grads):
     np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-4)
 
 

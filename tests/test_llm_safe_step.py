@@ -2,7 +2,6 @@
 
 import json
 import pathlib
-import subprocess
 import sys
 
 import pytest
@@ -45,10 +44,8 @@ def test_tiny_run_records_both_layouts(tmp_path):
   """Every layout (a pack of 2 included) timed every repeat; the ratios are host over
   device and device over the pack's time per calibration set; versions recorded."""
   out = tmp_path / "step.json"
-  subprocess.run([sys.executable, str(SCRIPT), "--shape", "tiny", "--windows", "2", "--seqlen", "4",
-                  "--batch-size", "1", "--epochs", "1,2", "--repeats", "2", "--packs", "2",
-                  "--out", str(out)],
-                 check=True, capture_output=True, timeout=600)
+  llm_safe_step.main(["--shape", "tiny", "--windows", "2", "--seqlen", "4", "--batch-size", "1",
+                      "--epochs", "1,2", "--repeats", "2", "--packs", "2", "--out", str(out)])
   report = json.loads(out.read_text())
   assert set(report["step_ms"]) == {"device", "host", "pack2"} and report["packs"] == [2]
   assert report["device_over_pack"]["pack2"] == pytest.approx(
