@@ -150,9 +150,6 @@ def pytest_unconfigure(config):
     shutil.rmtree(folder, ignore_errors=True)
 
 
-_CHILD_OUTCOMES: dict = {}  # nodeid -> (outcome, text) of the xla_default_codegen children
-
-
 # Recorded seconds of the tests, from JUnit XML (tests/record_durations.py).
 DURATIONS = pathlib.Path(__file__).with_name("durations.json")
 UNRECORDED_SECONDS = 0.5  # a test of a file with no record (a new file)
@@ -174,6 +171,9 @@ def pytest_collection_modifyitems(config, items):
     seconds = recorded.get(item.nodeid, recorded.get(f"{file}::*", UNRECORDED_SECONDS))
     cost[item.path] = cost.get(item.path, 0.0) + seconds
   items.sort(key=lambda item: -cost[item.path])  # stable: a file's tests keep their order
+
+
+_CHILD_OUTCOMES: dict = {}  # nodeid -> (outcome, text) of the xla_default_codegen children
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -202,6 +202,7 @@ def pytest_pyfunc_call(pyfuncitem):
 
 def _run_default_codegen_child(item, xla_flags: list[str]) -> None:
   import xml.etree.ElementTree as ET  # pylint: disable=import-outside-toplevel
+  from record_durations import junit_nodeid  # pylint: disable=import-outside-toplevel
   ids = [i.nodeid for i in item.session.items
          if i.get_closest_marker("xla_default_codegen") is not None and i.path == item.path]
   env = {**os.environ, _CHILD_ENV: "1", "XLA_FLAGS": " ".join(xla_flags)}
@@ -213,7 +214,7 @@ def _run_default_codegen_child(item, xla_flags: list[str]) -> None:
     log = f"{done.stdout[-6000:]}\n{done.stderr[-2000:]}"
     cases = ET.parse(junit).getroot().iter("testcase") if os.path.exists(junit) else ()
     for case in cases:
-      nodeid = case.get("classname").replace(".", "/") + ".py::" + case.get("name")
+      nodeid = junit_nodeid(case)
       bad = case.find("failure") if case.find("failure") is not None else case.find("error")
       if bad is not None:
         _CHILD_OUTCOMES[nodeid] = ("failed", (bad.text or bad.get("message") or "")[-6000:])

@@ -25,7 +25,7 @@ MIN_SECONDS = 0.2
 OUT = pathlib.Path(__file__).with_name("durations.json")
 
 
-def nodeid(case: ET.Element) -> str:
+def junit_nodeid(case: ET.Element) -> str:
   """The pytest node id of a JUnit test case (test functions in modules, and doctests)."""
   module = case.get("classname")
   if module.endswith(".md"):  # a markdown file's doctests (README.md)
@@ -41,7 +41,7 @@ def main(paths: list[str]) -> int:
   for path in paths:
     for case in ET.parse(path).getroot().iter("testcase"):
       if case.find("skipped") is None:
-        seconds[nodeid(case)] = round(float(case.get("time")), 2)
+        seconds[junit_nodeid(case)] = round(float(case.get("time")), 2)
   kept = {k: v for k, v in seconds.items() if v >= MIN_SECONDS}
   small: dict = {}
   for k, v in seconds.items():
