@@ -83,10 +83,73 @@ def test_build_produces_wheel_and_sdist(dist):
     assert f"safe_optax/{module}" in names, module
   assert not any(n.startswith(("tests/", "benchmarks/", "docs/", "notebooks/")) for n in names)
   assert f"Version: {version}" in metadata
-  assert "Provides-Extra: docs" in metadata
+  assert "Provides-Extra: docs" in metadata and "Provides-Extra: corruptions" in metadata
+  # Apache-2.0 requires shipping its text: in the wheel's dist-info and in the sdist.
+  assert "License-Expression: Apache-2.0" in metadata
+  assert f"safe_optax-{version}.dist-info/licenses/LICENSE" in names
+  assert f"Project-URL: Repository, {repository_url()}" in metadata
   with tarfile.open(sdist) as tf:
     members = {m.name.split("/", 1)[1] for m in tf.getmembers() if "/" in m.name}
-  assert {"pyproject.toml", "README.md", "safe_optax/__init__.py"} <= members
+    license_text = tf.extractfile(f"safe_optax-{version}/LICENSE").read().decode()
+  assert {"pyproject.toml", "README.md", "safe_optax/__init__.py", "LICENSE"} <= members
+  assert "Apache License" in license_text and "Version 2.0" in license_text
+  # The sdist holds what its own tests read (docs, notebooks, benchmarks, results, ...).
+  read = paths_the_tests_read()
+  assert {"benchmarks", "notebooks", "docs", "results", "CHANGELOG.md"} <= read
+  missing = sorted(p for p in read if p not in members and not any(
+      m.startswith(p + "/") for m in members))
+  assert not missing, f"the sdist lacks {missing}, which tests read (MANIFEST.in)"
+
+
+def paths_the_tests_read() -> set[str]:
+  """The top-level files and folders the test files name as ``ROOT / "..."``."""
+  read = set()
+  for test in (ROOT / "tests").glob("*.py"):
+    read.update(re.findall(r'ROOT / "([^"/]+)"', test.read_text(encoding="utf-8")))
+  return read
+
+
+def repository_url() -> str:
+  """The repository's one address: ``[project.urls] Repository`` in pyproject.toml."""
+  tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+  with open(ROOT / "pyproject.toml", "rb") as f:
+    return tomllib.load(f)["project"]["urls"]["Repository"]
+
+
+# Where a reader meets the address: install lines, badges and links.
+_USER_FACING = ["README.md", "CHANGELOG.md", "CONTRIBUTING.md", "docs/*.md", "docs/*.rst",
+                "notebooks/*.ipynb"]
+
+
+def _user_facing_texts() -> dict[str, str]:
+  return {str(path.relative_to(ROOT)): path.read_text(encoding="utf-8")
+          for pattern in _USER_FACING for path in sorted(ROOT.glob(pattern))}
+
+
+def test_every_address_of_the_repository_is_the_one_in_pyproject():
+  url = repository_url()
+  assert re.fullmatch(r"https://github\.com/[\w.-]+/[\w.-]+", url), url
+  slug = url.removeprefix("https://github.com/")
+  texts = _user_facing_texts()
+  assert "README.md" in texts and any(k.startswith("notebooks/") for k in texts)
+  # Any GitHub or Colab address of a repository called safe_optax, in any spelling.
+  pattern = re.compile(r"(?:github\.com|colab\.research\.google\.com/github)/([\w.-]+/safe[_-]optax)\b",
+                       flags=re.I)
+  found = {(name, m.group(1)) for name, text in texts.items() for m in pattern.finditer(text)}
+  wrong = sorted((name, s) for name, s in found if s != slug)
+  assert not wrong, f"addresses other than {url}: {wrong}"
+  assert f'safe-optax @ git+{url}' in texts["README.md"]
+  # Each notebook opens in Colab from a badge that points at itself.
+  for name, text in texts.items():
+    if name.startswith("notebooks/"):
+      assert f"colab.research.google.com/github/{slug}/blob/main/{name}" in text, name
+
+
+@pytest.mark.parametrize("placeholder", [r"<repository URL>", r"<[^<>\s]*(?:url|URL)>", r"\bOWNER\b"])
+def test_no_placeholder_where_a_user_reads(placeholder):
+  hits = [(name, m.group(0)) for name, text in _user_facing_texts().items()
+          for m in re.finditer(placeholder, text)]
+  assert not hits, hits
 
 
 def fresh_venv(venv: pathlib.Path) -> pathlib.Path:
@@ -197,3 +260,9 @@ def test_artifact_installs_and_imports_in_a_fresh_venv(dist, tmp_path, artifact)
   assert info["kept"] == 2 and info["w"] == [[3.0, 0.0], [0.0, -4.0]]
   assert info["n_all"] == len(safe_optax.__all__) and info["typed"]
   assert (venv / "bin" / "safe-optax-demo").is_file()  # the console script entry point
+  # The installed commands start (through safe_optax._entry, which checks their extra).
+  for command in ("safe-optax-vision", "safe-optax-llm"):
+    proc = subprocess.run([str(venv / "bin" / command), "--version"], capture_output=True,
+                          text=True, cwd=tmp_path, env=env, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == f"{command} {safe_optax.__version__}"
