@@ -1,5 +1,7 @@
 """Tests for safe_optax.vision.corruptions on a handful of generated 32x32 images."""
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -100,3 +102,22 @@ def test_bad_images():
     corruptions.corrupt(images(n=1).astype(np.float32), "fog", 1)
   with pytest.raises(ValueError, match="images"):
     corruptions.corrupt(images(n=1)[..., :2], "fog", 1)
+
+
+def test_missing_imagecorruptions_names_the_corruptions_extra(monkeypatch):
+  """Without imagecorruptions the error says which extra to install (not `vision`)."""
+  from safe_optax.vision import corruption_functions  # pylint: disable=import-outside-toplevel
+  corruption_functions._lib.cache_clear()  # pylint: disable=protected-access
+  monkeypatch.setitem(sys.modules, "imagecorruptions", None)  # `import` now raises ImportError
+  assert not corruption_functions.available()
+  try:
+    with pytest.raises(ImportError) as info:
+      corruptions.corrupt(images(n=1), "fog", 1)
+  finally:
+    corruption_functions._lib.cache_clear()  # pylint: disable=protected-access
+  message = str(info.value)
+  assert 'pip install "safe-optax[corruptions]"' in message
+  assert "--no-deps" in message and "opencv-python-headless" in message
+  assert "`vision` extra" not in message
+  # Corruptions that need no imagecorruptions helper still work without it.
+  assert corruptions.corrupt(images(n=1), "contrast", 1).dtype == np.uint8

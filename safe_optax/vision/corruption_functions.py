@@ -11,11 +11,28 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.resources
+import importlib.util
 import io
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
+
+
+INSTALL_HINT = ('the `corruptions` extra: pip install "safe-optax[corruptions]" (on a machine '
+                'without libGL: pip install --no-deps imagecorruptions-imaug beside '
+                'opencv-python-headless scikit-image scipy numba; see docs/vision.md)')
+"""What to install for the corruptions, for error messages."""
+
+
+def available() -> bool:
+  """Whether ``imagecorruptions`` can be imported (checked without importing it).
+
+  Examples:
+    >>> isinstance(available(), bool)
+    True
+  """
+  return importlib.util.find_spec("imagecorruptions") is not None
 
 
 @functools.lru_cache(maxsize=None)
@@ -24,10 +41,7 @@ def _lib():
   try:
     from imagecorruptions import corruptions as lib  # pylint: disable=import-outside-toplevel
   except ImportError as err:
-    raise ImportError(
-        "safe_optax.vision.corruptions needs `imagecorruptions-imaug` (pip install --no-deps "
-        "imagecorruptions-imaug opencv-python-headless scikit-image scipy numba), or the "
-        "`vision` extra of safe_optax.") from err
+    raise ImportError(f"safe_optax.vision.corruptions needs {INSTALL_HINT}.") from err
   return lib
 
 
