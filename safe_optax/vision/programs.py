@@ -79,7 +79,7 @@ class Programs(NamedTuple):
   step_logger: metrics_lib.StepLogger
   """What the step logs (its :meth:`~safe_optax.vision.metrics.StepLogger.empty` log)."""
   sparsity: Callable[..., Any]
-  """``params -> `` the fraction of zeros in the prunable leaves."""
+  """``params -> sparsity``: the fraction of zeros in the prunable leaves."""
 
 
 def build_programs(config: Config, num_train: int, num_classes: int,
