@@ -133,11 +133,13 @@ def mlp(params: dict[str, dict[str, jax.Array]], x: jax.Array) -> jax.Array:
 
 
 def loss_fn(params, x, y) -> jax.Array:
+  """Mean softmax cross-entropy of the MLP's logits ``mlp(params, x)`` against labels ``y``."""
   return optax.softmax_cross_entropy_with_integer_labels(mlp(params, x), y).mean()
 
 
 @jax.jit
 def accuracy(params, x, y) -> jax.Array:
+  """Fraction of the examples ``x`` whose argmax logit is the label ``y`` (jitted)."""
   return jnp.mean(jnp.argmax(mlp(params, x), axis=-1) == y)
 
 
@@ -269,6 +271,16 @@ def format_table(results: dict[str, Any]) -> str:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[Config, argparse.Namespace]:
+  """The demo's flags as a validated :class:`Config`, before any data is loaded.
+
+  Args:
+    argv: the command-line arguments without the program name (``None``: ``sys.argv``).
+
+  Returns:
+    ``(config, args)``: the run's settings (every sparse method checked at
+    every sparsity by the method registry) and the parsed flags, for the
+    output options (``--json``, ``--no-progress``).
+  """
   defaults = Config()
   parser = argparse.ArgumentParser(
       prog="safe-optax-demo",

@@ -57,6 +57,7 @@ from jax import lax
 __all__ = ("NORMS", "PAPER_EPS", "accuracy", "pgd_attack", "pgd_accuracy", "project")
 
 NORMS = ("linf", "l2")
+"""The norms of the perturbation balls that :func:`project` and :func:`pgd_attack` take."""
 PAPER_EPS = {"linf": 1.0 / 255.0, "l2": 3.0 / 255.0}
 """The SAFE paper's radii (pixel units in [0, 1])."""
 _TINY = 1e-12  # guards the division by a zero gradient / perturbation norm

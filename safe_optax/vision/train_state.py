@@ -24,6 +24,7 @@ class EpochMetrics(NamedTuple):
 
 
 def zero_metrics(log: Optional[metrics_lib.StepLog] = None) -> EpochMetrics:
+  """The running sums at the start of an epoch: zeros, and ``log`` (default an empty log)."""
   # Host zeros: device_put places them on any sharding, one over several processes included.
   return EpochMetrics(np.zeros([], np.float32), np.zeros([], np.int32), np.zeros([], np.int32),
                       metrics_lib.empty_log() if log is None else log)
