@@ -26,7 +26,7 @@ import json
 import pathlib
 from typing import Any, Callable, Optional
 
-from claims import tuning
+from benchmarks.claims import tuning
 
 NAMES = {"safe": "SAFE", "safe-plus": "SAFE+", "admm": "ADMM", "gmp": "GMP", "cram": "CrAM",
          "magnitude": "magnitude", "wanda": "Wanda", "sparsegpt": "SparseGPT",
@@ -401,7 +401,7 @@ def _block_row(folder: pathlib.Path, r: dict) -> Row:
 
 def _standard_row(folder: pathlib.Path, r: dict) -> Row:
   """``llm_standard.py``'s pieces: one perplexity per method and calibration seed; missing: pending."""
-  from claims import llm_standard  # pylint: disable=import-outside-toplevel  (imports JAX)
+  from benchmarks.claims import llm_standard  # pylint: disable=import-outside-toplevel  (imports JAX)
   files = folder / r["dir"]
   size = r["calibration"]
   structure = r.get("structure", "50pct")  # or "2of4": llm_standard.py --nm 2:4

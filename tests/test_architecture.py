@@ -125,3 +125,33 @@ def test_no_private_name_is_imported_across_modules():
                       if a.name.startswith("_") and a.name != "__version__"
                       and not (base / f"{a.name}.py").exists()]  # a private module is fine
   assert not offenders, offenders
+
+
+# benchmarks/ is one package run as `python -m benchmarks.<module>` from the repository root.
+BENCHMARKS = ROOT / "benchmarks"
+BENCHMARK_SOURCES = sorted(p for p in BENCHMARKS.rglob("*.py") if "results" not in p.parts)
+# Tests owned elsewhere that still put a benchmarks folder on sys.path (to convert: import the
+# script as `from benchmarks.perf import X`).
+SYS_PATH_LEFT = {"test_notebook_time.py", "test_llm_safe_step.py", "test_llm_real.py"}
+
+
+def _imported(path: pathlib.Path) -> set[str]:
+  """The top-level packages ``path`` imports."""
+  names = set()
+  for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    if isinstance(node, ast.ImportFrom) and node.module:
+      names.add(node.module.split(".")[0])
+    elif isinstance(node, ast.Import):
+      names.update(a.name.split(".")[0] for a in node.names)
+  return names
+
+
+def _tests_importing_benchmarks() -> list[pathlib.Path]:
+  return [p for p in sorted((ROOT / "tests").glob("test_*.py"))
+          if p.name not in SYS_PATH_LEFT and "benchmarks" in _imported(p)]
+
+
+def test_benchmarks_and_their_tests_edit_no_sys_path():
+  scripts = BENCHMARK_SOURCES + sorted(BENCHMARKS.glob("*/*.sh")) + _tests_importing_benchmarks()
+  offenders = [str(p.relative_to(ROOT)) for p in scripts if "sys.path" in p.read_text(encoding="utf-8")]
+  assert not offenders, offenders

@@ -5,13 +5,11 @@ from __future__ import annotations
 import doctest
 import json
 import math
-import pathlib
 import sys
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "claims"))
-import budget_doubling  # noqa: E402  pylint: disable=wrong-import-position
+from benchmarks.claims import budget_doubling
 
 
 def _sweep(epochs, accuracies, loss=0.2):

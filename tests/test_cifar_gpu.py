@@ -5,15 +5,12 @@ from __future__ import annotations
 import doctest
 import json
 import math
-import pathlib
 import sys
-import tarfile
 
 from hypothesis import given, settings, strategies as st
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "claims"))
-import cifar_gpu  # noqa: E402  pylint: disable=wrong-import-position
+from benchmarks.claims import cifar_gpu
 
 
 def _throughput(safe_epoch, sgd_epoch):

@@ -13,8 +13,7 @@ import time
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks" / "perf"))
-import cifar_pack_throughput as bench  # noqa: E402  pylint: disable=wrong-import-position
+from benchmarks.perf import cifar_pack_throughput as bench
 from safe_optax.vision import configs  # noqa: E402  pylint: disable=wrong-import-position
 
 

@@ -11,8 +11,7 @@ import sys
 from hypothesis import given, settings, strategies as st
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "claims"))
-import cifar_table  # noqa: E402  pylint: disable=wrong-import-position
+from benchmarks.claims import cifar_table
 
 
 def test_doctests():
@@ -292,9 +291,9 @@ class _FakeChild:
 
   def wait(self):
     _FakeChild.events.append(("wait", self.seed))
-    assert pathlib.Path(self.command[1]).name == "cifar_table.py"
+    assert self.command[1:3] == ["-m", "benchmarks.claims.cifar_table"]
     try:
-      cifar_table.main(self.command[2:])
+      cifar_table.main(self.command[3:])
       self.returncode = 0
     except Exception as err:  # pylint: disable=broad-except
       self.log.write(f"Traceback: {err!r}\n")

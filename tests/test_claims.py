@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import sys
 
 import jax
 import pytest
@@ -25,9 +24,8 @@ from safe_optax import flatness
 from safe_optax.vision import models
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks" / "claims"))
-import flatness_mlp  # noqa: E402  pylint: disable=wrong-import-position
-from data_required import require_data  # noqa: E402  pylint: disable=wrong-import-position
+from benchmarks.claims import flatness_mlp
+from data_required import require_data
 
 
 

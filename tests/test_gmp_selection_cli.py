@@ -9,8 +9,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks" / "claims"))
-import gmp_selection  # noqa: E402  pylint: disable=wrong-import-position
+from benchmarks.claims import gmp_selection
 
 SWEEP = ROOT / "results" / "sparse_set_995_small" / "sweep_60epochs.json"
 
@@ -69,7 +68,6 @@ def _erk(tmp_path, *flags):
 
 def test_chosen_from_runs_the_earlier_ends_at_the_test_budget_without_selecting(tmp_path,
                                                                                 monkeypatch):
-  sys.path.insert(0, str(ROOT / "tests"))
   import test_sweeps  # pylint: disable=import-outside-toplevel
 
   def no_selection(*args, **kwargs):

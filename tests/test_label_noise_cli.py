@@ -9,11 +9,9 @@ import sys
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "claims"))
-import label_noise  # noqa: E402  pylint: disable=wrong-import-position
+from benchmarks.claims import label_noise
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import test_sweeps  # noqa: E402  (the fake runs of the selection tests)
+import test_sweeps  # the fake runs of the selection tests
 
 
 def _grids(*argv: str):

@@ -7,8 +7,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks" / "perf"))
-import llm_7b_block as bench  # noqa: E402  pylint: disable=wrong-import-position
+from benchmarks.perf import llm_7b_block as bench
 
 
 def _result(method, runs):

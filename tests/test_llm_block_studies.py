@@ -8,9 +8,8 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks" / "claims"))
-import llm_block_studies  # noqa: E402  pylint: disable=wrong-import-position
-from llm_block_studies import edge_rule_pick  # noqa: E402  pylint: disable=wrong-import-position
+from benchmarks.claims import llm_block_studies
+from benchmarks.claims.llm_block_studies import edge_rule_pick
 
 
 def test_an_edge_pick_extends_the_grid_until_it_is_inside():
@@ -76,7 +75,7 @@ def test_the_steps_bound_is_the_papers_block_budget_and_the_cli_refuses_one_belo
   # SPEC §3: 30 epochs over 128 sequences of 2,048 tokens, in batches of 8 x 512 tokens.
   assert llm_block_studies.STEPS_BOUND * 8 * 512 == 30 * 128 * 2048
   # The report checks the recorded grids against tuning.py's declaration of the same bound.
-  import tuning  # pylint: disable=import-outside-toplevel
+  from benchmarks.claims import tuning  # pylint: disable=import-outside-toplevel
   rows = tuning.DECLARED["llm_pruning"]["rows"]
   assert {rows[label][name]["steps"]["upper"] for label in rows for name in rows[label]
           if "steps" in rows[label][name]} == {llm_block_studies.STEPS_BOUND}

@@ -8,8 +8,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks" / "claims"))
-import llm_standard  # noqa: E402  pylint: disable=wrong-import-position
+from benchmarks.claims import llm_standard
 from safe_optax.llm import cli  # noqa: E402  pylint: disable=wrong-import-position
 
 

@@ -1,7 +1,6 @@
 """benchmarks/perf/packed_conv.py: the three ways of writing R runs' convolutions agree."""
 
 import json
-import pathlib
 import sys
 
 from hypothesis import given, settings, strategies as st
@@ -11,8 +10,7 @@ from jax import lax
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "perf"))
-import packed_conv  # noqa: E402  pylint: disable=wrong-import-position
+from benchmarks.perf import packed_conv
 
 
 def _reference(x, w):

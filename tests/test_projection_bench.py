@@ -12,8 +12,7 @@ import safe_optax
 from safe_optax import _select
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks" / "perf"))
-import projection as bench  # noqa: E402  pylint: disable=wrong-import-position
+from benchmarks.perf import projection as bench
 
 
 @pytest.mark.slow

@@ -9,9 +9,10 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import report  # noqa: E402  pylint: disable=wrong-import-position
-from report_sources import Arm, Row  # noqa: E402  pylint: disable=wrong-import-position
+from benchmarks import report
+from benchmarks.claims import tuning
+from benchmarks import report_sources
+from benchmarks.report_sources import Arm, Row
 
 
 def test_stat_is_the_mean_and_standard_error():
@@ -149,9 +150,9 @@ def test_a_row_with_a_method_not_run_is_pending_and_compares_nothing():
 
 @pytest.mark.slow
 def test_the_committed_report_is_what_the_json_gives():
-  """The CI check: ``python benchmarks/report.py --check`` on this checkout."""
-  out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "report.py"), "--check"],
-                       capture_output=True, text=True, check=False)
+  """The CI check: ``python -m benchmarks.report --check`` on this checkout."""
+  out = subprocess.run([sys.executable, "-m", "benchmarks.report", "--check"],
+                       capture_output=True, text=True, check=False, cwd=ROOT)
   assert out.returncode == 0, out.stderr[-3000:]
 
 
@@ -159,8 +160,8 @@ def test_the_committed_report_is_what_the_json_gives():
 def test_check_fails_when_a_committed_number_changes(tmp_path):
   shutil.copytree(ROOT / "results", tmp_path / "results")
   shutil.copy(ROOT / "README.md", tmp_path / "README.md")
-  args = [sys.executable, str(ROOT / "benchmarks" / "report.py"), "--check", "--root", str(tmp_path)]
-  assert subprocess.run(args, capture_output=True, check=False).returncode == 0
+  args = [sys.executable, "-m", "benchmarks.report", "--check", "--root", str(tmp_path)]
+  assert subprocess.run(args, capture_output=True, check=False, cwd=ROOT).returncode == 0
   sweep = tmp_path / "results" / "sparsity_mlp_fmnist" / "sweep_80epochs_s90.json"
   data = json.loads(sweep.read_text(encoding="utf-8"))
   data["runs"][0]["accuracy"] += 0.01
@@ -174,7 +175,6 @@ def _write(path, data):
 
 
 def _declaration(safe_grid=(0.01, 0.1, 1)):
-  from claims import tuning  # pylint: disable=import-outside-toplevel
   specs = {"SAFE": {"λ": tuning.grid(*safe_grid), "ρ": tuning.PAPER_RHO},
            "GMP": {"schedule end": tuning.GMP_END, "update every": tuning.GMP_EVERY}}
   return lambda claim, row, method: specs[method]
@@ -205,7 +205,6 @@ def _folder(tmp_path, safe_grid=(0.01, 0.1, 1), chosen=0.1):
 
 def test_a_claim_folder_is_read_with_its_provenance(tmp_path):
   """A hand-made folder: SAFE's lambda chosen inside its grid, GMP's end at its range's bound."""
-  import report_sources  # pylint: disable=import-outside-toplevel
   row, = report_sources.load_claim(_folder(tmp_path), _declaration()).rows
   assert row.ours.values == {0: pytest.approx(91.0), 1: pytest.approx(92.0)}
   assert "λ 0.1 ∈ {0.01, 0.1, 1} on validation" in row.ours.hyper[0]
@@ -217,7 +216,6 @@ def test_a_claim_folder_is_read_with_its_provenance(tmp_path):
 
 
 def test_a_grid_other_than_the_declared_one_is_refused_and_an_extension_is_accepted(tmp_path):
-  import report_sources  # pylint: disable=import-outside-toplevel
   with pytest.raises(ValueError, match="not the declared"):
     report_sources.load_claim(_folder(tmp_path, safe_grid=(0.03, 0.1, 1)), _declaration())
   # 0.01 picked at the declared grid's lower end, extended once below by the edge rule
@@ -270,7 +268,6 @@ def _one_row_claim(tmp_path, source, file, row, shorter, specs):
 
 
 def _robustness_folder(tmp_path, ran=0.1, chosen=0.1, shorter=None):
-  from claims import tuning  # pylint: disable=import-outside-toplevel
   _robustness_file(tmp_path / "rob.json", ran, chosen)
   return _one_row_claim(tmp_path, "robustness", "rob.json", {"label": "clean", "metric": "clean"},
                         shorter, {"SAFE": {"λ": tuning.grid(0.01, 0.1, 1), "ρ": tuning.PAPER_RHO},
@@ -278,7 +275,6 @@ def _robustness_folder(tmp_path, ran=0.1, chosen=0.1, shorter=None):
 
 
 def test_a_robustness_row_reads_each_lambda_from_its_selection(tmp_path):
-  import report_sources  # pylint: disable=import-outside-toplevel
   row, = report_sources.load_claim(*_robustness_folder(tmp_path)).rows
   assert row.ours.hyper[:3] == ["λ 0.1 ∈ {0.01, 0.1, 1} on validation (`rob.json`)",
                                 "ρ 0.1 (the paper's value, not tuned)", "`rescale_dual`"]
@@ -299,7 +295,6 @@ def test_a_robustness_row_reads_each_lambda_from_its_selection(tmp_path):
 ])
 def test_a_robustness_row_is_converged_only_against_the_same_settings_at_a_shorter_budget(
     tmp_path, shorter, want):
-  import report_sources  # pylint: disable=import-outside-toplevel
   folder, declared = _robustness_folder(tmp_path, shorter="rob10.json")
   _robustness_file(folder / "rob10.json", epochs=10, **shorter)
   row, = report_sources.load_claim(folder, declared).rows
@@ -308,7 +303,6 @@ def test_a_robustness_row_is_converged_only_against_the_same_settings_at_a_short
 
 def test_a_robustness_row_checks_the_iterate_and_names_the_budget_its_lambda_was_chosen_at(
     tmp_path):
-  import report_sources  # pylint: disable=import-outside-toplevel
   folder, declared = _robustness_folder(tmp_path, shorter="rob10.json")
   _robustness_file(folder / "rob.json", distance=1.5, chosen_at=10)
   _robustness_file(folder / "rob10.json", epochs=10, distance=3.0)
@@ -337,7 +331,6 @@ def _noise_file(path, epochs=50, acc=(0.93, 0.94), rho=0.05, warmup=2, distance=
 
 
 def _noise_folder(tmp_path, shorter=None):
-  from claims import tuning  # pylint: disable=import-outside-toplevel
   return _one_row_claim(tmp_path, "label_noise", "ln.json", {"label": "50 %", "noise": 0.5},
                         shorter, {"SAFE": {"λ": tuning.grid(1, 3, 10),
                                            "ρ": tuning.grid(0.02, 0.05, 0.1)},
@@ -358,7 +351,6 @@ def _noise_folder(tmp_path, shorter=None):
 ])
 def test_a_label_noise_row_is_converged_only_against_its_settings_at_a_shorter_budget(
     tmp_path, shorter, want):
-  import report_sources  # pylint: disable=import-outside-toplevel
   folder, declared = _noise_folder(tmp_path, shorter="ln25.json")
   _noise_file(folder / "ln.json")
   _noise_file(folder / "ln25.json", epochs=25, chosen_at=50, **shorter)
@@ -370,7 +362,6 @@ def test_a_label_noise_row_is_converged_only_against_its_settings_at_a_shorter_b
 
 
 def test_a_label_noise_row_names_the_budget_its_values_were_chosen_at(tmp_path):
-  import report_sources  # pylint: disable=import-outside-toplevel
   folder, declared = _noise_folder(tmp_path)
   _noise_file(folder / "ln.json", epochs=100, distance=1.5, chosen_at=50)
   row, = report_sources.load_claim(folder, declared).rows
@@ -383,15 +374,12 @@ def test_a_label_noise_row_names_the_budget_its_values_were_chosen_at(tmp_path):
 
 
 def test_a_config_field_added_after_a_run_is_read_at_the_default_that_run_had():
-  import report_sources  # pylint: disable=import-outside-toplevel
   from safe_optax.vision import configs  # pylint: disable=import-outside-toplevel
   defaults = configs.Config()
   assert {k: getattr(defaults, k) for k in report_sources.ADDED_FIELDS} == report_sources.ADDED_FIELDS
 
 
 def test_a_row_repeated_at_a_shorter_budget_is_counted_once_in_the_summary(tmp_path):
-  import report_sources  # pylint: disable=import-outside-toplevel
-  from claims import tuning  # pylint: disable=import-outside-toplevel
   _flatness_file(tmp_path / "flat.json", 100, (0.96, 0.97))
   _flatness_file(tmp_path / "flat50.json", 50, (0.961, 0.968))
   specs = {"SAFE": {"λ": tuning.grid(0.001, 0.01, 0.1), "ρ": tuning.PAPER_RHO},
@@ -439,8 +427,6 @@ def _flatness_file(path, epochs, accuracy, penalty=0.01, lam=0.1):
 ])
 def test_a_flatness_claim_reads_its_shorter_budget_with_the_same_settings(
     tmp_path, shorter, accuracy_row, lambda_row):
-  import report_sources  # pylint: disable=import-outside-toplevel
-  from claims import tuning  # pylint: disable=import-outside-toplevel
   _flatness_file(tmp_path / "flat.json", 100, (0.96, 0.97))
   _flatness_file(tmp_path / "flat50.json", 50, (0.961, 0.968), **shorter)
   _write(tmp_path / "claim.json", {
@@ -459,8 +445,6 @@ def test_a_flatness_claim_reads_its_shorter_budget_with_the_same_settings(
 
 
 def test_a_flatness_row_at_another_budget_takes_lambda_from_the_selection_it_names(tmp_path):
-  import report_sources  # pylint: disable=import-outside-toplevel
-  from claims import tuning  # pylint: disable=import-outside-toplevel
   _flatness_file(tmp_path / "flat.json", 100, (0.96, 0.97))
   specs = {"SAFE": {"λ": tuning.grid(0.001, 0.01, 0.1), "ρ": tuning.PAPER_RHO},
            "ADMM": {"λ": tuning.grid(0.001, 0.01, 0.1)}}
@@ -496,7 +480,6 @@ def _block_folder(tmp_path, ran_penalty):
       "order": 1, "title": "LLM", "short": "l", "paper": "–", "metric": "error",
       "source": "llm_block", "file": "block.json", "ours": "safe-plus", "baselines": ["wanda"],
       "rows": [{"label": "block 0"}]})
-  from claims import tuning  # pylint: disable=import-outside-toplevel
   specs = {"SAFE+": {"lr": tuning.grid(0.001, 0.003, 0.01), "λ": tuning.grid(0.001, 0.01)},
            "Wanda": {}}
   return tmp_path, lambda claim, row, method: specs[method]
@@ -504,7 +487,6 @@ def _block_folder(tmp_path, ran_penalty):
 
 def test_a_block_study_setting_that_an_extension_beat_is_flagged_not_chosen(tmp_path):
   """The edge rule's λ 0.0001 has the lowest held-out error: runs at 0.001 are not the pick."""
-  import report_sources  # pylint: disable=import-outside-toplevel
   row, = report_sources.load_claim(*_block_folder(tmp_path, ran_penalty=0.001)).rows
   assert "unchosen" in row.ours.flags
   assert "NOT THE PICK: the study's best is lr 0.003, λ 0.0001" in row.ours.hyper
@@ -546,7 +528,6 @@ def _standard_folder(tmp_path, steps=120, steps_grid=(60, 120, 250), bound=None,
       "source": "llm", "ours": "safe-plus", "baselines": ["sparsegpt", "magnitude"],
       "higher_is_better": False,
       "rows": [{**row, "label": "2:4", "structure": "2of4"}, {**row, "label": "50 %"}]})
-  from claims import tuning  # pylint: disable=import-outside-toplevel
   specs = {"SAFE+": {"lr": tuning.grid(0.001, 0.003, 0.01), "λ": tuning.grid(0.0001, 0.001, 0.01),
                      "steps": tuning.grid(60, 120, 250, upper=upper)},
            "SparseGPT": {}, "magnitude": {}}
@@ -556,7 +537,6 @@ def _standard_folder(tmp_path, steps=120, steps_grid=(60, 120, 250), bound=None,
 def test_a_standard_protocol_row_reads_its_structures_pieces_per_seed(tmp_path):
   """The 2:4 row reads the 2of4 pieces only; magnitude's one run stands in every seed; SAFE+ at
   2:4 reuses the 50 % study's picks, so it is flagged NOT CHOSEN; the 50 % row is still pending."""
-  import report_sources  # pylint: disable=import-outside-toplevel
   nm, half = report_sources.load_claim(*_standard_folder(tmp_path)).rows
   sparsegpt, magnitude = nm.baselines
   assert nm.ours.values == {0: 38.0}
@@ -572,7 +552,6 @@ def test_a_standard_protocol_row_reads_its_structures_pieces_per_seed(tmp_path):
 def test_a_2of4_row_whose_study_was_made_at_2of4_is_chosen(tmp_path):
   """``llm_block_studies.py select --nm 2:4`` records ``structure: 2of4``: its picks are the 2:4
   row's own, so no NOT CHOSEN flag; the same file read by a 50 % row would be flagged."""
-  import report_sources  # pylint: disable=import-outside-toplevel
   nm, _ = report_sources.load_claim(*_standard_folder(tmp_path, chosen_at="2of4")).rows
   assert "unchosen" not in nm.ours.flags
   assert not any("NOT CHOSEN" in h for h in nm.ours.hyper)
@@ -582,7 +561,6 @@ def test_a_2of4_row_whose_study_was_made_at_2of4_is_chosen(tmp_path):
 def test_a_steps_pick_at_the_declared_bound_is_settled_and_without_it_is_unfinished(tmp_path):
   """The step grid's two extensions ended at 1000 with the pick at the top; the bound 1920 is
   tried once more (llm_block_studies.edge_rule_pick) and is not counted as an extension."""
-  import report_sources  # pylint: disable=import-outside-toplevel
   extended = (60, 120, 250, 500, 1000, 1920)
   nm, _ = report_sources.load_claim(*_standard_folder(
       tmp_path / "a", 1920, extended, bound=1920, upper=1920)).rows

@@ -10,11 +10,9 @@ import types
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "claims"))
-import robustness_mnist  # noqa: E402  pylint: disable=wrong-import-position
+from benchmarks.claims import robustness_mnist
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import test_sweeps  # noqa: E402  (the fake runs of the selection tests)
+import test_sweeps  # the fake runs of the selection tests
 
 
 def _peak(config) -> float:
@@ -141,8 +139,7 @@ def test_a_run_that_diverges_is_recorded_and_the_table_counts_it(monkeypatch, tm
   assert lost["config"]["seed"] == 1 and "clean" not in lost
   table = (tmp_path / "out" / "robustness_mlp-mnist.md").read_text()
   assert "| admm | 90.00 ± 0.00 (1 of 3 diverged) |" in table
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-  import report_sources  # pylint: disable=import-outside-toplevel
+  from benchmarks import report_sources  # pylint: disable=import-outside-toplevel
   arm = report_sources._robustness_arm(tmp_path / "out", "robustness_mlp-mnist.json", "admm",  # pylint: disable=protected-access
                                        "clean")
   assert arm.values == {0: pytest.approx(90.0), 1: None, 2: pytest.approx(90.0)}

@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import json
-import pathlib
 import sys
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "claims"))
-import sparsity_sweep  # noqa: E402  pylint: disable=wrong-import-position
+from benchmarks.claims import sparsity_sweep
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import test_sweeps  # noqa: E402  (the fake runs of the selection tests)
+import test_sweeps  # the fake runs of the selection tests
 
 
 def _score(config) -> float:
@@ -298,7 +295,6 @@ def test_a_test_run_that_diverges_is_recorded_and_the_sweep_finishes(monkeypatch
   assert row["accuracy_mean"] == pytest.approx(0.801)  # the mean of the two finished seeds
   assert "| admm | 80.10 ± 0.10 (1 of 3 diverged) |" in (out / "table.md").read_text()
   # the evidence report reads the diverged seed as chance
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-  import report_sources  # pylint: disable=import-outside-toplevel
+  from benchmarks import report_sources  # pylint: disable=import-outside-toplevel
   arm = report_sources._sweep_arm(out, "ADMM", "admm", 0.99, "sweep.json", None)  # pylint: disable=protected-access
   assert arm.values[1] is None and arm.values[0] == pytest.approx(80.0)

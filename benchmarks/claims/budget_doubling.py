@@ -20,7 +20,7 @@ typically 20 and 40 epochs), this script reports per method and sparsity:
 It writes ``budget_doubling.json``, ``budget_doubling.md`` and
 ``budget_doubling.png`` to ``--out``:
 
-  python benchmarks/claims/budget_doubling.py --short results/sparsity_mlp_fmnist/sweep_40epochs.json \\
+  python -m benchmarks.claims.budget_doubling --short results/sparsity_mlp_fmnist/sweep_40epochs.json \\
       --long results/sparsity_mlp_fmnist/sweep_80epochs_s90.json --out /tmp/doubling
 """
 

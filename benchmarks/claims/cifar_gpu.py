@@ -29,7 +29,7 @@ schedule. The JSON says which budget ran.
 
 Usage (from the repository root, on the GPU machine)::
 
-  python benchmarks/claims/cifar_gpu.py --data-dir cifar10_jpg.tar.gz --out OUT --deadline-s 480
+  python -m benchmarks.claims.cifar_gpu --data-dir cifar10_jpg.tar.gz --out OUT --deadline-s 480
 """
 
 from __future__ import annotations
@@ -48,8 +48,7 @@ import time
 from typing import Any
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))  # the GPU image runs this checkout uninstalled
-from safe_optax.vision import configs  # noqa: E402  pylint: disable=wrong-import-position
+from safe_optax.vision import configs
 METHODS = ("safe", "admm", "gmp")
 PAPER_EPOCHS = 200
 PAPER_WARMUP = 5

@@ -33,7 +33,7 @@ so the plan errs on the safe side for them.
 
 Usage (from the repository root on the GPU machine, after the benchmark)::
 
-  python benchmarks/claims/cifar_table.py --data-dir DATA --runs RUNS \\
+  python -m benchmarks.claims.cifar_table --data-dir DATA --runs RUNS \\
       --throughput benchmarks/perf/results/cifar_pack_throughput_gpu.json \\
       --table results/cifar10_resnet20x2/table5.json --deadline-s 600
 """
@@ -54,10 +54,9 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))  # the GPU image runs this checkout uninstalled
-from safe_optax import experiment  # noqa: E402  pylint: disable=wrong-import-position
-from safe_optax.vision import configs  # noqa: E402  pylint: disable=wrong-import-position
-from safe_optax.vision import sweeps  # noqa: E402  pylint: disable=wrong-import-position
+from safe_optax import experiment
+from safe_optax.vision import configs
+from safe_optax.vision import sweeps
 
 PRESET = "resnet20x2-cifar10"
 MODEL = "resnet20x2"
@@ -86,7 +85,7 @@ def step_seconds(throughput: dict[str, Any], model: str, dtype: str, runs: int,
   if not cells:
     raise ValueError(f"the throughput JSON has no measured cell of model {model!r}, dtype "
                      f"{dtype!r}, conv_impl {conv_impl!r}; run "
-                     "benchmarks/perf/cifar_pack_throughput.py first.")
+                     "python -m benchmarks.perf.cifar_pack_throughput first.")
   above = [r for r in cells if r >= runs]
   if above:
     return cells[min(above)]
@@ -314,8 +313,7 @@ def compare(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
     >>> [(r["seeds"], round(r["difference_mean"], 2), r["verdict"]) for r in compare(a, b)]
     [([0, 1, 2], 0.03, 'level')]
   """
-  sys.path.insert(0, str(REPO / "benchmarks"))
-  import report  # pylint: disable=import-outside-toplevel
+  from benchmarks import report  # pylint: disable=import-outside-toplevel
   def by_cell(table):
     cells: dict[tuple[str, float], dict[int, float]] = {}
     for r in table.get("runs", {}).values():
@@ -490,8 +488,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                             train_subset=args.train_subset, test_subset=args.test_subset,
                             bnt_samples=min(10_000, args.train_subset or 10_000))
   # the layout before the data: a --layout the benchmark did not measure fails at once
-  sys.path.insert(0, str(REPO / "benchmarks" / "perf"))
-  from cifar_pack_throughput import mps_daemon_running, share_device
+  from benchmarks.perf.cifar_pack_throughput import mps_daemon_running, share_device
   throughput = read_throughput(args.throughput, base.batch_size)
   seconds = layout_seconds(throughput, MODEL, args.dtype, len(args.seeds),
                            mps=mps_daemon_running(), conv_impl=args.conv_impl)
@@ -568,7 +565,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 def _child_command(args: argparse.Namespace, pack: dict[str, Any], seed: int, table: pathlib.Path,
                    seconds_left: float) -> list[str]:
   """This script for one seed of ``pack`` as a lone run (``--layout lone``), into ``table``."""
-  command = [sys.executable, str(pathlib.Path(__file__).resolve()), "--layout", "lone",
+  command = [sys.executable, "-m", __spec__.name, "--layout", "lone",
              "--data-dir", str(args.data_dir), "--runs", str(args.runs), "--table", str(table),
              "--throughput", *map(str, args.throughput), "--dtype", args.dtype,
              "--conv-impl", args.conv_impl,
@@ -584,7 +581,7 @@ def _child_command(args: argparse.Namespace, pack: dict[str, Any], seed: int, ta
 
 
 def _start_child(command: list[str], log: Any, env: dict[str, str]) -> subprocess.Popen:
-  return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+  return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
 
 
 def _train_in_processes(args: argparse.Namespace, pack: dict[str, Any], root: pathlib.Path,
@@ -604,7 +601,7 @@ def _train_in_processes(args: argparse.Namespace, pack: dict[str, Any], root: pa
   """
   todo = [(seed, name) for seed, name in zip(args.seeds, pack["names"])
           if name not in table.get("runs", {})]
-  from cifar_pack_throughput import share_device  # pylint: disable=import-outside-toplevel
+  from benchmarks.perf.cifar_pack_throughput import share_device  # pylint: disable=import-outside-toplevel
   env = share_device(max(1, len(todo)))
   children = []
   for seed, name in todo:

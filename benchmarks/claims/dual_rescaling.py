@@ -18,7 +18,7 @@ convergence and per-epoch history), ``table.md`` and ``dual_rescaling.png``
 isolates the dual update; ``sparsity_sweep.py --rescale-dual`` compares the
 methods with lambdas chosen on a validation split.
 
-  python benchmarks/claims/dual_rescaling.py --preset mlp-fashion-mnist \\
+  python -m benchmarks.claims.dual_rescaling --preset mlp-fashion-mnist \\
       --data-dir /usr/share/datasets/fashion-mnist --sparsity 0.995 --penalties 0.1 1 \\
       --epochs 20 --warmup-epochs 2 --train-subset 8000 --test-subset 2000 \\
       --seeds 0 1 2 3 4 --workdir /tmp/dual_rescaling --out results/dual_rescaling

@@ -34,7 +34,7 @@ All methods share the recipe (SGD momentum 0.9, warm-up + cosine learning
 rate, weight decay, batch 128) and, per seed, the initialisation and data
 order. Writes ``flatness_<dataset>.{json,md,png}`` to ``--out``.
 
-  python benchmarks/claims/flatness_mlp.py --dataset mnist --select --out results/flatness_mnist
+  python -m benchmarks.claims.flatness_mlp --dataset mnist --select --out results/flatness_mnist
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ values the other way): the test runs of the convergence check's other budget.
 It writes a ``sweep.json``-shaped file whose ``selection`` records the grid,
 the choice and whether it sits at an edge:
 
-  python benchmarks/claims/gmp_selection.py \\
+  python -m benchmarks.claims.gmp_selection \\
       --sweep results/sparse_set_995_small/sweep_60epochs.json --end-grid 0.5 0.75 0.9 \\
       --data-dir /usr/share/datasets/fashion-mnist --workdir /tmp/gmp_sel --out gmp.json
 """

@@ -17,7 +17,7 @@ chose one) for the same settings at another ``--epochs``: the other budget of
 the report's convergence rule; the selection is recorded with the budget and
 file it was made at.
 
-  python benchmarks/claims/label_noise.py --preset mlp-mnist --data-dir ../shared/data/mnist \\
+  python -m benchmarks.claims.label_noise --preset mlp-mnist --data-dir ../shared/data/mnist \\
       --test-only-split 8000 2000 --noise 0.25 0.5 0.75 --sparsities 0.9 --epochs 20 \\
       --warmup-epochs 1 --batch-size 100 --seeds 0 1 2 --validation 2000 --out results/label_noise
 """

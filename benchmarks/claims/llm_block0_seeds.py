@@ -7,7 +7,7 @@ Adam steps of 8 windows at lr 3e-3, lambda 1e-3, K 32 (the block study's choice 
 60 steps,
 ``results/llm_pruning/block_selection_block0.json``).
 
-  python benchmarks/claims/llm_block0_seeds.py --seeds 0 1 2 3 4 \\
+  python -m benchmarks.claims.llm_block0_seeds --seeds 0 1 2 3 4 \\
       --out results/llm_pruning/block0_seeds_16x128_60steps.json
 """
 
@@ -103,7 +103,7 @@ def main() -> None:
     print(seed, seeds[str(seed)], flush=True)
   out = {"what": f"held-out relative reconstruction error of SmolLM2-135M block 0 at 50 %: "
                  f"{args.windows} x {args.seqlen}-token calibration windows",
-         "command": "python benchmarks/claims/llm_block0_seeds.py " + " ".join(
+         "command": "python -m benchmarks.claims.llm_block0_seeds " + " ".join(
              f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
              for k, v in vars(args).items()),
          "steps": args.steps, "windows": args.windows, "seqlen": args.seqlen,

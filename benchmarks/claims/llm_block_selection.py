@@ -23,8 +23,8 @@ Stages (each run is appended to the JSON as it finishes; a rerun skips done runs
 * ``extra``: the limits at 250 steps (relative lr, 64 windows), relative lr
   0.1, SAFE at 250 steps, SAFE+ 2:4 at 250 steps.
 
-  python benchmarks/claims/llm_block_selection.py [--block 0] [--stages grid long nm limits]
-  python benchmarks/claims/llm_block_selection.py --figure-only
+  python -m benchmarks.claims.llm_block_selection [--block 0] [--stages grid long nm limits]
+  python -m benchmarks.claims.llm_block_selection --figure-only
 """
 
 from __future__ import annotations
@@ -50,8 +50,7 @@ from safe_optax.llm import block
 from safe_optax.llm import prune
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import llm_results as run_results  # pylint: disable=wrong-import-position
+from benchmarks.claims import llm_results as run_results
 
 OUT = ROOT / "results" / "llm_pruning"
 SEQLEN = 128

@@ -20,10 +20,10 @@ runs present) and writes a Markdown table beside it.
   setting, for SAFE, SAFE+, SparseGPT, Wanda and magnitude, all scored on one
   held-out set. ``calibration_size_block<B>.json``.
 
-  python benchmarks/claims/llm_block_studies.py grouping --block 11 --seeds 0 1 2
-  python benchmarks/claims/llm_block_studies.py select --windows 64 --seqlen 128
-  python benchmarks/claims/llm_block_studies.py select --windows 64 --seqlen 128 --nm 2:4
-  python benchmarks/claims/llm_block_studies.py calib --sizes 16x128 64x128 64x512
+  python -m benchmarks.claims.llm_block_studies grouping --block 11 --seeds 0 1 2
+  python -m benchmarks.claims.llm_block_studies select --windows 64 --seqlen 128
+  python -m benchmarks.claims.llm_block_studies select --windows 64 --seqlen 128 --nm 2:4
+  python -m benchmarks.claims.llm_block_studies calib --sizes 16x128 64x128 64x512
 """
 
 from __future__ import annotations
@@ -40,14 +40,13 @@ from typing import Any, Optional
 
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import llm_block_selection as selection  # pylint: disable=wrong-import-position
+from benchmarks.claims import llm_block_selection as selection
 
-from safe_optax.experiment import versions  # pylint: disable=wrong-import-position
-from safe_optax.llm import checkpoints  # pylint: disable=wrong-import-position
-from safe_optax.llm import cli  # pylint: disable=wrong-import-position
-from safe_optax.llm import model as model_lib  # pylint: disable=wrong-import-position
-from safe_optax.llm import prune  # pylint: disable=wrong-import-position
+from safe_optax.experiment import versions
+from safe_optax.llm import checkpoints
+from safe_optax.llm import cli
+from safe_optax.llm import model as model_lib
+from safe_optax.llm import prune
 
 OUT = selection.OUT
 GROUPINGS = ("per_matrix", "per_row")

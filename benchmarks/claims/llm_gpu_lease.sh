@@ -8,14 +8,14 @@
 #   bash benchmarks/claims/llm_gpu_lease.sh prepare           # here, once: .llm/a, .llm/b
 #   run(command="bash benchmarks/claims/llm_gpu_lease.sh receive", carry=[".llm/a"], timeout_s=60)
 #   run(command="bash benchmarks/claims/llm_gpu_lease.sh run", carry=[".llm/b"], timeout_s=560)
-#   then here: tar xzf <files_at>/pieces.tar.gz; python benchmarks/report.py
+#   then here: tar xzf <files_at>/pieces.tar.gz; python -m benchmarks.report
 #
 # After a gpu_lease.sh call on the same lease (its header's plan), `run` gets what is left of the
 # lease's 900 s: e.g. RUN_S=330 DEADLINE_S=210 bash benchmarks/claims/llm_gpu_lease.sh run.
 #
 # Optional, on any call of the lease (it needs no model): SAFE's block step with the calibration
 # on the device against minibatches from the host (docs/performance.md), about a minute there:
-#   run(command="python3 benchmarks/perf/llm_safe_step.py --out $OUT/llm_safe_step_gpu.json",
+#   run(command="python3 -m benchmarks.perf.llm_safe_step --out $OUT/llm_safe_step_gpu.json",
 #       timeout_s=150)
 #
 # Where the pack steps each calibration seed at least PACK_MIN (1.2) times as fast as a lone prune,
@@ -38,7 +38,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STAGE=${STAGE:-/tmp/safe_optax_llm_lease}
 case "${1:-}" in
 prepare)
-  model=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks/claims'); import llm_results; print(llm_results.gguf_path())") || exit 2
+  model=$(python3 -c "from benchmarks.claims import llm_results; print(llm_results.gguf_path())") || exit 2
   grep -qx "/.llm/" .git/info/exclude 2>/dev/null || echo "/.llm/" >> .git/info/exclude
   rm -rf .llm; mkdir -p .llm/a .llm/b/data/wikitext-2-raw .llm/b/data/wikitext-2 .llm/b/wheels
   half=$(( ($(stat -c %s "$model") + 1) / 2 ))
@@ -46,9 +46,8 @@ prepare)
   tail -c +$(( half + 1 )) "$model" > .llm/b/model.part
   sha256sum < "$model" | cut -d' ' -f1 > .llm/b/model.sha256
   python3 - <<'PY' || exit 2
-import shutil, sys
-sys.path.insert(0, "benchmarks/claims")
-import llm_results
+import shutil
+from benchmarks.claims import llm_results
 shutil.copy(llm_results.EVALS["wikitext2"], ".llm/b/data/wikitext-2-raw/wiki.test.raw")
 shutil.copy(llm_results.CALIB, ".llm/b/data/wikitext-2/valid.txt")
 PY
@@ -71,14 +70,14 @@ run)
   fi
   export SAFE_OPTAX_DATA=$PWD/.llm/b/data SAFE_OPTAX_REQUIRE_DATA=1
   pack=${PACK:-}
-  decide() { python3 benchmarks/perf/llm_safe_step.py --pack-decision "$1" --pack-min "${PACK_MIN:-1.2}" 2>/dev/null; }
+  decide() { python3 -m benchmarks.perf.llm_safe_step --pack-decision "$1" --pack-min "${PACK_MIN:-1.2}" 2>/dev/null; }
   TIMED=benchmarks/perf/results/llm_safe_step_gpu.json
   if [ -z "$pack" ] && [ -z "${DRY:-}" ] && [ -f "$TIMED" ]; then
     pack=$(decide "$TIMED")  # the committed timing, where this device is the one it was measured on
     [ -n "$pack" ] && echo "pack decided from $TIMED"
   fi
   if [ -z "$pack" ]; then
-    timeout -s KILL ${PACK_S:-120} python3 benchmarks/perf/llm_safe_step.py --layouts device --packs 3 --repeats 1 \
+    timeout -s KILL ${PACK_S:-120} python3 -m benchmarks.perf.llm_safe_step --layouts device --packs 3 --repeats 1 \
       --epochs 1,3 ${DRY:+--windows 4 --seqlen 16 --batch-size 2 --epochs 1,2} \
       --out "$OUT/llm_safe_step_gpu.json" > "$OUT/llm_safe_step.log" 2>&1 || echo "llm_safe_step.py: rc $?"
     tail -6 "$OUT/llm_safe_step.log"
@@ -89,7 +88,7 @@ run)
   [ "$pack" = 1 ] && packflag=--pack || packflag=
   python3 -c "import jax, gguf; from safe_optax.llm import checkpoints; c, _ = checkpoints.load_gguf('$STAGE/model.gguf'); print(jax.__version__, jax.devices(), c.num_layers, 'layers')" || exit 6
   # a piece started just before the deadline may outrun the call: the timeout keeps time for the tar
-  timeout -s KILL ${RUN_S:-500} python3 benchmarks/claims/llm_standard.py --methods ${METHODS:-safe-plus safe} ${NM:+--nm "$NM"} \
+  timeout -s KILL ${RUN_S:-500} python3 -m benchmarks.claims.llm_standard --methods ${METHODS:-safe-plus safe} ${NM:+--nm "$NM"} \
     --model "$STAGE/model.gguf" --work "$STAGE/work" --deadline-s ${DEADLINE_S:-380} $packflag ${DRY:+--list} \
     > "$OUT/llm_standard.log" 2>&1 || echo "llm_standard.py: rc $?"
   tail -5 "$OUT/llm_standard.log"

@@ -5,9 +5,9 @@ function compiled, once), writes ``runs/<name>.json`` after each run, then
 ``results.json`` and ``results.md``. Each run is what one
 ``safe-optax-llm prune`` command does (its equivalent command is recorded).
 
-  python benchmarks/claims/llm_results.py            # all runs, then the table
-  python benchmarks/claims/llm_results.py --table    # only rebuild the table from runs/
-  python benchmarks/claims/llm_results.py --budget selected --only safe-plus_50pct
+  python -m benchmarks.claims.llm_results            # all runs, then the table
+  python -m benchmarks.claims.llm_results --table    # only rebuild the table from runs/
+  python -m benchmarks.claims.llm_results --budget selected --only safe-plus_50pct
 
 ``--budget`` picks the SAFE / SAFE+ step budget (``SAFE_BUDGETS``); runs of a
 budget other than ``paper-step`` are named ``<method>_<structure>_<budget>``.

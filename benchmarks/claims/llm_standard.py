@@ -21,11 +21,11 @@ the held-out selection study (``--selection``, written by
 ``llm_block_studies.py select``; the 2:4 pieces from the one made at 2:4,
 ``select --nm 2:4``, and wait for it).
 
-  python benchmarks/claims/llm_standard.py --list          # what is done and what is pending
-  python benchmarks/claims/llm_standard.py --pieces 1      # run the next pending piece
-  python benchmarks/claims/llm_standard.py                 # run every pending piece
-  python benchmarks/claims/llm_standard.py --nm 2:4        # the 2:4 rows
-  python benchmarks/claims/llm_standard.py --methods safe-plus safe --model M.gguf \\
+  python -m benchmarks.claims.llm_standard --list          # what is done and what is pending
+  python -m benchmarks.claims.llm_standard --pieces 1      # run the next pending piece
+  python -m benchmarks.claims.llm_standard                 # run every pending piece
+  python -m benchmarks.claims.llm_standard --nm 2:4        # the 2:4 rows
+  python -m benchmarks.claims.llm_standard --methods safe-plus safe --model M.gguf \\
       --deadline-s 420 --pack                               # on a GPU lease (llm_gpu_lease.sh)
 
 ``--pack``: a method's pending SAFE / SAFE+ prunes run as one command,
@@ -41,16 +41,13 @@ import argparse
 import json
 import pathlib
 import shutil
-import sys
 import time
 from typing import Optional
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import llm_results as run_results  # pylint: disable=wrong-import-position
-from llm_block_studies import select_path  # pylint: disable=wrong-import-position
-from llm_block_studies import structure_name  # pylint: disable=wrong-import-position
+from benchmarks.claims import llm_results as run_results
+from benchmarks.claims.llm_block_studies import select_path, structure_name
 
-from safe_optax.llm import cli  # pylint: disable=wrong-import-position
+from safe_optax.llm import cli
 
 OUT = run_results.HERE / "standard"
 METHODS = ("magnitude", "wanda", "sparsegpt", "safe", "safe-plus")

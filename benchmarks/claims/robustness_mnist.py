@@ -14,7 +14,7 @@ takes the lambdas an earlier output chose instead (the same settings at another
 budget: the longer run of the report's convergence rule), and records that
 selection with the budget it was made at.
 
-  python benchmarks/claims/robustness_mnist.py --preset mlp-mnist --data-dir ../shared/data/mnist \\
+  python -m benchmarks.claims.robustness_mnist --preset mlp-mnist --data-dir ../shared/data/mnist \\
       --test-only-split 8000 2000 --epochs 20 --seeds 0 --out results/robustness_mnist
 """
 

@@ -34,7 +34,7 @@ sub-folder of ``--workdir`` (:mod:`safe_optax.vision.sweeps`); a finished run
 is read back after checking that its recorded config is the one asked for,
 so an interrupted sweep continues where it stopped.
 
-  python benchmarks/claims/sparsity_sweep.py --preset mlp-fashion-mnist \\
+  python -m benchmarks.claims.sparsity_sweep --preset mlp-fashion-mnist \\
       --data-dir /usr/share/datasets/fashion-mnist --methods dense safe admm gmp magnitude \\
       --sparsities 0.9 0.95 0.98 0.99 0.995 --epochs 30 --workdir /tmp/fmnist \\
       --out /tmp/fmnist_mlp

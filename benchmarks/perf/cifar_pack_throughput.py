@@ -38,12 +38,12 @@ JSON says ``"dry_run": true`` and measures nothing about a GPU.
 
 Usage (first thing on a GPU lease)::
 
-  python benchmarks/perf/cifar_pack_throughput.py --deadline-s 300 \\
+  python -m benchmarks.perf.cifar_pack_throughput --deadline-s 300 \\
       --out benchmarks/perf/results/cifar_pack_throughput_gpu.json
 
 Recounting the committed H200 file's FLOPs (on any machine)::
 
-  python benchmarks/perf/cifar_pack_throughput.py \\
+  python -m benchmarks.perf.cifar_pack_throughput \\
       --recount-flops benchmarks/perf/results/cifar_pack_throughput_gpu.json
 """
 
@@ -62,13 +62,13 @@ from typing import Any, Callable, NamedTuple, Optional
 import jax
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from _common import run_record, summary, write_report  # noqa: E402
-from safe_optax.vision import configs  # noqa: E402
-from safe_optax.vision import packing  # noqa: E402
-from safe_optax.vision import programs as programs_lib  # noqa: E402
-from safe_optax.vision import steps as steps_lib  # noqa: E402
+from benchmarks.perf._common import run_record, summary, write_report
+from safe_optax.vision import configs
+from safe_optax.vision import packing
+from safe_optax.vision import programs as programs_lib
+from safe_optax.vision import steps as steps_lib
 
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PRESETS = {"resnet20x2": "resnet20x2-cifar10", "vgg19": "vgg19-cifar10"}
 NUM_TRAIN, IMAGE = 50_000, (32, 32, 3)
 
@@ -237,13 +237,13 @@ def concurrent_cell(args: argparse.Namespace, model: str, dtype: str, count: int
   """
   env = share_device(count)
   with tempfile.TemporaryDirectory() as folder:
-    command = [sys.executable, os.path.abspath(__file__), "--models", model, "--dtypes", dtype,
+    command = [sys.executable, "-m", __spec__.name, "--models", model, "--dtypes", dtype,
                "--conv-impls", conv_impl,
                "--method", args.method, "--sparsity", str(args.sparsity), "--batch",
                str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--barrier", folder, "--barrier-count", str(count)]
     procs = [subprocess.Popen(command + ["--child", str(i)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for i in range(count)]
+                              stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT) for i in range(count)]
     outs = [proc.communicate() for proc in procs]
   for proc, (_, err) in zip(procs, outs):
     if proc.returncode != 0:

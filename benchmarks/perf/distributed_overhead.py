@@ -16,7 +16,7 @@ on a GPU node (NVLink, NCCL) or across hosts (InfiniBand, TPU ICI) the cost of
 the all-reduces and its share of a step are different and must be measured
 there.
 
-  python benchmarks/perf/distributed_overhead.py [--repeats 3] [--epochs 3]
+  python -m benchmarks.perf.distributed_overhead [--repeats 3] [--epochs 3]
 """
 
 from __future__ import annotations
@@ -35,8 +35,7 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common  # noqa: E402
+from benchmarks.perf import _common
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 N_TRAIN, N_TEST = 4096, 256

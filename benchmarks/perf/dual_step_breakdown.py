@@ -49,9 +49,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import safe_optax
-from _common import DUAL_EVERY, make_step, run_record, write_report
+from benchmarks.perf._common import DUAL_EVERY, make_step, run_record, write_report
 from safe_optax.vision import MLP
-from step_overhead import BATCH, fix_malloc_thresholds, make_method, temp_mb
+from benchmarks.perf.step_overhead import BATCH, fix_malloc_thresholds, make_method, temp_mb
 
 
 def _set_admm_count(opt_state: Any, count: int) -> Any:

@@ -49,7 +49,7 @@ Finally ``end_of_run`` counts the passes over the test split made by the last
 epoch's record and :func:`~safe_optax.vision.finish.finish` in a one-epoch
 :func:`~safe_optax.vision.train.train_and_evaluate`.
 
-  python benchmarks/perf/eval_speed.py --out benchmarks/perf/results/eval_speed.json
+  python -m benchmarks.perf.eval_speed --out benchmarks/perf/results/eval_speed.json
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from _common import run_record, write_report
+from benchmarks.perf._common import run_record, write_report
 from safe_optax import flatness
 from safe_optax.experiment import cross_entropy
 from safe_optax.vision import configs

@@ -98,7 +98,7 @@ elif want 2; then
 fi
 if want 3a; then
 echo "== 3a. packed convolutions: grouped, im2col, loop, at ${SECONDS}s"
-timeout -s KILL ${S3A:-60} python3 benchmarks/perf/packed_conv.py --runs 3 15 \
+timeout -s KILL ${S3A:-60} python3 -m benchmarks.perf.packed_conv --runs 3 15 \
   ${DRY:+--batch 8 --steps 1} --out "$OUT/packed_conv_gpu.json" || echo "step 3a: rc $?"
 fi
 if want 3b; then
@@ -143,7 +143,7 @@ if want 4 && [ -f .gpu/cifar10_jpg.tar.gz ]; then
     MPS_ON=1
   fi
   for dtype in float32 bfloat16; do
-    timeout -s KILL $S4 python3 benchmarks/claims/cifar_table.py \
+    timeout -s KILL $S4 python3 -m benchmarks.claims.cifar_table \
       --data-dir .gpu/cifar10_jpg.tar.gz --runs /tmp/runs_$dtype --methods safe \
       --throughput $THROUGHPUT --epochs $EPOCHS \
       --dtype $dtype --deadline-s $(( S4 - 15 )) --finish-s $FINISH4 --start-s $START4 $TX \
@@ -153,7 +153,7 @@ if want 4 && [ -f .gpu/cifar10_jpg.tar.gz ]; then
   [ -n "$MPS_ON" ] && echo quit | nvidia-cuda-mps-control
   # bfloat16 - float32 per seed, under the evidence report's rules ("level": within seed noise)
   if [ -f "$OUT/table_safe_bfloat16.json" ] && [ -f "$OUT/table_safe_float32.json" ]; then
-    python3 benchmarks/claims/cifar_table.py --compare "$OUT/table_safe_bfloat16.json" \
+    python3 -m benchmarks.claims.cifar_table --compare "$OUT/table_safe_bfloat16.json" \
       "$OUT/table_safe_float32.json" | tee "$OUT/precision_compare.json" || echo "compare: rc $?"
   else
     echo "compare skipped: a table is missing (see the step's rc above)"
@@ -163,7 +163,7 @@ elif want 4; then
 fi
 if want 5 && [ -z "${DRY:-}" ]; then
   echo "== 5. 7B block at ${SECONDS}s"
-  timeout -s KILL ${S5:-120} python3 benchmarks/perf/llm_7b_block.py --windows 2 --seqlen 2048 \
+  timeout -s KILL ${S5:-120} python3 -m benchmarks.perf.llm_7b_block --windows 2 --seqlen 2048 \
     --steps 10,210 --sparsegpt-windows 8 --methods sparsegpt --out "$OUT/llm_7b_block_gpu.json" \
     || echo "step 5: rc $?"
   # the timeout kills the script, not its --worker, which would hold the GPU through the LLM calls

@@ -24,8 +24,8 @@ analysis of the top-level programs (one product, one gradient). Rounds
 rotate the paths; the medians of the per-round ratios are reported. Writes
 ``hessian_cost_obd.json`` and ``hessian_cost_obd.md``.
 
-  python benchmarks/perf/hessian_cost.py --out benchmarks/perf/results
-  python benchmarks/perf/hessian_cost.py --parts obd --out benchmarks/perf/results
+  python -m benchmarks.perf.hessian_cost --out benchmarks/perf/results
+  python -m benchmarks.perf.hessian_cost --parts obd --out benchmarks/perf/results
 """
 
 from __future__ import annotations

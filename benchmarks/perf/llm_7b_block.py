@@ -44,7 +44,7 @@ peak allocation.
 results in ``--out``; each method's entry records the command, date and load
 average that measured it.
 
-  python benchmarks/perf/llm_7b_block.py --windows 1 --seqlen 256 --steps 1,5
+  python -m benchmarks.perf.llm_7b_block --windows 1 --seqlen 256 --steps 1,5
 """
 
 from __future__ import annotations
@@ -59,8 +59,7 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common  # noqa: E402
+from benchmarks.perf import _common
 
 HERE = pathlib.Path(__file__).resolve().parent
 OUT = HERE / "results" / "llm_7b_block.json"
@@ -201,9 +200,9 @@ def main() -> None:
   for method in args.methods.split(","):
     windows = args.sparsegpt_windows if method == "sparsegpt" else args.windows
     proc = subprocess.run(
-        [sys.executable, __file__, "--worker", method, "--windows", str(windows),
+        [sys.executable, "-m", __spec__.name, "--worker", method, "--windows", str(windows),
          "--seqlen", str(args.seqlen), "--steps", args.steps],
-        capture_output=True, text=True, check=False)
+        capture_output=True, text=True, check=False, cwd=HERE.parents[1])
     if proc.returncode != 0:
       raise SystemExit(f"{method} failed:\n{proc.stderr[-3000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -19,9 +19,9 @@ each first); the step time is the difference of the two block times over the
 extra steps, which cancels the setup and the final projection. ``--repeats``
 alternations; the table gives the median and the ratio host / device.
 
-  python benchmarks/perf/llm_safe_step.py                                # SmolLM2 block, 64 x 512
-  python benchmarks/perf/llm_safe_step.py --windows 8 --seqlen 128 --epochs 1,3   # CPU dry run
-  python benchmarks/perf/llm_safe_step.py --packs 3 6                      # and packs of seeds
+  python -m benchmarks.perf.llm_safe_step                                # SmolLM2 block, 64 x 512
+  python -m benchmarks.perf.llm_safe_step --windows 8 --seqlen 128 --epochs 1,3   # CPU dry run
+  python -m benchmarks.perf.llm_safe_step --packs 3 6                      # and packs of seeds
 """
 
 from __future__ import annotations
@@ -29,15 +29,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import pathlib
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common  # noqa: E402
+from benchmarks.perf import _common
 
 OUT = pathlib.Path(__file__).resolve().parent / "results" / "llm_safe_step.json"
 SHAPES = {

@@ -10,8 +10,8 @@ For every notebook, the two modes run one after the other (fast first), each in
 its own kernel, so both see the same machine load; the table gives each mode's
 whole-notebook seconds, their ratio, and the slowest cell of each.
 
-  python benchmarks/perf/notebook_time.py                       # every notebook
-  python benchmarks/perf/notebook_time.py --notebooks llm_pruning.ipynb
+  python -m benchmarks.perf.notebook_time                       # every notebook
+  python -m benchmarks.perf.notebook_time --notebooks llm_pruning.ipynb
 
 Data sets come through ``safe_optax.data_paths`` (``SAFE_OPTAX_DATA``), as in the test.
 """
@@ -21,14 +21,12 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
-import sys
 import time
 
 import nbclient
 import nbformat
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common  # noqa: E402  pylint: disable=wrong-import-position
+from benchmarks.perf import _common
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 OUT = ROOT / "benchmarks" / "perf" / "results" / "notebook_time.json"

@@ -22,14 +22,13 @@ It prints milliseconds per formulation and each one's time over ``grouped``,
 and writes JSON with the versions. Which formulation a packed step should use
 on a GPU is what it decides; the three agree to rounding (the tests check).
 
-  python benchmarks/perf/packed_conv.py --runs 1 3 15 --out benchmarks/perf/results/packed_conv.json
+  python -m benchmarks.perf.packed_conv --runs 1 3 15 --out benchmarks/perf/results/packed_conv.json
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from typing import Callable
 
@@ -38,9 +37,8 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import run_record, summary, write_report  # noqa: E402
-from safe_optax.vision import models  # noqa: E402
+from benchmarks.perf._common import run_record, summary, write_report
+from safe_optax.vision import models
 
 # ResNet-20x2's 3 x 3 convolutions at batch 128: (height = width, in = out channels) per stage
 SHAPES = ((32, 32), (16, 64), (8, 128))

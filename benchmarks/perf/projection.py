@@ -92,7 +92,7 @@ import jaxlib
 import numpy as np
 import optax
 
-import _common
+from benchmarks.perf import _common
 import safe_optax
 from safe_optax import _projection
 from safe_optax import _select

@@ -33,8 +33,8 @@ import jax.numpy as jnp
 import safe_optax
 from safe_optax import _select
 
-from _common import run_record, write_report
-from projection import make_params, vgg19_shapes
+from benchmarks.perf._common import run_record, write_report
+from benchmarks.perf.projection import make_params, vgg19_shapes
 
 
 def _flat_keys(kernels: list[jax.Array]) -> jax.Array:

@@ -65,9 +65,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import _common
+from benchmarks.perf import _common
 import safe_optax
-import step_overhead
+from benchmarks.perf import step_overhead
 from safe_optax import _admm
 from safe_optax.vision import resnet20
 

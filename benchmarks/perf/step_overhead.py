@@ -98,7 +98,7 @@ import numpy as np
 import optax
 
 import safe_optax
-from _common import (DUAL_EVERY, METHODS, make_step, make_tx, parse_steps, run_record, summary,
+from benchmarks.perf._common import (DUAL_EVERY, METHODS, make_step, make_tx, parse_steps, run_record, summary,
                      write_report)
 from safe_optax.vision import MLP, resnet20
 

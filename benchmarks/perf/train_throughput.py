@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import safe_optax
-from _common import (DUAL_EVERY, make_step, make_tx, parse_steps, run_record, summary,
+from benchmarks.perf._common import (DUAL_EVERY, make_step, make_tx, parse_steps, run_record, summary,
                      write_report)
 from safe_optax.vision import resnet20, vgg19
 

@@ -4,7 +4,7 @@
 set -eu
 cd "$(dirname "$0")/../.."  # the repository root
 . benchmarks/claims/env.sh
-python benchmarks/claims/cifar_gpu.py --data-dir $CIFAR --out $WORK/cifar_lease1 --workdir $WORK/cifar_gpu --epochs 39 --seeds 0 --deadline-s 500
-python benchmarks/claims/cifar_gpu.py --data-dir $CIFAR --out $WORK/cifar_lease2 --workdir $WORK/cifar_gpu --epochs 39 --seeds 1 --methods dense safe admm gmp --deadline-s 415
-python benchmarks/claims/cifar_gpu.py --report-from $WORK/cifar_lease1 $WORK/cifar_lease2 --out results/cifar10_resnet20x2
-python benchmarks/report.py
+python -m benchmarks.claims.cifar_gpu --data-dir $CIFAR --out $WORK/cifar_lease1 --workdir $WORK/cifar_gpu --epochs 39 --seeds 0 --deadline-s 500
+python -m benchmarks.claims.cifar_gpu --data-dir $CIFAR --out $WORK/cifar_lease2 --workdir $WORK/cifar_gpu --epochs 39 --seeds 1 --methods dense safe admm gmp --deadline-s 415
+python -m benchmarks.claims.cifar_gpu --report-from $WORK/cifar_lease1 $WORK/cifar_lease2 --out results/cifar10_resnet20x2
+python -m benchmarks.report

@@ -5,11 +5,11 @@ set -eu
 cd "$(dirname "$0")/../.."  # the repository root
 . benchmarks/claims/env.sh
 O=results/flatness_mnist
-python benchmarks/claims/flatness_mlp.py --dataset mnist --epochs 100 --seeds 5 --select --out $O --no-progress
+python -m benchmarks.claims.flatness_mlp --dataset mnist --epochs 100 --seeds 5 --select --out $O --no-progress
 # the lambdas the 100-epoch selection chose: SAFE's, then ADMM's
 set -- $(python -c "import json, sys; c = json.load(open(sys.argv[1]))['selection']['chosen']; print(c['safe'], c['admm'])" $O/flatness_mnist.json)
 for E in 50 200; do
-  python benchmarks/claims/flatness_mlp.py --dataset mnist --epochs $E --seeds 5 --safe-penalty $1 --admm-penalty $2 --out $WORK/flatness_mnist_$E --no-progress
+  python -m benchmarks.claims.flatness_mlp --dataset mnist --epochs $E --seeds 5 --safe-penalty $1 --admm-penalty $2 --out $WORK/flatness_mnist_$E --no-progress
   keep $WORK/flatness_mnist_$E/flatness_mnist.json $O/flatness_mnist_${E}epochs.json
 done
-python benchmarks/report.py
+python -m benchmarks.report

@@ -6,7 +6,7 @@ set -eu
 cd "$(dirname "$0")/../.."  # the repository root
 . benchmarks/claims/env.sh
 O=results/label_noise
-N="python benchmarks/claims/label_noise.py --preset mlp-mnist --data-dir $MNIST --test-only-split 8000 2000 --sparsities 0.9 --epochs 50 --warmup-epochs 2 --batch-size 100 --workdir $WORK/label_noise"
+N="python -m benchmarks.claims.label_noise --preset mlp-mnist --data-dir $MNIST --test-only-split 8000 2000 --sparsities 0.9 --epochs 50 --warmup-epochs 2 --batch-size 100 --workdir $WORK/label_noise"
 S="--seeds 0 1 2 --validation 2000 --select-seeds 3 --admm-grid 0.0001 0.001 0.01 0.1 0.3 1"
 $N --noise 0.25 0.5 0.75 $S --safe-grid 0.001 0.01 0.1 1 3 --out $WORK/ln_3seeds
 keep $WORK/ln_3seeds/label_noise_mlp-mnist.json $O/label_noise_3seeds.json
@@ -48,4 +48,4 @@ for E in 25 100; do
   $C --noise 0.75 --seeds 0 1 2 --rescale-dual --chosen-from $O/label_noise_75_declared.json --out $WORK/ln_75_declared_$E
   keep $WORK/ln_75_declared_$E/label_noise_mlp-mnist_rescaled.json $O/label_noise_75_declared_${E}epochs.json
 done
-python benchmarks/report.py
+python -m benchmarks.report

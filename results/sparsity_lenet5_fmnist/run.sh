@@ -5,7 +5,7 @@ set -eu
 cd "$(dirname "$0")/../.."  # the repository root
 . benchmarks/claims/env.sh
 O=results/sparsity_lenet5_fmnist
-L="python benchmarks/claims/sparsity_sweep.py --preset lenet5-fashion-mnist --data-dir $FMNIST --seeds 0 1 2"
+L="python -m benchmarks.claims.sparsity_sweep --preset lenet5-fashion-mnist --data-dir $FMNIST --seeds 0 1 2"
 run() { name=$1; shift; $L "$@" --out $WORK/lenet_$name; keep $WORK/lenet_$name/sweep.json $O/sweep_$name.json; }
 run 10epochs_90_98_995 --sparsities 0.9 0.98 0.995 --epochs 10 --warmup-epochs 1 --eval-every 5 --safe-grid 0.01 0.1 1 --admm-grid 0.001 0.01 0.1 --workdir $WORK/lenet --methods dense safe admm gmp magnitude
 run 10epochs_95_99 --sparsities 0.95 0.99 --epochs 10 --warmup-epochs 1 --eval-every 5 --safe-grid 0.001 0.003 0.01 0.1 1 --admm-grid 0.001 0.01 0.1 --workdir $WORK/lenet9599 --methods dense safe admm gmp magnitude --rescale-dual
@@ -41,7 +41,7 @@ keep $WORK/lenet_10epochs_995_admm/sweep.json $O/selection_10epochs_995_admm.jso
 # from {0.5, 0.75, 0.9} (benchmarks/claims/tuning.py's GMP_END; the edge rule adds 0.25 where 0.5
 # wins), then run for the three test seeds at the budget of that sparsity's row. Until those test
 # runs exist the rows keep GMP at its default (NOT TUNED).
-G="python benchmarks/claims/gmp_selection.py --data-dir $FMNIST --workdir $WORK/lenet_gmp --end-grid 0.5 0.75 0.9 --select-only"
+G="python -m benchmarks.claims.gmp_selection --data-dir $FMNIST --workdir $WORK/lenet_gmp --end-grid 0.5 0.75 0.9 --select-only"
 $G --sweep $O/sweep_10epochs_995_rescaled.json --sparsities 0.995 --out $O/gmp_selection_10epochs_s995.json
 # 0.5 won at 99.5 %: the edge rule adds 0.25 (the range's lower bound)
 $G --sweep $O/sweep_10epochs_995_rescaled.json --sparsities 0.995 --end-grid 0.25 0.5 0.75 0.9 --out $O/gmp_selection_10epochs_s995_extended.json
@@ -53,7 +53,7 @@ $G --sweep $O/sweep_30epochs_95.json --sparsities 0.95 --end-grid 0.25 0.5 0.75 
 $G --sweep $O/sweep_30epochs_98.json --sparsities 0.98 --end-grid 0.25 0.5 0.75 0.9 --out $O/gmp_selection_30epochs_s98.json
 $G --sweep $O/sweep_30epochs_99.json --sparsities 0.99 --end-grid 0.25 0.5 0.75 0.9 --out $O/gmp_selection_30epochs_s99.json
 # The three test seeds at each row's budget, at the chosen end (the selection runs are reused).
-T="python benchmarks/claims/gmp_selection.py --data-dir $FMNIST --workdir $WORK/lenet_gmp --end-grid 0.25 0.5 0.75 0.9"
+T="python -m benchmarks.claims.gmp_selection --data-dir $FMNIST --workdir $WORK/lenet_gmp --end-grid 0.25 0.5 0.75 0.9"
 $T --sweep $O/sweep_10epochs_995_rescaled.json --test-sweep $O/sweep_40epochs_995.json --sparsities 0.995 --out $O/gmp_40epochs_s995.json
 $T --sweep $O/sweep_30epochs_90.json --sparsities 0.9 --out $O/gmp_30epochs_s90.json
 $T --sweep $O/sweep_30epochs_99.json --sparsities 0.99 --out $O/gmp_30epochs_s99.json
@@ -61,7 +61,7 @@ $T --sweep $O/sweep_30epochs_95.json --test-sweep $O/sweep_60epochs_95.json --sp
 $T --sweep $O/sweep_30epochs_98.json --test-sweep $O/sweep_60epochs_98.json --sparsities 0.98 --out $O/gmp_60epochs_s98.json
 # Shorter budgets with the longer rows' picks and seeds: GMP's end read with --chosen-from (not
 # chosen again), SAFE's and ADMM's 30-epoch lambda at 99 % as one-value grids.
-G="python benchmarks/claims/gmp_selection.py --data-dir $FMNIST --workdir $WORK/lenet_gmp"
+G="python -m benchmarks.claims.gmp_selection --data-dir $FMNIST --workdir $WORK/lenet_gmp"
 $G --sweep $O/sweep_30epochs_90.json --test-sweep $O/sweep_10epochs_90_98_995.json --sparsities 0.9 --chosen-from $O/gmp_30epochs_s90.json --out $O/gmp_10epochs_s90.json
 $G --sweep $O/sweep_30epochs_99.json --test-sweep $O/sweep_10epochs_95_99.json --sparsities 0.99 --chosen-from $O/gmp_30epochs_s99.json --out $O/gmp_10epochs_s99.json
 $G --sweep $O/sweep_10epochs_995_rescaled.json --test-sweep $O/sweep_20epochs_995.json --sparsities 0.995 --chosen-from $O/gmp_40epochs_s995.json --out $O/gmp_20epochs_s995.json
@@ -69,8 +69,8 @@ $G --sweep $O/sweep_10epochs_995_rescaled.json --test-sweep $O/sweep_20epochs_99
 for s in 95 98; do
   $G --sweep $O/sweep_30epochs_$s.json --test-sweep $O/sweep_30epochs_$s.json --sparsities 0.$s --chosen-from $O/gmp_60epochs_s$s.json --out $O/gmp_30epochs_s$s.json
 done
-python benchmarks/claims/sparsity_sweep.py --preset lenet5-fashion-mnist --data-dir $FMNIST --seeds 0 1 2 --epochs 10 --warmup-epochs 1 --eval-every 5 --rescale-dual --workdir $WORK/lenet10 --methods safe admm --sparsities 0.99 --safe-grid 0.03 --admm-grid 0.03 --out $WORK/lenet10_s99
+python -m benchmarks.claims.sparsity_sweep --preset lenet5-fashion-mnist --data-dir $FMNIST --seeds 0 1 2 --epochs 10 --warmup-epochs 1 --eval-every 5 --rescale-dual --workdir $WORK/lenet10 --methods safe admm --sparsities 0.99 --safe-grid 0.03 --admm-grid 0.03 --out $WORK/lenet10_s99
 keep $WORK/lenet10_s99/sweep.json $O/sweep_10epochs_99_chosen30.json
-python benchmarks/claims/sparsity_sweep.py --preset lenet5-fashion-mnist --data-dir $FMNIST --seeds 0 1 2 --epochs 10 --warmup-epochs 1 --eval-every 5 --rescale-dual --workdir $WORK/lenet10 --methods safe --sparsities 0.9 --safe-grid 0.003 --out $WORK/lenet10_s90
+python -m benchmarks.claims.sparsity_sweep --preset lenet5-fashion-mnist --data-dir $FMNIST --seeds 0 1 2 --epochs 10 --warmup-epochs 1 --eval-every 5 --rescale-dual --workdir $WORK/lenet10 --methods safe --sparsities 0.9 --safe-grid 0.003 --out $WORK/lenet10_s90
 keep $WORK/lenet10_s90/sweep.json $O/sweep_10epochs_90_chosen30.json
-python benchmarks/report.py
+python -m benchmarks.report

@@ -1,0 +1,1 @@
+"""The claim reproductions: each writes the JSON that results/<claim>/ holds."""

@@ -1,0 +1,1 @@
+"""The performance measurements: each writes JSON under benchmarks/perf/results/."""
