@@ -1,10 +1,14 @@
 """The documentation: the README is a landing page whose links resolve, Sphinx
-builds with warnings as errors, covers the public API, and the README's and the
-guide's examples run; public docstrings keep optax's form."""
+builds with warnings as errors, covers the public API and every module a page
+or notebook names, and the README's and the guide's examples run; public
+docstrings keep optax's form, and every public name has one."""
 
 import doctest
+import importlib
 import inspect
+import json
 import pathlib
+import pkgutil
 import re
 import subprocess
 import sys
@@ -21,6 +25,9 @@ from sphinx.util.inventory import InventoryFile  # pylint: disable=wrong-import-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 README = ROOT / "README.md"
+PACKAGE = ROOT / "safe_optax"
+API = DOCS / "api.rst"
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 MARKDOWN_PAGES = [README, *sorted(DOCS.glob("*.md"))]
 # Pages that describe experiments: their numbers live in the results files.
 NUMBER_FREE_PAGES = [README] + [DOCS / f"{name}.md" for name in
@@ -224,3 +231,188 @@ def test_public_functions_have_optax_style_docstrings(name):
   assert all(p > 0 for p in positions), f"{name}: missing Args/Returns/Examples"
   assert positions == sorted(positions), f"{name}: sections out of order"
   assert ">>> " in doc[positions[2]:], name
+
+
+
+# ----------------------------------------------------------------------------- modules named in the docs
+
+DOTTED = re.compile(r"\bsafe_optax(?:\.\w+)+")
+FROM_IMPORT = re.compile(r"\bfrom\s+(safe_optax(?:\.\w+)*)\s+import\s+(\([^)]*\)|[\w ,]*)")
+IMPORTED_NAME = re.compile(r"(\w+)(?:\s+as\s+\w+)?")
+# A file or package folder of the package, relative to ``safe_optax/`` (docs/architecture.md's
+# tables) or to the repository root: ``vision/metrics.py``, ``safe_optax/vision/config_files/``.
+PACKAGE_PATH = re.compile(r"(?<![\w./:-])(?:safe_optax/)?((?:\w+/)*\w+)(?:\.py\b|/)")
+
+
+def _module_file(module: str) -> pathlib.Path | None:
+  """The source of ``safe_optax.x.y`` in this checkout, or ``None`` if it is not a module."""
+  path = ROOT.joinpath(*module.split("."))
+  for file in (path.with_suffix(".py"), path / "__init__.py"):
+    if file.is_file():
+      return file
+  return None
+
+
+def _longest_module(dotted: str) -> str:
+  """The longest prefix of ``safe_optax.a.b.c`` that is a module (``safe_optax.vision.models.MLP``
+  -> ``safe_optax.vision.models``)."""
+  parts = dotted.split(".")
+  for end in range(len(parts), 0, -1):
+    if _module_file(".".join(parts[:end])):
+      return ".".join(parts[:end])
+  return "safe_optax"
+
+
+def _is_public(module: str) -> bool:
+  return not any(part.startswith("_") for part in module.split("."))
+
+
+def modules_named_in(text: str) -> set[str]:
+  """The public modules of the package that ``text`` sends a reader to.
+
+  A dotted name (``safe_optax.vision.checkpoint.Checkpointer``, in a ``:mod:`` or ``{func}``
+  role, ``python -m safe_optax.demo``) names its longest module prefix; ``from safe_optax.vision
+  import finish, configs`` names each imported module; a file or folder of the package
+  (``vision/metrics.py``, ``safe_optax/vision/config_files/``) names its module.
+  """
+  modules = {_longest_module(match.group(0)) for match in DOTTED.finditer(text)}
+  for match in FROM_IMPORT.finditer(text):
+    package, names = match.group(1), match.group(2)
+    modules.add(_longest_module(package))
+    for name in IMPORTED_NAME.findall(re.sub(r"#.*", "", names)):
+      if _module_file(f"{package}.{name}"):
+        modules.add(f"{package}.{name}")
+  for match in PACKAGE_PATH.finditer(text):
+    parts = match.group(1).split("/")
+    if parts[-1] == "__init__":
+      parts = parts[:-1]
+    module = ".".join(["safe_optax", *parts])
+    if _module_file(module):
+      modules.add(module)
+  return {module for module in modules if _is_public(module)}
+
+
+def _page_text(page: pathlib.Path) -> str:
+  """A page's text; a notebook's cell sources (not its outputs)."""
+  if page.suffix != ".ipynb":
+    return page.read_text(encoding="utf-8")
+  cells = json.loads(page.read_text(encoding="utf-8"))["cells"]
+  return "\n".join("".join(cell["source"]) for cell in cells)
+
+
+def modules_in_api_reference(text: str) -> set[str]:
+  """The modules docs/api.rst documents: its ``automodule`` s and ``autosummary`` entries."""
+  modules, current, in_autosummary = set(), "safe_optax", False
+  for line in text.splitlines():
+    directive = re.match(r"\.\. (automodule|currentmodule|autosummary)::\s*(\S*)", line)
+    if directive:
+      kind, argument = directive.groups()
+      in_autosummary = kind == "autosummary"
+      if kind == "automodule":
+        modules.add(argument)
+      if kind != "autosummary":
+        current = argument
+    elif in_autosummary and line.startswith("   ") and not line.strip().startswith(":"):
+      entry = line.strip().lstrip("~")
+      modules.update({entry, f"{current}.{entry}"})
+    elif line.strip() and not line.startswith(" "):
+      in_autosummary = False
+  return modules
+
+
+def test_modules_named_in_finds_every_form_of_reference():
+  text = """
+  See :mod:`safe_optax.distributed` and {func}`safe_optax.llm.export.save_safetensors`;
+  ``python -m safe_optax.demo``; `safe_optax.vision.checkpoint.Checkpointer`.
+  >>> from safe_optax import data_paths, flax_utils as fu
+  >>> from safe_optax.vision import (configs,
+  ...     finish)
+  | `vision/metrics.py` | `safe_optax/vision/config_files/` | `_select.py` | `benchmarks/perf/plots.py` |
+  `git show 64bf726:safe_optax/_select.py`; "safe_optax.vision.sparse_model/1"
+  """
+  assert modules_named_in(text) == {
+      "safe_optax", "safe_optax.data_paths", "safe_optax.distributed", "safe_optax.demo",
+      "safe_optax.flax_utils", "safe_optax.llm.export", "safe_optax.vision",
+      "safe_optax.vision.checkpoint", "safe_optax.vision.configs", "safe_optax.vision.finish",
+      "safe_optax.vision.metrics", "safe_optax.vision.config_files",
+  }
+
+
+@pytest.mark.parametrize(
+    "page", [*MARKDOWN_PAGES, ROOT / "CONTRIBUTING.md", *NOTEBOOKS], ids=lambda p: p.name)
+def test_api_reference_covers_every_module_a_page_names(page):
+  """A module a page or a notebook sends the reader to has its entry in docs/api.rst."""
+  documented = modules_in_api_reference(API.read_text(encoding="utf-8"))
+  missing = sorted(modules_named_in(_page_text(page)) - documented)
+  assert not missing, f"{page.name} names modules docs/api.rst does not document: {missing}"
+
+
+# ----------------------------------------------------------------------------- docstrings
+
+
+def _public_modules(path: pathlib.Path = PACKAGE, prefix: str = "safe_optax") -> list[str]:
+  """The package's public modules, found without importing them."""
+  modules = [prefix]
+  for info in pkgutil.iter_modules([str(path)]):
+    if info.name.startswith("_"):
+      continue
+    if info.ispkg:
+      modules += _public_modules(path / info.name, f"{prefix}.{info.name}")
+    else:
+      modules.append(f"{prefix}.{info.name}")
+  return modules
+
+
+def _public_names(module) -> list[str]:
+  """``__all__``, or the functions (jitted or cached ones included) and classes the module defines."""
+  if hasattr(module, "__all__"):
+    return list(module.__all__)
+  names = []
+  for name, obj in vars(module).items():
+    if name.startswith("_") or not (inspect.isclass(obj) or callable(obj)):
+      continue
+    defined_in = getattr(inspect.unwrap(obj) if hasattr(obj, "__wrapped__") else obj, "__module__", None)
+    if defined_in == module.__name__:
+      names.append(name)
+  return names
+
+
+def _attribute_doc(name: str, obj) -> str:
+  """The string literal under a constant's assignment (Sphinx's attribute docstring)."""
+  from sphinx.pycode import ModuleAnalyzer  # pylint: disable=import-outside-toplevel
+
+  for module_name, module in list(sys.modules.items()):
+    if module_name.split(".")[0] == "safe_optax" and getattr(module, name, None) is obj:
+      lines = ModuleAnalyzer.for_module(module_name).find_attr_docs().get(("", name), [])
+      if "".join(lines).strip():
+        return "\n".join(lines)
+  return ""
+
+
+def _docstring(name: str, obj) -> str:
+  """``obj``'s own docstring: not the one a class inherits, a dataclass's or NamedTuple's
+  generated signature, or the docstring of a constant's type."""
+  if inspect.isclass(obj):
+    doc = vars(obj).get("__doc__") or ""
+    return "" if re.fullmatch(rf"{re.escape(obj.__name__)}\(.*\)", doc.strip(), re.S) else doc
+  doc = getattr(obj, "__doc__", None)
+  if doc and doc != type(obj).__doc__:
+    return doc
+  return _attribute_doc(name, obj)
+
+
+@pytest.mark.parametrize("module_name", _public_modules())
+def test_public_names_have_docstrings(module_name):
+  """Every public module, and every name in its ``__all__`` (or every function and class it
+  defines), has a docstring."""
+  try:
+    module = importlib.import_module(module_name)
+  except ModuleNotFoundError as err:
+    if err.name and err.name.split(".")[0] == "safe_optax":
+      raise
+    pytest.skip(f"{module_name} needs {err.name}, an optional dependency")
+  assert (module.__doc__ or "").strip(), f"{module_name} has no module docstring"
+  missing = [name for name in _public_names(module)
+             if not _docstring(name, getattr(module, name)).strip()]
+  assert not missing, f"{module_name}: public names without a docstring: {missing}"
+
