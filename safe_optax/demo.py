@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import math
 import sys
 import time
@@ -45,6 +46,10 @@ from safe_optax import methods
 
 METHODS = ("dense", "magnitude", "admm", "safe")
 LAYERS = (64, 128, 64, 10)
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+"""Values of ``--log-level``: the least severe message of the ``safe_optax`` loggers shown."""
+# By name, not __name__: `python -m safe_optax.demo` runs this module as __main__.
+_LOG = logging.getLogger("safe_optax.demo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,7 +292,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[Config, argparse.N
       description="Dense vs SAFE vs ADMM vs one-shot magnitude pruning of an MLP on "
                   "scikit-learn's digits (8x8, bundled; no download).")
   parser.add_argument("--sparsity", type=float, nargs="+", default=list(defaults.sparsities),
-                      help="target sparsities of the weight matrices (default: %(default)s)")
+                      help="target sparsities of the weight matrices (default: "
+                           f"{' '.join(map(str, defaults.sparsities))})")
   parser.add_argument("--epochs", type=int, default=defaults.epochs,
                       help="training epochs (default: %(default)s)")
   parser.add_argument("--seeds", type=int, default=defaults.seeds,
@@ -309,10 +315,18 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[Config, argparse.N
   parser.add_argument("--weight-decay", type=float, default=defaults.weight_decay,
                       help="weight decay (default: %(default)s)")
   parser.add_argument("--fast-compile", action="store_true",
-                      help="compile with XLA optimisation level 0 (for short smoke runs)")
+                      help="compile with XLA optimisation level 0 (for short smoke runs) "
+                           "(default: off, full optimisation)")
   parser.add_argument("--json", metavar="PATH", default=None,
-                      help="write versions, config and per-seed results to PATH")
-  parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+                      help="write versions, config and per-seed results to PATH "
+                           "(default: no file, the table only)")
+  parser.add_argument("--no-progress", action="store_true",
+                      help="no progress bar (default: a progress bar on stderr)")
+  parser.add_argument("--log-level", choices=LOG_LEVELS, default="INFO", type=str.upper,
+                      help="least severe log message written to stderr; WARNING silences "
+                           "the informational ones (default: %(default)s)")
+  parser.add_argument("--version", action="version",
+                      version=f"safe-optax-demo {safe_optax.__version__}")
   args = parser.parse_args(argv)
   for s in args.sparsity:
     if not 0.0 <= s < 1.0:
@@ -340,16 +354,20 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[Config, argparse.N
 def main(argv: Optional[Sequence[str]] = None) -> int:
   """Command-line entry point (``safe-optax-demo`` / ``python -m safe_optax.demo``)."""
   config, args = parse_args(argv)
-  print(f"safe_optax {safe_optax.__version__} demo: digits MLP {'-'.join(map(str, config.layers))}, "
-        f"{config.epochs} epochs, {config.seeds} seed(s), sparsity {list(config.sparsities)}, "
-        f"SAFE lambda={config.penalty} rho={config.rho}, ADMM lambda={config.admm_penalty}, "
-        f"K={config.dual_every}", flush=True)
+  # The informational lines go to stderr through logging; the table is the result, on stdout.
+  logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+  logging.getLogger("safe_optax").setLevel(args.log_level)
+  _LOG.info("safe_optax %s demo: digits MLP %s, %d epochs, %d seed(s), sparsity %s, SAFE "
+            "lambda=%s rho=%s, ADMM lambda=%s, K=%d", safe_optax.__version__,
+            "-".join(map(str, config.layers)), config.epochs, config.seeds,
+            list(config.sparsities), config.penalty, config.rho, config.admm_penalty,
+            config.dual_every)
   results = run(config, progress=not args.no_progress)
   print(format_table(results))
   compile_total = sum(results["compile_seconds"].values())
-  print(f"n_train={results['data']['n_train']} n_test={results['data']['n_test']}; "
-        f"compile {compile_total:.1f} s, total {results['total_seconds']:.1f} s "
-        f"({results['versions']['backend']})")
+  _LOG.info("n_train=%d n_test=%d; compile %.1f s, total %.1f s (%s)",
+            results["data"]["n_train"], results["data"]["n_test"], compile_total,
+            results["total_seconds"], results["versions"]["backend"])
   if args.json:
     import os  # pylint: disable=import-outside-toplevel
 
@@ -357,7 +375,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with open(args.json, "w", encoding="utf-8") as f:
       json.dump(results, f, indent=1)
       f.write("\n")
-    print(f"wrote {args.json}")
+    _LOG.info("wrote %s", args.json)
   return 0
 
 

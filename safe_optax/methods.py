@@ -32,9 +32,10 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
+import re
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import jax.numpy as jnp
 import optax
@@ -58,7 +59,9 @@ class Hyperparams:
   """``global``: one top-k over all prunable leaves (the paper's vision setting; layers end
   with different sparsities); ``per_leaf``: ``sparsity`` in every prunable leaf (a uniform
   per-layer mask, which no layer can lose entirely); ``erk``: RigL's Erdős–Rényi-Kernel
-  allocation, small layers denser, the same total as ``global``."""
+  allocation, small layers denser, the same total as ``global``; ``"N:M"`` (e.g. ``"2:4"``):
+  ``N`` kept in every ``M`` consecutive weights along each kernel's input axis
+  (:class:`~safe_optax.NM`), with ``sparsity`` ``1 - N/M`` (:func:`parse_structure`)."""
   epochs: int = 200
   learning_rate: float = 0.1
   warmup_epochs: int = 5
@@ -126,7 +129,7 @@ def validate(hp: Hyperparams) -> Hyperparams:
   """
   check_one_of(hp.method, "method", tuple(REGISTRY))
   check_one_of(hp.saliency, "saliency", SALIENCIES)
-  check_one_of(hp.structure, "structure", tuple(STRUCTURES))
+  structure = parse_structure(hp.structure)
   check_one_of(hp.penalty_schedule, "penalty_schedule", PENALTY_SCHEDULES)
   check_one_of(hp.imp_power, "imp_power", (1, 3))
   if not isinstance(hp.rescale_dual, bool):
@@ -137,6 +140,8 @@ def validate(hp: Hyperparams) -> Hyperparams:
     raise ValueError(f"`sparsity` must be in [0, 1), got {hp.sparsity}.")
   if hp.method != "dense" and hp.sparsity == 0.0:
     raise ValueError(f"method {hp.method!r} needs `sparsity` > 0.")
+  if isinstance(structure, safe_optax.NM) and hp.method != "dense":
+    _check_nm(hp, structure)
   for s in hp.multi_sparsities:
     if not 0.0 < s < 1.0:
       raise ValueError(f"`multi_sparsities` must lie in (0, 1), got {hp.multi_sparsities}.")
@@ -199,13 +204,57 @@ def projection(config: Hyperparams) -> dict[str, Any]:
     {'sparsity': 0.95, 'structure': Global()}
     >>> projection(Hyperparams(sparsity=0.95, structure="per_leaf"))
     {'sparsity': 0.95, 'structure': PerLeaf()}
+    >>> projection(Hyperparams(sparsity=0.5, structure="2:4"))
+    {'sparsity': 0.5, 'structure': NM(n=2, m=4, axis=-2)}
   """
-  return {"sparsity": config.sparsity, "structure": STRUCTURES[config.structure]()}
+  return {"sparsity": config.sparsity, "structure": parse_structure(config.structure)}
+
+
+def parse_structure(
+    name: str) -> Union[safe_optax.Global, safe_optax.PerLeaf, safe_optax.ERK, safe_optax.NM]:
+  """The library's structure for a ``Hyperparams.structure`` name: :data:`STRUCTURES` or N:M.
+
+  ``"N:M"`` with integers ``0 < N < M`` is :class:`safe_optax.NM` ``(N, M)``: ``N`` kept in
+  every ``M`` consecutive weights along each kernel's input axis (``-2``: ``in`` of a Dense
+  kernel ``(in, out)`` and of a conv kernel ``(h, w, in, out)``).
+
+  Raises:
+    ValueError: any other name (the message lists the allowed ones).
+
+  Examples:
+    >>> parse_structure("erk"), parse_structure("2:4")
+    (ERK(power_scale=1.0), NM(n=2, m=4, axis=-2))
+    >>> parse_structure("4:2")
+    Traceback (most recent call last):
+    ...
+    ValueError: `structure` must be one of ['global', 'per_leaf', 'erk'], got '4:2'; N:M with integers 0 < N < M (e.g. '2:4') is allowed too.
+  """
+  if isinstance(name, str) and name in STRUCTURES:
+    return STRUCTURES[name]()
+  match = re.fullmatch(r"([0-9]+):([0-9]+)", name) if isinstance(name, str) else None
+  if match is None or not 0 < int(match[1]) < int(match[2]):
+    raise ValueError(f"`structure` must be one of {list(STRUCTURES)}, got {name!r}; N:M with "
+                     "integers 0 < N < M (e.g. '2:4') is allowed too.")
+  return safe_optax.NM(int(match[1]), int(match[2]))
+
+
+def _check_nm(hp: Hyperparams, structure: safe_optax.NM) -> None:
+  """An N:M run prunes exactly ``1 - N/M`` with a method whose sparsity stays fixed."""
+  if get(hp.method).varies_sparsity:
+    fixed = [name for name, m in REGISTRY.items() if name != "dense" and not m.varies_sparsity]
+    raise ValueError(f"method {hp.method!r} changes its sparsity during training, which "
+                     f"`structure` {hp.structure!r} cannot follow (N:M keeps N of every M "
+                     f"from the first projection); use one of {fixed}.")
+  nm_sparsity = 1 - structure.n / structure.m
+  if abs(hp.sparsity - nm_sparsity) > 1e-9:
+    raise ValueError(f"`sparsity` {hp.sparsity:g} contradicts `structure` {hp.structure!r}, "
+                     f"which prunes exactly {nm_sparsity:g} (N of every M weights); set "
+                     f"`sparsity` to {nm_sparsity:g}.")
 
 
 STRUCTURES = {"global": safe_optax.Global, "per_leaf": safe_optax.PerLeaf, "erk": safe_optax.ERK}
 """``Hyperparams.structure`` names -> the library's structure types; the names, in this order, are
-:data:`~safe_optax.vision.configs.STRUCTURES`."""
+:data:`~safe_optax.vision.configs.STRUCTURES` (``"N:M"`` is :func:`parse_structure`'s too)."""
 
 STRUCTURE_HELP = {
     "global": "one top-k over all prunable leaves (the paper's)",
@@ -350,6 +399,9 @@ class Method:
   (CrAM's radius ``rho``, its one hyperparameter); see :attr:`selected_field`."""
   seeded: Callable[[Hyperparams], bool] = _never
   """Whether ``config.seed`` enters the optimizer (else its programs are shared across seeds)."""
+  varies_sparsity: bool = False
+  """Its sparsity changes during training (a ramp, a prune at the last step, a draw at each
+  dual update), so it cannot train an N:M structure, which fixes ``N`` of every ``M``."""
   dual_alone: bool = False
   """Its dual update reads no gradient (magnitude scores), so the trainer runs it as a
   program of its own on dual steps (:func:`safe_optax.experimental.run_dual_update`); SAFE+'s
@@ -370,13 +422,14 @@ REGISTRY: Mapping[str, Method] = {
                         # OBD scores draw Hutchinson probes from the seed.
                         seeded=lambda config: config.saliency == "obd"),
     "admm": Method(_admm, has_admm_state=True, penalty_field="admm_penalty", dual_alone=True),
-    "gmp": Method(_gradual),
-    "magnitude": Method(_magnitude),
-    "imp-sam": Method(_gradual, uses_grad_fn=True),
+    "gmp": Method(_gradual, varies_sparsity=True),
+    "magnitude": Method(_magnitude, varies_sparsity=True),
+    "imp-sam": Method(_gradual, uses_grad_fn=True, varies_sparsity=True),
     "cram": Method(_cram, uses_grad_fn=True, tuned_field="rho"),
     "cram-plus": Method(_cram, uses_grad_fn=True, tuned_field="rho"),
     "safe-sg": Method(_safe_alias(safe_optax.safe_sg), **_SAFE),
-    "safe-multi": Method(_safe_multi, **_SAFE, seeded=lambda config: True),
+    "safe-multi": Method(_safe_multi, **_SAFE, seeded=lambda config: True,
+                         varies_sparsity=True),
 }
 """Every training method; :data:`safe_optax.vision.configs.METHODS` are its names."""
 

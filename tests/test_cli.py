@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
+import re
+import sys
 from importlib import metadata
 
 import numpy as np
@@ -16,7 +19,6 @@ from safe_optax.vision import sweeps
 from data_required import require_data
 
 
-
 def _run(argv, capsys):
   with pytest.raises(SystemExit) as exit_info:
     cli.main(argv)
@@ -25,7 +27,7 @@ def _run(argv, capsys):
 
 def test_entry_point_is_registered():
   scripts = {ep.name: ep.value for ep in metadata.entry_points(group="console_scripts")}
-  assert scripts.get("safe-optax-vision") == "safe_optax.vision.cli:main"
+  assert scripts.get("safe-optax-vision") == "safe_optax._entry:vision"  # checks the extra
 
 
 def test_missing_data_dir_is_a_clear_error(tmp_path, capsys):
@@ -127,7 +129,8 @@ def test_two_epoch_smoke_run_has_exact_sparsity_and_beats_chance(tmp_path, capsy
 
 
 def test_eval_of_an_empty_workdir_is_a_clear_error(tmp_path, capsys):
-  code, err = _run(["eval", "--workdir", str(tmp_path), "--data-dir", str(tmp_path)], capsys)
+  code, err = _run(["eval", "--workdir", str(tmp_path), "--data-dir", str(tmp_path),
+                    "--suite", "clean"], capsys)
   assert code == 2 and "results.json' not found: train the run first" in err
   assert "Traceback" not in err
 
@@ -197,7 +200,8 @@ def test_a_config_file_with_a_syntax_error_is_one_line_naming_it(tmp_path, capsy
 
 def test_truncated_results_json_is_one_line_in_eval_and_sweeps(tmp_path, capsys):
   (tmp_path / "results.json").write_text('{"config": {"mod')
-  err = _one_line_error(["eval", "--workdir", str(tmp_path), "--data-dir", str(tmp_path)],
+  err = _one_line_error(["eval", "--workdir", str(tmp_path), "--data-dir", str(tmp_path),
+                         "--suite", "clean"],
                         capsys)
   assert str(tmp_path / "results.json") in err and "--restart" in err
   from safe_optax.vision import configs  # pylint: disable=import-outside-toplevel
@@ -223,3 +227,108 @@ def test_conv_impl_reaches_the_config_and_a_bad_one_names_the_choices(tmp_path, 
   code, err = _run(["train", "--preset", "resnet20x2-cifar10", "--conv-impl", "winograd",
                     "--data-dir", str(tmp_path), "--workdir", str(tmp_path)], capsys)
   assert code == 2 and "--conv-impl" in err and "'xla', 'im2col'" in err
+
+
+# ----------------------------------------------------------------------------- help, version, logs
+
+
+def _help_entries(text: str) -> dict[str, str]:
+  """``--help`` output as ``{option or positional line: its help text}`` (wrapped lines joined)."""
+  entries: dict[str, str] = {}
+  current = None
+  for line in text.splitlines():
+    if re.match(r"  (  )?[^ ]", line):  # an option, a positional or (4 spaces) a subcommand
+      invocation, _, help_text = line.strip().partition("  ")
+      current = invocation
+      entries[current] = help_text.strip()
+    elif current is not None and line.startswith("      "):
+      entries[current] = (entries[current] + " " + line.strip()).strip()
+    else:
+      current = None
+  return entries
+
+
+def _help(argv, capsys) -> str:
+  with pytest.raises(SystemExit) as info:
+    cli.main([*argv, "--help"])
+  assert info.value.code == 0
+  return capsys.readouterr().out
+
+
+# distributed.add_launch_arguments' flags: no value means "the environment, the detected
+# cluster, else one process", which their group's description says.
+_LAUNCH = ("--coordinator", "--num-processes", "--process-id")
+
+
+@pytest.mark.parametrize("command", ["train", "sweep", "eval"])
+def test_every_flag_has_help_with_its_default(capsys, command):
+  text = _help([command], capsys)
+  entries = {k: v for k, v in _help_entries(text).items() if k.startswith("-")}
+  assert len(entries) >= {"train": 35, "sweep": 35, "eval": 9}[command], sorted(entries)
+  for invocation, help_text in entries.items():
+    if invocation.startswith("-h") or invocation.startswith(_LAUNCH):
+      continue
+    assert help_text, f"{command} {invocation} has no help text"
+    assert "(default: " in help_text or "(required" in help_text, (
+        f"{command} {invocation} shows no default: {help_text!r}")
+  assert "all three, or none: then the SAFE_OPTAX_COORDINATOR" in " ".join(text.split())
+  assert entries["--log-level {DEBUG,INFO,WARNING,ERROR}"].endswith("(default: INFO)")
+  progress = {i.split()[0] for i in entries if "progress" in i}
+  assert progress == {"--no-progress"}  # one spelling across the CLIs
+  if command == "train":
+    assert "--structure {global,per_leaf,erk,N:M}" in entries
+    assert entries["--epochs EPOCHS"] == "training epochs (default: from --preset or --config)"
+  if command == "eval":
+    assert entries["--seed SEED"].endswith("(default: 0)")
+    assert entries["--corruption-subset CORRUPTION_SUBSET"].endswith("(default: 1000)")
+
+
+def test_top_level_help_names_the_commands_and_version(capsys):
+  entries = _help_entries(_help([], capsys))
+  assert entries["COMMAND"].startswith("train, sweep or eval")
+  for command in ("train", "sweep", "eval"):
+    assert entries[command], command  # each subcommand has a one-line description
+  assert "--version" in entries
+
+
+def test_version(capsys):
+  with pytest.raises(SystemExit) as info:
+    cli.main(["--version"])
+  assert info.value.code == 0
+  assert capsys.readouterr().out == f"safe-optax-vision {safe_optax.__version__}\n"
+
+
+@pytest.mark.parametrize("level, logged", [("INFO", True), ("warning", False)])
+def test_informational_messages_are_log_records_on_safe_optax_loggers(tmp_path, capsys, caplog,
+                                                                      level, logged):
+  caplog.set_level(logging.DEBUG, logger="safe_optax")  # main sets it to --log-level
+  data = tmp_path / "empty"
+  data.mkdir()
+  code, err = _run(["train", "--preset", "mlp-mnist", "--data-dir", str(data), "--workdir",
+                    str(tmp_path / "run"), "--log-level", level], capsys)
+  assert code == 2 and "t10k-images-idx3-ubyte" in err  # the data load was reached and failed
+  records = [r for r in caplog.records if r.name.startswith("safe_optax")]
+  if logged:
+    assert [(r.name, r.levelno, r.getMessage()) for r in records] == [
+        ("safe_optax.vision.cli", logging.INFO, f"loading mnist from {data}")]
+  else:
+    assert not records
+
+
+def test_bad_log_level_names_the_argument_and_choices(tmp_path, capsys):
+  code, err = _run(["train", "--preset", "mlp-mnist", "--data-dir", str(tmp_path), "--workdir",
+                    str(tmp_path), "--log-level", "loud"], capsys)
+  assert code == 2 and err.count("\n") == 1
+  assert "argument --log-level" in err and "'DEBUG', 'INFO', 'WARNING', 'ERROR'" in err
+
+
+def test_eval_without_imagecorruptions_names_the_extra_before_loading(tmp_path, capsys,
+                                                                      monkeypatch):
+  from safe_optax.vision import corruption_functions, evaluation  # pylint: disable=import-outside-toplevel
+  monkeypatch.setitem(sys.modules, "imagecorruptions", None)
+  monkeypatch.setattr(evaluation, "evaluate_workdir", lambda *a, **k: pytest.fail("evaluated"))
+  assert not corruption_functions.available()
+  code, err = _run(["eval", "--workdir", str(tmp_path), "--data-dir", str(tmp_path)], capsys)
+  assert code == 2 and err.count("\n") == 1, err
+  assert "argument --suite" in err and 'pip install "safe-optax[corruptions]"' in err
+  assert "leave corruptions out of --suite" in err

@@ -86,3 +86,77 @@ def test_format_table_and_mean_se():
 def test_cli_rejects_bad_sparsity():
   with pytest.raises(SystemExit):
     demo.parse_args(["--sparsity", "1.0"])
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def _help_entries(text: str) -> dict[str, str]:
+  """``--help`` output as ``{option line: its help text}`` (wrapped lines joined)."""
+  entries: dict[str, str] = {}
+  current = None
+  for line in text.splitlines():
+    if line.startswith("  -"):
+      invocation, _, help_text = line.strip().partition("  ")
+      current = invocation
+      entries[current] = help_text.strip()
+    elif current is not None and line.startswith("    "):
+      entries[current] = (entries[current] + " " + line.strip()).strip()
+    else:
+      current = None
+  return entries
+
+
+def test_every_flag_has_help_with_its_default(capsys):
+  with pytest.raises(SystemExit) as info:
+    demo.parse_args(["--help"])
+  assert info.value.code == 0
+  entries = _help_entries(capsys.readouterr().out)
+  assert len(entries) >= 15 and "--log-level {DEBUG,INFO,WARNING,ERROR}" in entries
+  for invocation, text in entries.items():
+    if invocation.startswith(("-h", "--version")):
+      continue
+    assert text, f"{invocation} has no help text"
+    assert "(default: " in text, f"{invocation} does not show its default: {text!r}"
+  assert entries["--epochs EPOCHS"].endswith(f"(default: {demo.Config().epochs})")
+  assert entries["--sparsity SPARSITY [SPARSITY ...]"].endswith("(default: 0.9)")
+  progress = {i.split()[0] for i in entries if "progress" in i}
+  assert progress == {"--no-progress"}  # one spelling across the CLIs
+
+
+def test_version(capsys):
+  with pytest.raises(SystemExit) as info:
+    demo.main(["--version"])
+  assert info.value.code == 0
+  assert capsys.readouterr().out == f"safe-optax-demo {safe_optax.__version__}\n"
+
+
+def _fake_run(config, progress=True):
+  del config, progress
+  return {"summary": [{"method": "dense", "sparsity_target": 0.0, "test_accuracy_mean": 0.9,
+                       "test_accuracy_se": 0.01, "test_accuracy_before_projection_mean": None,
+                       "achieved_sparsity": [0.0], "train_seconds_mean": 1.0}],
+          "compile_seconds": {"dense": 0.5}, "total_seconds": 2.0,
+          "data": {"n_train": 10, "n_test": 5}, "versions": {"backend": "cpu"}}
+
+
+@pytest.mark.parametrize("level, logged", [("INFO", True), ("warning", False)])
+def test_informational_lines_are_log_records_and_the_table_is_stdout(
+    tmp_path, capsys, caplog, monkeypatch, level, logged):
+  import logging  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(demo, "run", _fake_run)
+  caplog.set_level(logging.DEBUG, logger="safe_optax")  # main lowers or raises it again
+  path = tmp_path / "demo.json"
+  assert demo.main(["--epochs", "3", "--json", str(path), "--log-level", level]) == 0
+  out = capsys.readouterr().out
+  assert out.startswith("method") and "90.00 ± 1.00" in out
+  assert "wrote" not in out and "demo: digits" not in out  # logged, not printed
+  records = [r for r in caplog.records if r.name == "safe_optax.demo"]
+  if not logged:
+    assert not records
+    return
+  messages = [r.getMessage() for r in records]
+  assert all(r.levelno == logging.INFO for r in records)
+  assert messages[0].startswith(f"safe_optax {safe_optax.__version__} demo: digits MLP "
+                                "64-128-64-10, 3 epochs")
+  assert messages[-1] == f"wrote {path}" and path.exists()

@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import logging
 import re
 import sys
 from collections.abc import Sequence
@@ -54,12 +55,17 @@ from typing import Any, NoReturn, Optional
 from absl import flags
 from ml_collections import config_flags
 
+import safe_optax
 from safe_optax import methods
 from safe_optax.vision import config_files
 from safe_optax.vision import configs
 from safe_optax.vision import workdirs
 
 _CONFIG_OVERRIDE = "--config."
+_FROM_BASE = "(default: from --preset or --config)"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+"""Values of ``--log-level``: the least severe message of the ``safe_optax`` loggers shown."""
+_LOG = logging.getLogger(__name__)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -73,56 +79,105 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
   """Options shared by ``train`` and ``sweep``: the preset or config file, data and overrides."""
   base = parser.add_mutually_exclusive_group(required=True)
   base.add_argument("--preset", choices=sorted(configs.PRESETS),
-                    help="named paper configuration")
+                    help="named paper configuration (required: this or --config)")
   base.add_argument("--config", metavar="FILE",
                     help="config file: a .py whose get_config() returns an ml_collections "
                          "ConfigDict (see safe_optax/vision/config_files/), or a run's "
-                         "config.json; --config.KEY=VALUE overrides any field")
+                         "config.json; --config.KEY=VALUE overrides any field (required: "
+                         "this or --preset)")
   # --config.KEY=VALUE tokens are left to ml_collections.config_flags (_dotted_overrides).
   parser.add_argument("--data-dir", required=True,
-                      help="CIFAR pickles / image folder / .tar.gz, or MNIST idx files")
+                      help="CIFAR pickles / image folder / .tar.gz, or MNIST idx files "
+                           "(required)")
   parser.add_argument("--workdir", required=True, help="output folder (resumes if it has a "
-                                                       "checkpoint)")
-  over = parser.add_argument_group("overrides of the preset")
-  over.add_argument("--epochs", type=int)
+                                                       "checkpoint) (required)")
+  over = parser.add_argument_group(
+      "overrides of the preset", "each one's default is the value of --preset or --config "
+      "(the config field of the same name, e.g. --lr is learning_rate)")
+  over.add_argument("--epochs", type=int, help=f"training epochs {_FROM_BASE}")
   over.add_argument("--dtype", choices=configs.DTYPES,
-                    help="compute dtype (bfloat16: float32 weights, optimizer state, BN statistics)")
+                    help="compute dtype (bfloat16: float32 weights, optimizer state, BN "
+                         f"statistics) {_FROM_BASE}")
   over.add_argument("--matmul-precision", choices=configs.MATMUL_PRECISIONS,
-                    help="precision of the convolutions and Dense layers")
+                    help=f"precision of the convolutions and Dense layers {_FROM_BASE}")
   over.add_argument("--conv-impl", choices=configs.CONV_IMPLS,
                     help="convolutions as XLA's or as im2col matmuls (which a packed sweep "
-                         "batches as matmuls, not grouped convolutions)")
-  over.add_argument("--batch-size", type=int)
-  over.add_argument("--lr", dest="learning_rate", type=float, help="peak learning rate")
-  over.add_argument("--warmup-epochs", type=int)
-  over.add_argument("--weight-decay", type=float)
-  over.add_argument("--penalty", type=float, help="lambda (default: the preset's table)")
-  over.add_argument("--admm-penalty", type=float, help="ADMM's lambda (default: --penalty)")
-  over.add_argument("--rho", type=float, help="SAM radius")
-  over.add_argument("--dual-every", type=int, help="K, steps between dual updates")
+                         f"batches as matmuls, not grouped convolutions) {_FROM_BASE}")
+  over.add_argument("--batch-size", type=int, help=f"training batch size {_FROM_BASE}")
+  over.add_argument("--lr", dest="learning_rate", type=float,
+                    help=f"peak learning rate {_FROM_BASE}")
+  over.add_argument("--warmup-epochs", type=int,
+                    help="epochs of linear learning-rate warm-up (default: from --preset or "
+                         "--config; a tenth of --epochs when that is shorter)")
+  over.add_argument("--weight-decay", type=float, help=f"weight decay {_FROM_BASE}")
+  over.add_argument("--penalty", type=float,
+                    help="lambda (default: the penalty table of --preset or --config at the "
+                         "run's sparsity)")
+  over.add_argument("--admm-penalty", type=float,
+                    help="ADMM's lambda (default: from --preset or --config, else --penalty)")
+  over.add_argument("--rho", type=float, help=f"SAM radius {_FROM_BASE}")
+  over.add_argument("--dual-every", type=int, help=f"K, steps between dual updates {_FROM_BASE}")
   over.add_argument("--rescale-dual", dest="rescale_dual", action="store_const", const=True,
                     help="keep the unscaled dual while the penalty ramps (Boyd et al. 2011; "
-                         "off: the paper's update, see docs/dual_rescaling.md)")
-  over.add_argument("--saliency", choices=configs.SALIENCIES, help="SAFE+ scores")
-  over.add_argument("--structure", choices=configs.STRUCTURES,
+                         "off: the paper's update, see docs/dual_rescaling.md) (default: from "
+                         "--preset or --config, off in every preset)")
+  over.add_argument("--saliency", choices=configs.SALIENCIES, help=f"SAFE+ scores {_FROM_BASE}")
+  over.add_argument("--structure", type=_structure, metavar="{%s,N:M}" % ",".join(
+                        configs.STRUCTURES),
                     help="sparsity set: " + "; ".join(
-                        f"{k}: {v}" for k, v in methods.STRUCTURE_HELP.items()))
-  over.add_argument("--train-subset", type=int, help="train on this many examples")
-  over.add_argument("--test-subset", type=int, help="evaluate on this many test examples")
+                        f"{k}: {v}" for k, v in methods.STRUCTURE_HELP.items())
+                    + "; N:M (e.g. 2:4, integers 0 < N < M): N kept in every M consecutive "
+                      "weights along each kernel's input axis, sparsity 1 - N/M (then "
+                      "--sparsity may be left out; methods with a sparsity schedule refuse it) "
+                      f"{_FROM_BASE}")
+  over.add_argument("--train-subset", type=int,
+                    help="train on a seeded sample of this many examples (default: from "
+                         "--preset or --config, all in every preset)")
+  over.add_argument("--test-subset", type=int,
+                    help="evaluate on a seeded sample of this many test examples (default: "
+                         "from --preset or --config, all in every preset)")
   over.add_argument("--test-only-split", type=int, nargs=2, metavar=("N_TRAIN", "N_TEST"),
-                    help="MNIST with only the t10k files: split them (e.g. 8000 2000)")
+                    help="MNIST with only the t10k files: split them (e.g. 8000 2000) "
+                         "(default: from --preset or --config, no split in every preset)")
   over.add_argument("--validation", type=int, metavar="N",
                     help="hold out N training examples and report accuracy on them instead "
-                         "of the test set (for choosing hyperparameters)")
-  over.add_argument("--gmp-update-every", type=int, help="GMP: steps between mask updates")
-  over.add_argument("--label-noise", type=float, help="symmetric label-noise ratio")
-  over.add_argument("--bnt-samples", type=int, help="training images for BN re-estimation")
-  over.add_argument("--eval-every", type=int, help="test evaluation every N epochs")
+                         "of the test set (for choosing hyperparameters) (default: from "
+                         "--preset or --config, none in every preset)")
+  over.add_argument("--gmp-update-every", type=int,
+                    help=f"GMP: steps between mask updates {_FROM_BASE}")
+  over.add_argument("--label-noise", type=float,
+                    help=f"symmetric label-noise ratio {_FROM_BASE}")
+  over.add_argument("--bnt-samples", type=int,
+                    help=f"training images for BN re-estimation {_FROM_BASE}")
+  over.add_argument("--eval-every", type=int, help=f"test evaluation every N epochs {_FROM_BASE}")
   over.add_argument("--log-every", type=int, metavar="N",
-                    help="per-step scalars every N steps of an epoch")
+                    help=f"per-step scalars every N steps of an epoch {_FROM_BASE}")
   over.add_argument("--no-augment", dest="augment", action="store_const", const=False,
-                    help="no pad-crop-flip augmentation")
-  parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+                    help="no pad-crop-flip augmentation (default: from --preset or --config: "
+                         "on for CIFAR, off for MNIST)")
+  _add_output_options(parser)
+
+
+def _add_output_options(parser: argparse.ArgumentParser) -> None:
+  """What every subcommand prints besides its result: progress bars and log messages."""
+  parser.add_argument("--no-progress", action="store_true",
+                      help="no progress bars (default: progress bars on stderr)")
+  parser.add_argument("--log-level", choices=LOG_LEVELS, default="INFO", type=str.upper,
+                      help="least severe log message written to stderr; WARNING silences "
+                           "the informational ones (default: %(default)s)")
+
+
+def _structure(value: str) -> str:
+  """``--structure``'s type: a named structure or N:M (:func:`safe_optax.methods.parse_structure`)."""
+  try:
+    methods.parse_structure(value)
+  except ValueError:
+    # Worded as argparse words a bad choice of the other flags.
+    named = ", ".join(repr(name) for name in configs.STRUCTURES)
+    raise argparse.ArgumentTypeError(
+        f"invalid choice: {value!r} (choose from {named}, or N:M with integers 0 < N < M, "
+        "e.g. 2:4)") from None
+  return value
 
 
 def _add_launch_options(parser: argparse.ArgumentParser) -> None:
@@ -161,17 +216,25 @@ def build_parser() -> argparse.ArgumentParser:
   parser = _Parser(
       prog="safe-optax-vision",
       description="SAFE and baseline pruning of CIFAR / MNIST models (Flax, optax).")
-  sub = parser.add_subparsers(dest="command", required=True)
+  parser.add_argument("--version", action="version",
+                      version=f"safe-optax-vision {safe_optax.__version__}")
+  sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                              help="train, sweep or eval (COMMAND --help for its flags)")
 
   train_parser = sub.add_parser("train", help="train and evaluate one configuration")
   _add_run_options(train_parser)
   train_parser.add_argument("--method", choices=configs.METHODS,
-                            help="training method (default: the preset's, safe)")
+                            help="training method (default: from --preset or --config, safe in "
+                                 "every preset)")
   train_parser.add_argument("--sparsity", type=float, default=None,
-                            help="target sparsity of the prunable weights (default: preset)")
-  train_parser.add_argument("--seed", type=int)
+                            help="target sparsity of the prunable weights, in (0, 1) (default: "
+                                 "from --preset or --config; 1 - N/M with --structure N:M)")
+  train_parser.add_argument("--seed", type=int,
+                            help="seed of the initialisation, data order and augmentation "
+                                 "(default: from --preset or --config, 0 in every preset)")
   train_parser.add_argument("--restart", action="store_true",
-                            help="discard a run of other settings in --workdir and start over")
+                            help="discard a run of other settings in --workdir and start over "
+                                 "(default: resume a run of the same settings, refuse others)")
   train_parser.add_argument("--tensorboard", action=argparse.BooleanOptionalAction,
                             default=None,
                             help="write TensorBoard event files in WORKDIR/tensorboard "
@@ -182,33 +245,42 @@ def build_parser() -> argparse.ArgumentParser:
   sweep_parser = sub.add_parser(
       "sweep", help="methods x sparsities x seeds -> one table (mean +- standard error)")
   _add_run_options(sweep_parser)
-  sweep_parser.add_argument("--methods", nargs="+", choices=configs.METHODS, required=True)
-  sweep_parser.add_argument("--sparsities", nargs="+", type=float, required=True)
-  sweep_parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+  sweep_parser.add_argument("--methods", nargs="+", choices=configs.METHODS, required=True,
+                            help="training methods (required; dense runs once per seed)")
+  sweep_parser.add_argument("--sparsities", nargs="+", type=float, required=True,
+                            help="target sparsities, each in (0, 1) (required)")
+  sweep_parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2],
+                            help="training seeds; the table is mean +- standard error over "
+                                 "them (default: 0 1 2)")
   sweep_parser.add_argument("--pack", type=int, default=1, metavar="N",
                             help="train up to N runs that differ only in the seed as one "
-                            "vmapped program (one process)")
+                            "vmapped program (one process) (default: %(default)s, no packing)")
   sweep_parser.add_argument("--checkpoint-seconds", type=float, default=None, metavar="S",
                             help="packs also checkpoint every S seconds (a lease cut short "
-                            "loses at most about S)")
+                            "loses at most about S) (default: at the end of each epoch only)")
   _add_launch_options(sweep_parser)
   sweep_parser.set_defaults(func=sweep, parser=sweep_parser)
 
   eval_parser = sub.add_parser(
       "eval", help="clean / corruption / PGD / Hessian evaluation of a finished run")
-  eval_parser.add_argument("--workdir", required=True, help="a finished `train` workdir")
-  eval_parser.add_argument("--data-dir", required=True, help="the data it was trained on")
+  eval_parser.add_argument("--workdir", required=True,
+                           help="a finished `train` workdir (required)")
+  eval_parser.add_argument("--data-dir", required=True,
+                           help="the data it was trained on (required)")
   eval_parser.add_argument("--suite", default="clean,corruptions,pgd-linf,pgd-l2,hessian",
                            help="comma-separated subset of clean,corruptions,pgd-linf,pgd-l2,"
-                                "hessian")
+                                "hessian; corruptions need the `corruptions` extra "
+                                "(default: %(default)s)")
   eval_parser.add_argument("--corruption-subset", type=int, default=1000,
                            help="corrupt a seeded sample of N of the evaluated test images "
-                                "(CPU-generated, cached)")
+                                "(CPU-generated, cached) (default: %(default)s)")
   eval_parser.add_argument("--test-subset", type=int, default=None,
                            help="clean and PGD accuracy on a seeded sample of N test images "
                                 "(default: all)")
-  eval_parser.add_argument("--seed", type=int, default=0)
-  eval_parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+  eval_parser.add_argument("--seed", type=int, default=0,
+                           help="seed of the subsets, the corruptions and PGD's random starts "
+                                "(default: %(default)s)")
+  _add_output_options(eval_parser)
   _add_launch_options(eval_parser)
   eval_parser.set_defaults(func=evaluate, parser=eval_parser)
   return parser
@@ -276,10 +348,34 @@ def _config(parser: argparse.ArgumentParser, args: argparse.Namespace,
   overrides = {**dotted, **{k: v for k, v in flags_given.items() if v is not None}}
   if overrides.get("method", base.method) == "dense":
     overrides["sparsity"] = 0.0  # dense training has no target sparsity
+  else:
+    flag = "--sparsity" if flags_given.get("sparsity") is not None else "--config.sparsity"
+    _nm_sparsity(parser, overrides, overrides.get("structure", base.structure), flag)
   try:
     return configs.override(base, overrides, name=name)
   except ValueError as err:
     _fail(parser, str(err))
+
+
+def _nm_sparsity(parser: argparse.ArgumentParser, overrides: dict[str, Any], structure: str,
+                 flag: str) -> None:
+  """With an N:M ``structure`` the sparsity is ``1 - N/M``: set when not given, else checked.
+
+  The config's validation refuses a contradicting sparsity naming the field;
+  here the message names ``flag``, the option that gave it.
+  """
+  try:
+    nm = methods.parse_structure(structure)
+  except ValueError:
+    return  # the config's validation names the field
+  if not isinstance(nm, safe_optax.NM):
+    return
+  fixed = 1 - nm.n / nm.m
+  given = overrides.setdefault("sparsity", fixed)
+  if abs(given - fixed) > 1e-9:
+    _fail(parser, f"argument {flag}: {given:g} conflicts with structure {structure}, which "
+                  f"prunes exactly {fixed:g} (N of every M weights); leave out {flag} or "
+                  f"pass {fixed:g}.")
 
 
 def resolved_config(argv: Sequence[str]) -> configs.Config:
@@ -307,6 +403,7 @@ def _train_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 
 def _load(parser: argparse.ArgumentParser, config: configs.Config, data_dir: str):
   from safe_optax.vision import datasets  # pylint: disable=import-outside-toplevel
+  _LOG.info("loading %s from %s", config.dataset, data_dir)
   try:
     return datasets.load_dataset(config, data_dir)
   except (FileNotFoundError, ValueError) as err:
@@ -370,6 +467,12 @@ def sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
   if args.checkpoint_seconds is not None and args.checkpoint_seconds <= 0:
     parser.error(f"--checkpoint-seconds must be positive, got {args.checkpoint_seconds}")
   base = _config(parser, args)
+  for method in args.methods:  # every run's config, checked before any data loads
+    for s in args.sparsities:
+      try:
+        base.replace(method=method, sparsity=0.0 if method == "dense" else s)
+      except ValueError as err:
+        _fail(parser, f"argument --methods/--sparsities: {method} at sparsity {s:g}: {err}")
   try:
     workdirs.check_creatable(args.workdir)
   except ValueError as err:
@@ -392,10 +495,14 @@ def sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 def evaluate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
   """``eval``: the suite on ``--workdir`` -> ``eval.json`` and ``eval.md`` there."""
   from safe_optax.vision import evaluation  # pylint: disable=import-outside-toplevel
+  from safe_optax.vision import corruption_functions  # pylint: disable=import-outside-toplevel
   try:
     suite = evaluation.parse_suite(args.suite)
   except ValueError as err:
     parser.error(str(err))
+  if "corruptions" in suite and not corruption_functions.available():
+    parser.error(f"argument --suite: the corruptions need {corruption_functions.INSTALL_HINT}; "
+                 "or leave corruptions out of --suite")
   for flag, value in (("--test-subset", args.test_subset),
                       ("--corruption-subset", args.corruption_subset)):
     if value is not None and value < 1:
@@ -428,10 +535,28 @@ def _parse(argv: Optional[Sequence[str]]) -> tuple[argparse.ArgumentParser, argp
   return parser, args
 
 
+def configure_logging(level: str, *, primary: bool = True) -> None:
+  """Log messages of the ``safe_optax`` loggers from ``level`` up go to stderr.
+
+  The root logger gets a stderr handler unless it has one already (a program
+  or a test harness that set up logging keeps its own); only ``safe_optax``'s
+  loggers are lowered to ``level``, so other libraries' informational
+  messages stay hidden. A process other than the primary one (process 0)
+  shows warnings and errors only.
+  """
+  logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+  threshold = logging.getLevelName(level)
+  logging.getLogger("safe_optax").setLevel(threshold if primary else
+                                           max(threshold, logging.WARNING))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
   """Entry point of ``safe-optax-vision``."""
+  from safe_optax import distributed  # pylint: disable=import-outside-toplevel
   _, args = _parse(argv)
+  configure_logging(args.log_level)
   _join_runtime(args.parser, args)
+  configure_logging(args.log_level, primary=distributed.is_primary())
   return args.func(args.parser, args)
 
 

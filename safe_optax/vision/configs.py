@@ -44,9 +44,11 @@ MATMUL_PRECISIONS = ("default", "high", "highest")
 CONV_IMPLS = models.CONV_IMPLS
 """Values of :attr:`Config.conv_impl` (:data:`safe_optax.vision.models.CONV_IMPLS`)."""
 STRUCTURES = tuple(methods.STRUCTURES)
-"""Sparsity sets of :attr:`Config.structure`: one top-k over all prunable leaves
+"""Named sparsity sets of :attr:`Config.structure`: one top-k over all prunable leaves
 (:class:`~safe_optax.Global`), the same fraction in each (:class:`~safe_optax.PerLeaf`) or
-a fraction per leaf from its shape (:class:`~safe_optax.ERK`)."""
+a fraction per leaf from its shape (:class:`~safe_optax.ERK`). ``"N:M"`` (e.g. ``"2:4"``,
+:class:`~safe_optax.NM`, with ``sparsity`` ``1 - N/M``) is allowed too
+(:func:`safe_optax.methods.parse_structure`)."""
 
 
 @dataclasses.dataclass(frozen=True)
