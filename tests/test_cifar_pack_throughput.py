@@ -47,11 +47,11 @@ def _conv_flops(batch):
 
 @pytest.mark.slow
 def test_the_lowered_count_holds_the_convolutions_and_grows_with_the_pack():
-  lone = bench.flops_of(bench.lowered_step(_config(), 1).lowered)
+  lone = bench.flops(bench.lowered_step(_config(), 1).lowered)
   # SAM's two gradients: two forward and two backward passes, the backward about twice the forward
   forward = _conv_flops(8)
   assert 5.0 * forward < lone < 7.5 * forward
-  packed = bench.flops_of(bench.lowered_step(_config(), 3).lowered)
+  packed = bench.flops(bench.lowered_step(_config(), 3).lowered)
   assert packed == pytest.approx(3 * lone, rel=0.02)
 
 
@@ -66,7 +66,7 @@ def test_a_recount_replaces_the_flops_keeps_the_times_and_says_how(tmp_path):
   report = bench.recount_flops(str(path))
   assert json.loads(path.read_text()) == report
   cell = report["cells"][0]
-  expected = bench.flops_of(bench.lowered_step(_config(), 1).lowered)
+  expected = bench.flops(bench.lowered_step(_config(), 1).lowered)
   assert cell["flops_per_step"] == expected and cell["flops_per_step_compiled"] == 1.0e6
   assert cell["flops_per_second"] == pytest.approx(expected / 2.0e-3)
   assert cell["plain_step"] == {"median_ms": 2.0} and cell["speedup_vs_lone_float32"] == 1.0

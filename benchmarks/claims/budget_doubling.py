@@ -37,6 +37,7 @@ from typing import Any, Optional
 import numpy as np
 
 from safe_optax.experiment import mean_se, versions
+from benchmarks import harness
 
 
 def _groups(sweep: dict[str, Any]) -> dict[tuple[str, float], list[dict[str, Any]]]:
@@ -194,10 +195,8 @@ def main(argv: Optional[list[str]] = None) -> int:
   out.mkdir(parents=True, exist_ok=True)
   command = "python " + " ".join(sys.argv)
   table = markdown(result)
-  (out / "budget_doubling.json").write_text(json.dumps(
-      {"command": command, "short": args.short, "long": args.long,
-       "tolerance": args.tolerance, **result, "versions": versions()}, indent=1) + "\n",
-      encoding="utf-8")
+  harness.write_json(out / "budget_doubling.json", {"command": command, "short": args.short, "long": args.long,
+       "tolerance": args.tolerance, **result, "versions": versions()})
   (out / "budget_doubling.md").write_text(
       f"Command: `{command}`\n\nTest accuracy (%) of the same sweep at two budgets, mean ± s.e. "
       f"over seeds. **stable**: the change is within {args.tolerance:g} points; **within "

@@ -49,6 +49,7 @@ from typing import Any
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 from safe_optax.vision import configs
+from benchmarks import harness
 METHODS = ("safe", "admm", "gmp")
 PAPER_EPOCHS = 200
 PAPER_WARMUP = 5
@@ -248,7 +249,7 @@ def merge_leases(inputs: list[pathlib.Path], out: pathlib.Path) -> str:
   (out / "table.md").write_text(table)
   summary_runs = {m: {seed: {k: v for k, v in run.items() if k != "epochs_log"}
                       for seed, run in by_seed.items()} for m, by_seed in runs.items()}
-  (out / "runs.json").write_text(json.dumps({"leases": leases, "runs": summary_runs}, indent=1))
+  harness.write_json(out / "runs.json", {"leases": leases, "runs": summary_runs})
 
   fig, axes = plt.subplots(1, 3, figsize=(15, 4))
   for (method, by_seed), color in zip(runs.items(), ("C0", "C1", "C2", "C3", "C4")):
@@ -408,7 +409,7 @@ def main(argv: list[str] | None = None) -> None:
     report["runs"] = {f"{m}-seed{s}": {"returncode": p.poll(), **summarise_run(w)}
                       for (m, s), (p, _, w) in procs.items()}
     report["wall_seconds"] = time.perf_counter() - start
-    (out / "cifar_gpu.json").write_text(json.dumps(report, indent=1))
+    harness.write_json(out / "cifar_gpu.json", report)
     pack(work / "runs", out / "runs.tar.gz")
 
   stopped: list[str] = []

@@ -57,6 +57,7 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 from safe_optax import experiment
 from safe_optax.vision import configs
 from safe_optax.vision import sweeps
+from benchmarks import harness
 
 PRESET = "resnet20x2-cifar10"
 MODEL = "resnet20x2"
@@ -375,7 +376,7 @@ def bundle_runs(root: pathlib.Path, names: Sequence[str], out: pathlib.Path,
     parts.append({"name": f"{BUNDLE}.part{i:02d}", "bytes": len(chunk),
                   "sha256": hashlib.sha256(chunk).hexdigest()})
   manifest = {"parts": parts, "steps": steps}
-  (out / f"{BUNDLE}.json").write_text(json.dumps(manifest, indent=1) + "\n")
+  harness.write_json(out / f"{BUNDLE}.json", manifest)
   return manifest
 
 
@@ -636,9 +637,7 @@ def _write(table: dict[str, Any], path: pathlib.Path, finished: list[dict[str, A
   """Merges ``finished`` into the table and writes it at once (a lease may end any moment)."""
   table = merge(table, finished, sparsities)
   table["versions"] = experiment.versions()
-  path.parent.mkdir(parents=True, exist_ok=True)
-  with experiment.atomic_write(path) as tmp:
-    tmp.write_text(json.dumps(table, indent=1) + "\n", encoding="utf-8")
+  harness.write_json(path, table)
   print(table["markdown"], flush=True)
   return table
 

@@ -27,7 +27,6 @@ methods with lambdas chosen on a validation split.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import sys
 import time
@@ -40,6 +39,7 @@ from safe_optax.vision import configs
 from safe_optax.vision import sweeps
 from safe_optax.vision import datasets
 from safe_optax.vision import workdirs
+from benchmarks import harness
 
 VARIANTS = {"paper": False, "rescaled": True}
 """Label -> ``rescale_dual``."""
@@ -153,9 +153,7 @@ def main(argv: Optional[list[str]] = None) -> int:
   summary = {"command": "python " + " ".join(sys.argv), "args": vars(args), "runs": runs,
              "table": table(runs), "versions": versions(),
              "wall_seconds": time.perf_counter() - start}
-  with open(out / "dual_rescaling.json", "w", encoding="utf-8") as f:
-    json.dump(summary, f, indent=1)
-    f.write("\n")
+  harness.write_json(out / "dual_rescaling.json", summary)
   (out / "table.md").write_text(markdown, encoding="utf-8")
   print(markdown)
   return 0

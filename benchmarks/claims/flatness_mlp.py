@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import pathlib
 import sys
 import time
@@ -60,6 +59,7 @@ from safe_optax.experiment import (batch_order, cross_entropy, mean_se, scan_tra
 from safe_optax.vision import input_pipeline, models
 from safe_optax.vision import datasets
 from safe_optax.vision import steps as steps_lib
+from benchmarks import harness
 
 METHODS = ("dense", "safe", "admm")
 PENALTY_METHODS = ("safe", "admm")
@@ -455,7 +455,7 @@ def main(argv: Optional[list[str]] = None) -> int:
   out.mkdir(parents=True, exist_ok=True)
   results, seed0 = run(config, progress=not args.no_progress)
   stem = f"flatness_{config.dataset}"
-  (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
+  harness.write_json(out / f"{stem}.json", results)
   plot(results, seed0, out / f"{stem}.png")
   table = format_table(results)
   selection = format_selection(results["selection"])

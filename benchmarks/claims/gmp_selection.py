@@ -38,6 +38,7 @@ import numpy as np
 from safe_optax.experiment import versions
 from safe_optax.vision import configs
 from safe_optax.vision import sweeps
+from benchmarks import harness
 
 FIELD = "gmp_end_fraction"
 
@@ -175,7 +176,7 @@ def main(argv: Optional[list[str]] = None) -> int:
          "config": configs.to_dict(test_base.replace(method="gmp")),
          "selection": merge(selections, base.epochs), "runs": runs, "versions": versions(),
          "wall_seconds": time.perf_counter() - start}
-  pathlib.Path(args.out).write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
+  harness.write_json(args.out, out)
   print(json.dumps({"chosen": {k: v for s in selections for k, v in s["chosen"].items()},
                     "test": [r["accuracy"] for r in runs]}))
   return 0

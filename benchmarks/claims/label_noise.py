@@ -37,6 +37,7 @@ from safe_optax.vision import configs
 from safe_optax.vision import selection as selection_lib
 from safe_optax.vision import sweeps
 from safe_optax.vision import datasets
+from benchmarks import harness
 
 
 def table(runs: list[dict[str, Any]], methods: list[str]) -> str:
@@ -262,10 +263,9 @@ def main(argv: Optional[list[str]] = None) -> int:
   stem = (f"label_noise_{args.preset}" + ("_rescaled" if args.rescale_dual else "")
           + (f"_rho{args.rho:g}" if args.rho is not None else "")
           + ("_rhogrid" if args.rho_grid is not None else ""))
-  (out / f"{stem}.json").write_text(json.dumps(
-      {"command": command, "config": configs.to_dict(base), "selection": selections,
+  harness.write_json(out / f"{stem}.json", {"command": command, "config": configs.to_dict(base), "selection": selections,
        "runs": runs,
-       "versions": versions(), "wall_seconds": time.perf_counter() - start}, indent=1))
+       "versions": versions(), "wall_seconds": time.perf_counter() - start})
   listed = "".join(
       f"\n- noise {noise}: " + ", ".join(
           f"{k} {v:g}" + (f" (rho {sel['chosen_rho'][k]:g})" if k in sel.get("chosen_rho", {})

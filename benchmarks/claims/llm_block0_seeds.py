@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import pathlib
 import time
 from typing import Any, Optional, Sequence
@@ -28,6 +27,7 @@ from safe_optax.llm import block
 from safe_optax.llm import checkpoints
 from safe_optax.llm import data
 from safe_optax.llm import prune
+from benchmarks import harness
 
 CALIB = "wikitext-2/valid.txt"  # found through safe_optax.data_paths
 METHODS = ("magnitude", "wanda", "sparsegpt", "safe", "safe-plus")
@@ -109,7 +109,7 @@ def main() -> None:
          "steps": args.steps, "windows": args.windows, "seqlen": args.seqlen,
          "dual_every": args.dual_every, "learning_rate": LEARNING_RATE, "penalty": PENALTY,
          "seeds": seeds, "versions": versions()}
-  pathlib.Path(args.out).write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
+  harness.write_json(args.out, out)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ from safe_optax.llm import prune
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 from benchmarks.claims import llm_results as run_results
+from benchmarks import harness
 
 OUT = ROOT / "results" / "llm_pruning"
 SEQLEN = 128
@@ -193,7 +194,7 @@ def collect(args, path, record):
     return blocks[n]
 
   def save():
-    path.write_text(json.dumps(record, indent=2) + "\n")
+    harness.write_json(path, record, indent=2)
 
   def do(method, structure, steps=0, lr=None, penalty=None, n=CALIB_WINDOWS, lr_scale="none"):
     key = _key(method, structure, steps, lr, penalty, n, lr_scale)

@@ -47,6 +47,7 @@ from safe_optax.llm import checkpoints
 from safe_optax.llm import cli
 from safe_optax.llm import model as model_lib
 from safe_optax.llm import prune
+from benchmarks import harness
 
 OUT = selection.OUT
 GROUPINGS = ("per_matrix", "per_row")
@@ -115,7 +116,7 @@ class Study:
     return self._blocks[(n, seqlen, seed)]
 
   def save(self) -> None:
-    self.path.write_text(json.dumps(self.record, indent=2) + "\n")
+    harness.write_json(self.path, self.record, indent=2)
 
   def do(self, method: str, *, n: int = 16, seqlen: int = 128, seed: int = 0,
          grouping: Optional[str] = None, steps: int = 0, lr: Optional[float] = None,

@@ -32,6 +32,7 @@ from safe_optax.llm import checkpoints
 from safe_optax.llm import cli
 from safe_optax.llm import data
 from safe_optax.llm import prune
+from benchmarks import harness
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 HERE = ROOT / "results" / "llm_pruning"  # where the runs and the table go
@@ -140,7 +141,7 @@ def _dense(runs, config, params, model_path, evaluate):
   dense = {"name": "dense", "method": "dense", "structure": "-", "eval": evaluate(params),
            "command": f"safe-optax-llm ppl --model {model_path} --text TEXT --protocol short "
                       f"--seqlen 512 --max-tokens 2048", "versions": cli.versions()}
-  (runs / "dense.json").write_text(json.dumps(dense, indent=2) + "\n")
+  harness.write_json(runs / "dense.json", dense, indent=2)
   print("dense", {k: v["perplexity"] for k, v in dense["eval"].items()}, flush=True)
 
 
@@ -171,7 +172,7 @@ def _run(runs, name, method, label, nm, config, params, calibration, model_path,
             "block_sparsity": sparsity,
             "eval": evaluate(pruned), "command": command(method, nm, model_path, budget),
             "versions": cli.versions()}
-  (runs / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+  harness.write_json(runs / f"{name}.json", result, indent=2)
   print(name, f"{total:.0f}s", {k: v["perplexity"] for k, v in result["eval"].items()},
         flush=True)
 
@@ -281,8 +282,7 @@ def table() -> None:
             "block sparsity |\n|---|---|---|---|---|---|---|---|---|")
   (HERE / "results.md").write_text(preamble + header + "\n" + "\n".join(rows) + "\n\n"
                                    + READING + _selection_tables())
-  (HERE / "results.json").write_text(json.dumps(
-      {"budget": BUDGET, "safe_budgets": SAFE_BUDGETS, "runs": results}, indent=2) + "\n")
+  harness.write_json(HERE / "results.json", {"budget": BUDGET, "safe_budgets": SAFE_BUDGETS, "runs": results}, indent=2)
   print(header + "\n" + "\n".join(rows))
 
 

@@ -101,7 +101,7 @@ def pieces(args) -> list[tuple[str, Optional[list[str]], Optional[pathlib.Path]]
       prune = ["prune", "--model", model, "--method", method, *pattern,
                "--calib", str(run_results.CALIB), "--nsamples", str(args.nsamples),
                "--seqlen", str(args.seqlen), "--seed", str(seed), "--out", str(folder),
-               "--export-dtype", "float32", "--quiet"]
+               "--export-dtype", "float32"]
       if method.startswith("safe"):
         safe = safe_arguments(method, args.selection, args.nsamples)
         prune = None if safe is None else prune + safe

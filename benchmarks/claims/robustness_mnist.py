@@ -35,6 +35,7 @@ from safe_optax.vision import sweeps
 from safe_optax.vision import train
 from safe_optax.vision import datasets
 from safe_optax.vision import workdirs
+from benchmarks import harness
 
 
 def _cell(values: list[Optional[float]]) -> str:
@@ -170,10 +171,8 @@ def main(argv: Optional[list[str]] = None) -> int:
   out.mkdir(parents=True, exist_ok=True)
   command = "python " + " ".join(sys.argv)
   stem = f"robustness_{args.preset}"
-  (out / f"{stem}.json").write_text(json.dumps(
-      {"command": command, "config": configs.to_dict(base), "sparsity": args.sparsity,
-       "seeds": args.seeds, "selection": selection, "versions": versions(), "evals": evals, "wall_seconds": time.perf_counter() - start},
-      indent=1))
+  harness.write_json(out / f"{stem}.json", {"command": command, "config": configs.to_dict(base), "sparsity": args.sparsity,
+       "seeds": args.seeds, "selection": selection, "versions": versions(), "evals": evals, "wall_seconds": time.perf_counter() - start})
   (out / f"{stem}.md").write_text(
       f"Command: `{command}`\n\nAccuracy (%) of the sparse model after projection + BNT, "
       f"mean ± s.e. over seeds {args.seeds}; corruptions on the first "

@@ -60,6 +60,7 @@ from safe_optax.vision import selection as selection_lib
 from safe_optax.vision import sweeps
 from safe_optax.vision import datasets
 from safe_optax.vision import workdirs
+from benchmarks import harness
 
 
 def reuse_problem(base: configs.Config, args: argparse.Namespace) -> Optional[str]:
@@ -243,7 +244,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     summary = {"command": "python " + " ".join(sys.argv), "config": configs.to_dict(base),
                "selection": selection, "runs": [], "versions": versions(),
                "wall_seconds": time.perf_counter() - start}
-    (out / "sweep.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    harness.write_json(out / "sweep.json", summary)
     print(json.dumps({"chosen": selection["chosen"], "at_grid_edge": selection["at_grid_edge"]}))
     return 0
   data = datasets.load_dataset(base, args.data_dir)
@@ -283,9 +284,7 @@ def main(argv: Optional[list[str]] = None) -> int:
              "selection": selection, "runs": runs, "table": table["rows"],
              "convergence": rows, "versions": versions(),
              "wall_seconds": time.perf_counter() - start}
-  with open(out / "sweep.json", "w", encoding="utf-8") as f:
-    json.dump(summary, f, indent=1)
-    f.write("\n")
+  harness.write_json(out / "sweep.json", summary)
   fields = selection.get("fields", {})
   pair_rho = selection.get("chosen_rho", {})
   chosen = ", ".join(f"{k} {'rho ' if fields.get(k.split('@')[0]) == 'rho' else ''}{v:g}"

@@ -1,32 +1,22 @@
 """Shared pieces of the training-step benchmarks (``step_overhead.py``, ``train_throughput.py``).
 
-The optimizers compared, one jitted training step built with
+The optimizers compared and one jitted training step built with
 :mod:`safe_optax.flax_utils` (the perturbed pass of SAM / SAFE keeps the first
-pass's BatchNorm statistics), step-time summaries, and the machine / version
-record every results JSON carries.
+pass's BatchNorm statistics). Timing and the run record: :mod:`benchmarks.harness`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import json
-import os
-import platform
-import shlex
-import statistics
-import sys
-import time
 from typing import Any, Callable
 
 import jax
 import optax
 
 import safe_optax
-from safe_optax import experiment
 from safe_optax import flax_utils
 from safe_optax import methods
-from safe_optax.experiment import cross_entropy, versions
+from safe_optax.experiment import cross_entropy
 
 DUAL_EVERY = 32
 METHODS = ("sgd", "sam", "safe", "admm", "safe_nodual")
@@ -82,31 +72,6 @@ def make_step(apply_fn: Callable[..., Any], tx: optax.GradientTransformation,
   return jax.jit(step, donate_argnums=(0, 1, 2) if donate else ())
 
 
-def summary(times: list[float]) -> dict[str, float]:
-  """Median, mean, p10 / p90, min, max of step times (seconds in, milliseconds out)."""
-  ms = sorted(1e3 * t for t in times)
-  return {"n": len(ms), "median_ms": statistics.median(ms), "mean_ms": statistics.fmean(ms),
-          "p10_ms": ms[len(ms) // 10], "p90_ms": ms[(9 * len(ms)) // 10],
-          "min_ms": ms[0], "max_ms": ms[-1]}
-
-
-def cpu_info() -> dict[str, Any]:
-  """CPU model, core count and load average (start of the run)."""
-  return {"model": experiment.cpu_model(), "cpu_count": os.cpu_count(),
-          "machine": platform.machine(), "loadavg_start": os.getloadavg()}
-
-
-def run_record() -> dict[str, Any]:
-  """Command, date, versions, machine and backend: the header of every results JSON."""
-  return {
-      "command": shlex.join([sys.executable] + sys.argv),
-      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-      "versions": versions(),
-      "cpu": cpu_info(), "backend": jax.default_backend(),
-      "devices": [str(d) for d in jax.devices()],
-  }
-
-
 def parse_steps(text: str | None, models: list[str], defaults: dict[str, int]) -> dict[str, int]:
   """``--steps``: ``None`` (the defaults), ``N`` for every model, or ``model=N,model=N``."""
   if text is None:
@@ -118,14 +83,3 @@ def parse_steps(text: str | None, models: list[str], defaults: dict[str, int]) -
     key, value = item.split("=")
     steps[key] = int(value)
   return steps
-
-
-def write_report(report: dict[str, Any], out: str, start: float) -> None:
-  """Adds the end load average and wall time, writes the JSON and says where."""
-  report["cpu"]["loadavg_end"] = os.getloadavg()
-  report["total_wall_s"] = time.perf_counter() - start
-  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-  with open(out, "w") as f:
-    json.dump(report, f, indent=1)
-  print(f"\nwrote {out} ({report['total_wall_s']:.0f} s; load average "
-        f"{report['cpu']['loadavg_start'][0]:.1f} -> {report['cpu']['loadavg_end'][0]:.1f})")

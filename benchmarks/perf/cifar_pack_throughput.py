@@ -62,7 +62,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import jax
 import numpy as np
 
-from benchmarks.perf._common import run_record, summary, write_report
+from benchmarks.harness import flops, run_record, summary, timed, write_json, write_report
 from safe_optax.vision import configs
 from safe_optax.vision import packing
 from safe_optax.vision import programs as programs_lib
@@ -71,24 +71,6 @@ from safe_optax.vision import steps as steps_lib
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PRESETS = {"resnet20x2": "resnet20x2-cifar10", "vgg19": "vgg19-cifar10"}
 NUM_TRAIN, IMAGE = 50_000, (32, 32, 3)
-
-
-def flops_of(stage: Any) -> float | None:
-  """The FLOP count of a lowered or compiled program's cost analysis (a dict, or a list
-  of one per program); ``None`` where the backend gives none."""
-  try:
-    cost = stage.cost_analysis()
-  except NotImplementedError:
-    return None
-  if isinstance(cost, (list, tuple)):
-    cost = cost[0] if cost else None
-  return float(cost["flops"]) if cost and "flops" in cost else None
-
-
-def timed(fn, *args) -> tuple[Any, float]:
-  start = time.perf_counter()
-  out = jax.block_until_ready(fn(*args))
-  return out, time.perf_counter() - start
 
 
 class Step(NamedTuple):
@@ -133,7 +115,7 @@ def bench(config: configs.Config, runs: int, steps: int, warmup: int, dual_steps
   compiled = step.lowered.compile()
   compile_s = step.lower_s + time.perf_counter() - start
   state, images, labels, dual = step.state, step.images, step.labels, step.dual
-  flops = flops_of(step.lowered)
+  step_flops = flops(step.lowered)
   for _ in range(warmup):
     state, _ = timed(compiled, state, images, labels)
   if barrier is not None:
@@ -143,8 +125,8 @@ def bench(config: configs.Config, runs: int, steps: int, warmup: int, dual_steps
     state, seconds = timed(compiled, state, images, labels)
     times.append(seconds)
   plain = summary(times)
-  cell = {"runs": runs, "compile_s": compile_s, "plain_step": plain, "flops_per_step": flops,
-          "flops_per_step_compiled": flops_of(compiled), "timed_from": began,
+  cell = {"runs": runs, "compile_s": compile_s, "plain_step": plain, "flops_per_step": step_flops,
+          "flops_per_step_compiled": flops(compiled), "timed_from": began,
           "timed_to": time.time()}
   step_ms = plain["median_ms"]
   if dual is not None and dual_steps:
@@ -159,7 +141,7 @@ def bench(config: configs.Config, runs: int, steps: int, warmup: int, dual_steps
   cell["mean_step_ms"] = step_ms
   cell["images_per_second_per_run"] = 1e3 * config.batch_size / step_ms
   cell["images_per_second"] = runs * cell["images_per_second_per_run"]
-  cell["flops_per_second"] = flops / (1e-3 * plain["median_ms"]) if flops else None
+  cell["flops_per_second"] = step_flops / (1e-3 * plain["median_ms"]) if step_flops else None
   cell["epoch_s"] = step_ms * 1e-3 * -(-NUM_TRAIN // config.batch_size)
   return cell
 
@@ -252,15 +234,15 @@ def concurrent_cell(args: argparse.Namespace, model: str, dtype: str, count: int
   children = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
   span = max(c["timed_to"] for c in children) - min(c["timed_from"] for c in children)
   images = count * args.batch * args.steps
-  flops = children[0]["flops_per_step"]
+  step_flops = children[0]["flops_per_step"]
   return {"model": model, "dtype": dtype, "conv_impl": conv_impl, "runs": count,
           "layout": "processes",
           "mps_daemon": mps_daemon_running(), "span_s": span,
           "compile_s": max(c["compile_s"] for c in children),
           "mean_step_ms": 1e3 * span / args.steps,
           "images_per_second": images / span, "images_per_second_per_run": images / span / count,
-          "flops_per_step": None if flops is None else count * flops,
-          "flops_per_second": None if flops is None else count * flops * args.steps / span,
+          "flops_per_step": None if step_flops is None else count * step_flops,
+          "flops_per_second": None if step_flops is None else count * step_flops * args.steps / span,
           "dual_program": "not timed", "children": children}
 
 
@@ -348,10 +330,10 @@ def recount_flops(path: str) -> dict[str, Any]:
     config = configs.get_config(PRESETS[cell["model"]], method=settings["method"],
                                 sparsity=settings["sparsity"], batch_size=settings["batch"],
                                 dtype=cell["dtype"], conv_impl=cell.get("conv_impl", "xla"))
-    flops = flops_of(lowered_step(config, cell["runs"]).lowered)
+    recounted = flops(lowered_step(config, cell["runs"]).lowered)
     cell.setdefault("flops_per_step_compiled", cell["flops_per_step"])
-    cell["flops_per_step"] = flops
-    cell["flops_per_second"] = flops / (1e-3 * cell["plain_step"]["median_ms"]) if flops else None
+    cell["flops_per_step"] = recounted
+    cell["flops_per_second"] = recounted / (1e-3 * cell["plain_step"]["median_ms"]) if recounted else None
   record = run_record()
   report["flops_recounted"] = {
       "command": record["command"], "date": record["date"], "backend": record["backend"],
@@ -360,8 +342,7 @@ def recount_flops(path: str) -> dict[str, Any]:
              "before any backend pass, so the count is the measuring device's; the measured "
              "times are unchanged"}
   with_speedups(report)
-  with open(path, "w") as f:
-    json.dump(report, f, indent=1)
+  write_json(path, report)
   return report
 
 

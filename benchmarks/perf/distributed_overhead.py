@@ -35,7 +35,7 @@ import time
 
 import numpy as np
 
-from benchmarks.perf import _common
+from benchmarks import harness
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 N_TRAIN, N_TEST = 4096, 256
@@ -110,7 +110,7 @@ def main() -> None:
                                             "distributed_overhead.json"))
   args = parser.parse_args()
   start = time.perf_counter()
-  report = _common.run_record()
+  report = harness.run_record()
   runs: dict[str, list[dict]] = {"1x2": [], "2x1": []}
   with tempfile.TemporaryDirectory() as tmp:
     data = pathlib.Path(tmp) / "data"
@@ -145,7 +145,7 @@ def main() -> None:
           "and its share of a step must be measured on that hardware. On this machine the "
           "two processes also compete for the same cores (and with other load)."),
   })
-  _common.write_report(report, args.out, start)
+  harness.write_report(report, args.out, start)
 
 
 if __name__ == "__main__":

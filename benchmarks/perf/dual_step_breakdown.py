@@ -49,7 +49,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import safe_optax
-from benchmarks.perf._common import DUAL_EVERY, make_step, run_record, write_report
+from benchmarks.perf._common import DUAL_EVERY, make_step
+from benchmarks.harness import run_record, timed, write_report
 from safe_optax.vision import MLP
 from benchmarks.perf.step_overhead import BATCH, fix_malloc_thresholds, make_method, temp_mb
 
@@ -66,10 +67,8 @@ def _set_admm_count(opt_state: Any, count: int) -> Any:
 
 def _timed(fn: Callable[[], Any]) -> tuple[Any, float, int]:
   f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-  t0 = time.perf_counter()
-  out = fn()
-  jax.block_until_ready(out)
-  return out, time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+  out, seconds = timed(fn)
+  return out, seconds, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
 
 
 def main() -> None:

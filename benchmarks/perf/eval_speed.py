@@ -66,7 +66,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.perf._common import run_record, write_report
+from benchmarks.harness import flops, run_record, timed, write_report
 from safe_optax import flatness
 from safe_optax.experiment import cross_entropy
 from safe_optax.vision import configs
@@ -92,18 +92,10 @@ jax.monitoring.register_event_duration_secs_listener(
         name == "/jax/core/compile/backend_compile_duration")))
 
 
-def flops(jitted: Callable[..., Any], *args: Any) -> float:
-  """XLA's FLOP count of ``jitted`` compiled for ``args`` (shares the jit cache)."""
-  cost = jitted.lower(*args).compile().cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  return float(cost["flops"])
-
-
 def _timed(fn: Callable[[], Any]) -> tuple[float, int]:
   before = _compiles[0]
-  start = time.perf_counter()
-  jax.block_until_ready(fn())
-  return time.perf_counter() - start, _compiles[0] - before
+  _, seconds = timed(fn)
+  return seconds, _compiles[0] - before
 
 
 class Case:

@@ -31,12 +31,10 @@ rotate the paths; the medians of the per-round ratios are reported. Writes
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import statistics
 import sys
-import time
 from typing import Any, Callable, Optional
 
 import jax
@@ -49,6 +47,9 @@ from safe_optax import _scores
 from safe_optax import flatness
 from safe_optax.experiment import cross_entropy, versions
 from safe_optax.vision import models
+
+from benchmarks.harness import flops, timed
+from benchmarks import harness
 
 
 def _model_case(name: str, batch: int, num_batches: int):
@@ -98,9 +99,8 @@ def _timers(loss_fn, params, batches) -> dict[str, Callable[[int], float]]:
 
 def _time(fn, params) -> tuple[float, int]:
   """Seconds of one call and the iterations it ran."""
-  start = time.perf_counter()
-  _, count = jax.block_until_ready(fn(params))
-  return time.perf_counter() - start, int(count)
+  (_, count), seconds = timed(fn, params)
+  return seconds, int(count)
 
 
 def measure(name: str, batch: int, num_batches: int, low: int, high: int,
@@ -141,11 +141,6 @@ def _fori_hutchinson(grad_fn: Callable[[Any, int], Any], params: Any, key: jax.A
   return optax.tree.scale(1.0 / num_probes, total)
 
 
-def _flops(jitted: Callable[..., Any], *args: Any) -> float:
-  cost = jitted.lower(*args).compile().cost_analysis()
-  return float((cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"])
-
-
 def measure_obd(batch: int, repeats: int, low: int = 1, high: int = 3) -> dict[str, Any]:
   """Seconds per FLOP of a Hutchinson probe, each path against a plain gradient."""
   loss_fn, params, batches = _model_case("resnet20", batch, 1)
@@ -155,8 +150,8 @@ def measure_obd(batch: int, repeats: int, low: int = 1, high: int = 3) -> dict[s
   gradient = jax.jit(lambda p: jax.grad(loss_fn)(p, data))
   probe = optax.tree.random_like(key, params, jax.random.rademacher)
   add_probe = jax.jit(lambda t, p, z: _scores._add_probe(grad_fn, t, p, z))
-  flops = {"gradient": _flops(gradient, params),
-           "probe": _flops(add_probe, optax.tree.zeros_like(params), params, probe)}
+  counts = {"gradient": flops(gradient, params),
+            "probe": flops(add_probe, optax.tree.zeros_like(params), params, probe)}
 
   def path(fn: Callable[..., Any], jit: bool) -> tuple[Callable[[], Any], Callable[[], Any]]:
     def make(n: int) -> Callable[[], Any]:
@@ -171,9 +166,7 @@ def measure_obd(batch: int, repeats: int, low: int = 1, high: int = 3) -> dict[s
            "before_jit": path(_fori_hutchinson, True)}
 
   def seconds(fn: Callable[[], Any]) -> float:
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    return time.perf_counter() - start
+    return timed(fn)[1]
 
   seconds(lambda: gradient(params))
   for lo, hi in paths.values():  # compile and warm up
@@ -190,10 +183,10 @@ def measure_obd(batch: int, repeats: int, low: int = 1, high: int = 3) -> dict[s
     rounds.append(row)
   # Seconds per FLOP over a gradient's, per round (the load moves both alike).
   ratio = {name: statistics.median(
-      (row[name] / flops["probe"]) / (row["gradient"] / flops["gradient"]) for row in rounds)
+      (row[name] / counts["probe"]) / (row["gradient"] / counts["gradient"]) for row in rounds)
       for name in names}
   return {"model": "resnet20", "batch": batch, "probes": [low, high], "repeats": repeats,
-          "flops": flops,
+          "flops": counts,
           "seconds": {name: statistics.median(row[name] for row in rounds)
                       for name in ["gradient"] + names},
           "per_flop_over_gradient": ratio, "raw_rounds": rounds}
@@ -216,7 +209,7 @@ def main(argv: Optional[list[str]] = None) -> int:
   rows = [measure(name, batch, nb, lo, hi, args.repeats) for name, batch, nb, lo, hi in cases]
   results = {"benchmark": "hessian_cost", "command": "python " + " ".join(sys.argv),
              "versions": versions(), "cases": rows}
-  (out / "hessian_cost.json").write_text(json.dumps(results, indent=1))
+  harness.write_json(out / "hessian_cost.json", results)
   lines = [f"Command: `{results['command']}` ({results['versions']['device_kind']}, shared 2-core "
            "CPU)", "",
            "| model | batches x size | power step (ms) | gradient (ms) | ratio |",
@@ -234,7 +227,7 @@ def _main_obd(args: argparse.Namespace, out: pathlib.Path) -> int:
   row = measure_obd(args.obd_batch, args.repeats)
   results = {"benchmark": "hessian_cost_obd", "command": "python " + " ".join(sys.argv),
              "versions": versions(), "loadavg": list(os.getloadavg()), "obd": row}
-  (out / "hessian_cost_obd.json").write_text(json.dumps(results, indent=1))
+  harness.write_json(out / "hessian_cost_obd.json", results)
   gflop = {k: v / 1e9 for k, v in row["flops"].items()}
   lines = [f"Command: `{results['command']}` ({results['versions']['device_kind']}, shared 2-core "
            f"CPU, load {results['loadavg'][0]:.1f}); ResNet-20, one batch of {row['batch']}: a "

@@ -59,7 +59,7 @@ import time
 
 import numpy as np
 
-from benchmarks.perf import _common
+from benchmarks import harness
 
 HERE = pathlib.Path(__file__).resolve().parent
 OUT = HERE / "results" / "llm_7b_block.json"
@@ -187,12 +187,12 @@ def main() -> None:
     report = json.loads(pathlib.Path(args.out).read_text())
     for result in report["methods"].values():
       result["extrapolation"] = extrapolate(result, report["windows"], report["seqlen"])
-    report["extrapolated_by"] = _common.run_record()["command"]
-    pathlib.Path(args.out).write_text(json.dumps(report, indent=1))
+    report["extrapolated_by"] = harness.run_record()["command"]
+    harness.write_json(args.out, report)
     _table(report)
     return
   start = time.perf_counter()
-  record = _common.run_record()
+  record = harness.run_record()
   report = {**record, "shape": SHAPE, "windows": args.windows, "seqlen": args.seqlen,
             "steps": steps, "paper": PAPER, "methods": {}}
   kept = _kept_methods(pathlib.Path(args.out), report, args.methods.split(","))
@@ -215,7 +215,7 @@ def main() -> None:
     # Written after every method, so that a run stopped part-way keeps what it measured.
     report["methods"] = {m: measured.get(m) or kept[m] for m in METHODS
                          if m in measured or m in kept}
-    _common.write_report(report, args.out, start)
+    harness.write_report(report, args.out, start)
   _table(report)
 
 

@@ -34,7 +34,7 @@ import time
 
 import numpy as np
 
-from benchmarks.perf import _common
+from benchmarks import harness
 
 OUT = pathlib.Path(__file__).resolve().parent / "results" / "llm_safe_step.json"
 SHAPES = {
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
       # > 1: a pack steps each calibration set faster than a lone run does.
       "device_over_pack": {layout: median["device"] / median[layout] for layout in lanes},
       "tokens_per_step": args.batch_size * args.seqlen,
-      **_common.run_record(),
+      **harness.run_record(),
   }
   print(f"{args.shape} block, {args.method}, {args.batch_size} x {args.seqlen} tokens a step, "
         f"{jax.devices()[0].device_kind}")
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"host / device: {report['host_over_device']:.3f}")
   for layout, ratio in report["device_over_pack"].items():
     print(f"device / {layout} (speed-up per calibration set): {ratio:.3f}")
-  _common.write_report(report, args.out, start)
+  harness.write_report(report, args.out, start)
 
 
 if __name__ == "__main__":

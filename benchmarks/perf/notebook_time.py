@@ -26,7 +26,7 @@ import time
 import nbclient
 import nbformat
 
-from benchmarks.perf import _common
+from benchmarks import harness
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 OUT = ROOT / "benchmarks" / "perf" / "results" / "notebook_time.json"
@@ -61,7 +61,7 @@ def main() -> None:
   parser.add_argument("--out", default=str(OUT))
   args = parser.parse_args()
   start = time.perf_counter()
-  report = {"benchmark": "notebook_time", **_common.run_record(), "budget": "ci", "rows": []}
+  report = {"benchmark": "notebook_time", **harness.run_record(), "budget": "ci", "rows": []}
   print(f"{'notebook':>20} {'fast s':>8} {'optimized s':>12} {'opt/fast':>9}  slowest cells")
   for name in args.notebooks:
     runs = {mode: time_notebook(ROOT / "notebooks" / name, mode)[0] for mode in MODES}
@@ -71,7 +71,7 @@ def main() -> None:
     print(f"{name:>20} {fast:>8.1f} {optimized:>12.1f} {optimized / fast:>8.2f}x  " +
           ", ".join(f"{m} cell {c['cell']} {c['seconds']:.0f} s" for m, c in slowest.items()),
           flush=True)
-  _common.write_report(report, args.out, start)
+  harness.write_report(report, args.out, start)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
-from benchmarks.perf._common import run_record, summary, write_report
+from benchmarks.harness import run_record, summary, time_calls, timed, write_report
 from safe_optax.vision import models
 
 # ResNet-20x2's 3 x 3 convolutions at batch 128: (height = width, in = out channels) per stage
@@ -79,16 +79,8 @@ def forward_backward(form: str) -> Callable:
 
 def time_form(form: str, x: jax.Array, w: jax.Array, steps: int, warmup: int) -> dict:
   fn = forward_backward(form)
-  start = time.perf_counter()
-  jax.block_until_ready(fn(x, w))
-  compile_s = time.perf_counter() - start
-  times = []
-  for i in range(warmup + steps):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(x, w))
-    if i >= warmup:
-      times.append(time.perf_counter() - start)
-  return {"compile_s": compile_s, **summary(times)}
+  _, compile_s = timed(fn, x, w)
+  return {"compile_s": compile_s, **summary(time_calls(fn, x, w, warmup=warmup, repeats=steps))}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -92,6 +92,7 @@ import jaxlib
 import numpy as np
 import optax
 
+from benchmarks import harness
 from benchmarks.perf import _common
 import safe_optax
 from safe_optax import _projection
@@ -174,14 +175,8 @@ def floor_baseline(params: Params, masks: dict[str, jax.Array]) -> Params:
 
 
 def compile_timed(fn: Callable[..., Any], *args: Any, **static: Any) -> tuple[Any, float]:
-  start = time.perf_counter()
-  compiled = jax.jit(fn, static_argnames=tuple(static)).lower(*args, **static).compile()
-  return compiled, time.perf_counter() - start
-
-
-def _call(fn: Callable[[], Any]) -> tuple[Any, float]:
-  start = time.perf_counter()
-  return jax.block_until_ready(fn()), time.perf_counter() - start
+  return harness.timed(lambda: jax.jit(fn, static_argnames=tuple(static)).lower(
+      *args, **static).compile())
 
 
 def time_methods(calls: dict[str, Callable[[], Any]], reps: int) -> tuple[dict, dict]:
@@ -189,13 +184,13 @@ def time_methods(calls: dict[str, Callable[[], Any]], reps: int) -> tuple[dict, 
   samples: dict[str, list[float]] = {}
   wanted, outputs = {}, {}
   for name, fn in calls.items():
-    outputs[name], first = _call(fn)
+    outputs[name], first = harness.timed(fn)
     samples[name] = [first] if first >= SLOW_FIRST_CALL_S else []
     wanted[name] = max(1, min(reps, int(BUDGET_S / first)))
   while any(len(samples[n]) < wanted[n] for n in calls):
     for name, fn in calls.items():
       if len(samples[name]) < wanted[name]:
-        outputs[name], elapsed = _call(fn)
+        outputs[name], elapsed = harness.timed(fn)
         samples[name].append(elapsed)
   return samples, outputs
 

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import safe_optax
 from safe_optax import _select
 
-from benchmarks.perf._common import run_record, write_report
+from benchmarks.harness import run_record, timed, write_report
 from benchmarks.perf.projection import make_params, vgg19_shapes
 
 
@@ -74,9 +74,7 @@ def time_round_robin(cases: dict[str, tuple[Callable, tuple]], rounds: int) -> d
   samples: dict[str, list[float]] = {name: [] for name in compiled}
   for _ in range(rounds):
     for name, (fn, args) in compiled.items():
-      start = time.perf_counter()
-      jax.block_until_ready(fn(*args))
-      samples[name].append(time.perf_counter() - start)
+      samples[name].append(timed(fn, *args)[1])
   return samples
 
 

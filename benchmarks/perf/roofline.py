@@ -65,6 +65,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import harness
 from benchmarks.perf import _common
 import safe_optax
 from benchmarks.perf import step_overhead
@@ -102,9 +103,7 @@ class Case:
   def run(self, round_index: int) -> None:
     skip = self.skip()  # decided before the call: the call advances the step count
     f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    t0 = time.perf_counter()
-    jax.block_until_ready(self.call())
-    elapsed = time.perf_counter() - t0
+    _, elapsed = harness.timed(self.call)
     if not skip:
       self.times.append(elapsed)
       self.faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
@@ -138,19 +137,13 @@ def matmul_case(sizes: list[int], chain: int, reps: int = 3) -> Case:
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
     products = jax.jit(lambda a, b: jax.lax.fori_loop(0, chain, lambda _, c: jnp.dot(c, b), a))
     jax.block_until_ready(products(a, b))
-    t = min(_timed(lambda: products(a, b)) for _ in range(reps))
+    t = min(harness.timed(products, a, b)[1] for _ in range(reps))
     rate = chain * 2 * n**3 / t
     print(f"  matmul {n}x{n} x {chain}: {rate / 1e9:.1f} GFLOP/s (best of {reps})", flush=True)
     if best is None or rate > best[0]:
       best = (rate, n, functools.partial(products, a, b))
   _, n, call = best
   return Case(f"matmul_{n}x{chain}", call, chain * 2.0 * n**3, 0.0)
-
-
-def _timed(fn: Callable[[], Any]) -> float:
-  t0 = time.perf_counter()
-  jax.block_until_ready(fn())
-  return time.perf_counter() - t0
 
 
 def llm_cases(dual_every: int) -> list[Case]:
@@ -182,7 +175,7 @@ def llm_cases(dual_every: int) -> list[Case]:
     due = functools.partial(_dual_due, has_dual, count, dual_every)
     call = _stateful(lambda *a, c=compiled, d=dual_step, due=due: (d if due() else c)(*a),
                      state, data, 2)
-    cases[name] = Case(name, _counting(call, count), step_overhead.xla_flops(compiled),
+    cases[name] = Case(name, _counting(call, count), harness.flops(compiled),
                        _memory_mb(compiled), skip=due)
     cases[name].program = compiled
   cases["llm_safe"].net_flops = cases["llm_safe_no_branch"].flops
@@ -212,14 +205,14 @@ def vision_case(dual_every: int) -> Case:
                        weight_decay=1e-4)
   opt_state = tx.init(params)
   with without_dual_branch():
-    net_flops = step_overhead.xla_flops(_common.make_step(model.apply, tx, True).lower(
+    net_flops = harness.flops(_common.make_step(model.apply, tx, True).lower(
         params, model_state, opt_state, (x, y)).compile())
   step = _common.make_step(model.apply, tx, True)
   compiled = step.lower(params, model_state, opt_state, (x, y)).compile()
   state = list(compiled(params, model_state, opt_state, (x, y))[:3])
   count = [1]
   call = _counting(_stateful(compiled, state, ((x, y),), 3), count)
-  return Case("resnet20_safe", call, step_overhead.xla_flops(compiled), _memory_mb(compiled),
+  return Case("resnet20_safe", call, harness.flops(compiled), _memory_mb(compiled),
               skip=functools.partial(_dual_due, True, count, dual_every), net_flops=net_flops)
 
 
@@ -246,7 +239,7 @@ def main() -> None:
   if args.fixed_malloc:
     step_overhead.fix_malloc_thresholds()
   start = time.perf_counter()
-  report: dict[str, Any] = {**_common.run_record(), "fixed_malloc": args.fixed_malloc,
+  report: dict[str, Any] = {**harness.run_record(), "fixed_malloc": args.fixed_malloc,
                             "dual_every": args.dual_every, "llm_config": step_overhead.LLM_BLOCK,
                             "llm_batch": step_overhead.LLM_BATCH, "vision_batch": VISION_BATCH}
   print("compiling", flush=True)
@@ -308,7 +301,7 @@ def main() -> None:
       f"{k} {v:.3f}" for k, v in branch["paired"].items()))
   report |= {"roof_gflops_per_s": roof_rate / 1e9, "rounds": args.rounds, "rows": rows,
              "dual_branch": branch}
-  _common.write_report(report, args.out, start)
+  harness.write_report(report, args.out, start)
 
 
 if __name__ == "__main__":

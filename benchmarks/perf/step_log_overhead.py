@@ -31,7 +31,7 @@ import time
 import jax
 import numpy as np
 
-from benchmarks.perf._common import run_record, write_report
+from benchmarks.harness import run_record, write_report
 from safe_optax.vision import configs
 from safe_optax.vision import metrics
 from safe_optax.vision import programs as programs_lib

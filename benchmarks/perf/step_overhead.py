@@ -98,8 +98,8 @@ import numpy as np
 import optax
 
 import safe_optax
-from benchmarks.perf._common import (DUAL_EVERY, METHODS, make_step, make_tx, parse_steps, run_record, summary,
-                     write_report)
+from benchmarks.perf._common import DUAL_EVERY, METHODS, make_step, make_tx, parse_steps
+from benchmarks.harness import flops, run_record, summary, write_report
 from safe_optax.vision import MLP, resnet20
 
 BATCH = 128
@@ -308,13 +308,6 @@ def llm_block_transforms(dual_every: int = DUAL_EVERY) -> dict[str, optax.Gradie
                                   optax.adam(2e-4, 0.9, 0.95))}
 
 
-def xla_flops(compiled: Any) -> float:
-  """XLA's FLOP estimate of a compiled program (both branches of every ``cond`` counted)."""
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, list) else cost
-  return float(cost.get("flops", float("nan")))
-
-
 def bench_llm_block(steps: int, seed: int = 0) -> dict[str, Any]:
   """Non-dual LLM block steps with the dual branch compiled in (K = 32, K = 2**30) and without."""
   linears, (x, y), make = llm_block_case(seed)
@@ -323,7 +316,7 @@ def bench_llm_block(steps: int, seed: int = 0) -> dict[str, Any]:
     step, tx = make(tx)
     lin = jax.tree.map(jnp.copy, linears)
     state = tx.init(lin)
-    flops = xla_flops(step.lower(lin, state, x, y).compile())
+    flops = flops(step.lower(lin, state, x, y).compile())
     lin, state, loss = step(lin, state, x, y)  # step 0 runs the first projection
     jax.block_until_ready(loss)
     runs[name] = {"step": step, "state": [lin, state], "count": 1, "times": [],

@@ -41,8 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import safe_optax
-from benchmarks.perf._common import (DUAL_EVERY, make_step, make_tx, parse_steps, run_record, summary,
-                     write_report)
+from benchmarks.perf._common import DUAL_EVERY, make_step, make_tx, parse_steps
+from benchmarks.harness import run_record, summary, timed, write_report
 from safe_optax.vision import resnet20, vgg19
 
 BATCH = 128
@@ -66,11 +66,10 @@ def set_admm_count(opt_state: Any, count: int) -> Any:
   return jax.tree.map(set_count, opt_state, is_leaf=lambda n: isinstance(n, safe_optax.ADMMState))
 
 
-def timed(step, state, batch):
-  t0 = time.perf_counter()
-  *state, loss = step(*state, batch)
-  jax.block_until_ready((state, loss))
-  return time.perf_counter() - t0, state, loss
+def timed_step(step, state, batch):
+  """One training step, timed: (seconds, the new state, the loss)."""
+  (*state, loss), seconds = timed(step, *state, batch)
+  return seconds, state, loss
 
 
 def bench_model(name: str, steps: int, warmup: int, dual_steps: int, seed: int = 0
@@ -93,9 +92,9 @@ def bench_model(name: str, steps: int, warmup: int, dual_steps: int, seed: int =
     step = make_step(model.apply, tx, needs_grad_fn)
     state = [jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, model_state)]
     state.append(tx.init(state[0]))
-    first, state, loss = timed(step, state, batch)
+    first, state, loss = timed_step(step, state, batch)
     for _ in range(warmup):
-      _, state, loss = timed(step, state, batch)
+      _, state, loss = timed_step(step, state, batch)
     runs[method] = {"step": step, "state": state, "times": [], "first_call_s": first,
                     "first_loss": float(loss)}
     print(f"  {method:5s} compile + first step {first:7.1f} s", flush=True)
@@ -105,7 +104,7 @@ def bench_model(name: str, steps: int, warmup: int, dual_steps: int, seed: int =
     order = METHODS[r % len(METHODS):] + METHODS[:r % len(METHODS)]
     for method in order:
       run = runs[method]
-      t, run["state"], loss = timed(run["step"], run["state"], batch)
+      t, run["state"], loss = timed_step(run["step"], run["state"], batch)
       run["times"].append(t)
       run["last_loss"] = float(loss)
     loadavg.append(os.getloadavg()[0])
@@ -118,7 +117,7 @@ def bench_model(name: str, steps: int, warmup: int, dual_steps: int, seed: int =
   for i in range(dual_steps):
     state = list(safe_run["state"])
     state[2] = set_admm_count(state[2], DUAL_EVERY * (1000 + i))
-    t, safe_run["state"], _ = timed(safe_run["step"], state, batch)
+    t, safe_run["state"], _ = timed_step(safe_run["step"], state, batch)
     dual_times.append(t)
 
   result: dict[str, Any] = {"kernel_weights": n_kernels, "steps": steps, "warmup": warmup,
