@@ -332,3 +332,20 @@ def test_eval_without_imagecorruptions_names_the_extra_before_loading(tmp_path, 
   assert code == 2 and err.count("\n") == 1, err
   assert "argument --suite" in err and 'pip install "safe-optax[corruptions]"' in err
   assert "leave corruptions out of --suite" in err
+
+
+@pytest.mark.slow
+def test_log_messages_reach_stderr_of_the_command_and_log_level_silences_them(tmp_path):
+  """The command's own logging set-up (no test harness handler): records on stderr, not stdout."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  data = tmp_path / "empty"
+  data.mkdir()
+  argv = [sys.executable, "-m", "safe_optax.vision.cli", "train", "--preset", "mlp-mnist",
+          "--data-dir", str(data), "--workdir", str(tmp_path / "run")]
+  shown = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=120)
+  assert shown.returncode == 2 and shown.stdout == ""
+  assert shown.stderr.splitlines()[0] == f"INFO safe_optax.vision.cli: loading mnist from {data}"
+  quiet = subprocess.run([*argv, "--log-level", "WARNING"], capture_output=True, text=True,
+                         check=False, timeout=120)
+  assert quiet.returncode == 2 and quiet.stderr.count("\n") == 1
+  assert quiet.stderr.startswith("safe-optax-vision train: error: cannot load mnist")

@@ -125,3 +125,21 @@ def test_a_2_of_4_run_ends_with_2_of_every_4_weights(tmp_path, capsys):
     if name not in prunable:
       assert np.count_nonzero(value) == value.size, name  # biases stay dense
   assert printed["sparse_accuracy"] > 0.5  # chance is 0.1
+
+
+@pytest.mark.parametrize("command", ["train", "sweep"])
+def test_a_kernel_that_cannot_hold_nm_is_named_before_training(tmp_path, capsys, monkeypatch,
+                                                               command):
+  """LeNet-5's first conv has 1 input channel: no group of 4 along its input axis."""
+  from safe_optax.vision import datasets, input_pipeline, train  # pylint: disable=import-outside-toplevel
+  images = np.zeros((8, 28, 28, 1), np.uint8)
+  labels = np.arange(8, dtype=np.int32) % 10
+  fake = input_pipeline.Dataset(images, labels, images, labels, tuple(map(str, range(10))))
+  monkeypatch.setattr(datasets, "load_dataset", lambda config, data_dir: fake)
+  monkeypatch.setattr(train, "train_and_evaluate", lambda *a, **k: pytest.fail("trained"))
+  grid = ["--methods", "safe", "--sparsities", "0.5"] if command == "sweep" else []
+  code, err = _run([command, "--preset", "lenet5-fashion-mnist", "--structure", "2:4", *grid,
+                    "--data-dir", str(tmp_path), "--workdir", str(tmp_path / "run")], capsys)
+  assert code == 2 and err.count("\n") == 1, err
+  assert ("argument --structure: 2:4 needs every prunable kernel's input axis (axis -2) "
+          "divisible by 4, but lenet5 on fashion_mnist has Conv_0/kernel (5, 5, 1, 6)") in err

@@ -65,7 +65,8 @@ _CONFIG_OVERRIDE = "--config."
 _FROM_BASE = "(default: from --preset or --config)"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 """Values of ``--log-level``: the least severe message of the ``safe_optax`` loggers shown."""
-_LOG = logging.getLogger(__name__)
+# By name, not __name__: `python -m safe_optax.vision.cli` runs this module as __main__.
+_LOG = logging.getLogger("safe_optax.vision.cli")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -410,6 +411,32 @@ def _load(parser: argparse.ArgumentParser, config: configs.Config, data_dir: str
     _fail(parser, f"cannot load {config.dataset} from --data-dir '{data_dir}': {err}")
 
 
+def _check_structure_fits(parser: argparse.ArgumentParser, config: configs.Config,
+                          data: Any) -> None:
+  """An N:M structure needs every prunable kernel's input axis divisible by M.
+
+  Checked on the model's parameter shapes (``jax.eval_shape``: nothing runs)
+  as soon as the data set gives the image shape, before anything compiles.
+  """
+  nm = methods.parse_structure(config.structure)
+  if not isinstance(nm, safe_optax.NM):
+    return
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from safe_optax.vision import models  # pylint: disable=import-outside-toplevel
+  model = models.create_model(config, data.num_classes)
+  image = jax.ShapeDtypeStruct((1, *data.train_images.shape[1:]), jnp.float32)
+  params = jax.eval_shape(lambda x: model.init(jax.random.PRNGKey(0), x, train=False),
+                          image)["params"]
+  misfits = [f"{jax.tree_util.keystr(path, simple=True, separator='/')} {tuple(leaf.shape)}"
+             for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+             if safe_optax.default_prunable(path, leaf) and leaf.shape[nm.axis] % nm.m]
+  if misfits:
+    _fail(parser, f"argument --structure: {config.structure} needs every prunable kernel's "
+                  f"input axis (axis {nm.axis}) divisible by {nm.m}, but {config.model} on "
+                  f"{config.dataset} has {', '.join(misfits)}; choose another M or model.")
+
+
 def _interrupted(parser: argparse.ArgumentParser, err: KeyboardInterrupt) -> NoReturn:
   """Ctrl-C: one line instead of a traceback, exit status 130 (128 + SIGINT)."""
   from safe_optax.vision import checkpoint  # pylint: disable=import-outside-toplevel
@@ -430,6 +457,8 @@ def train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     _fail(parser, "--tensorboard needs tensorboardX: pip install tensorboardX, or leave out "
                   "--tensorboard.")
   data = _load(parser, config, args.data_dir)
+  if config.method != "dense":
+    _check_structure_fits(parser, config, data)
   try:
     outcome = train_lib.train_and_evaluate(config, args.workdir, data_dir=args.data_dir,
                                            dataset=data, progress=not args.no_progress,
@@ -478,6 +507,8 @@ def sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
   except ValueError as err:
     _fail(parser, f"--workdir: {err}")
   data = _load(parser, base, args.data_dir)
+  if set(args.methods) != {"dense"}:
+    _check_structure_fits(parser, base, data)
   source = f"preset `{args.preset}`" if args.preset else f"config `{args.config}`"
   try:
     markdown = sweeps.sweep(base, args.methods, args.sparsities, args.seeds, args.workdir,

@@ -111,6 +111,9 @@ SEVERITY_CONSTANTS: dict[str, tuple[Any, ...]] = {
     # (saturation factor, added saturation)
     "saturate": ((0.3, 0), (0.1, 0), (1.5, 0), (2, 0.1), (2.5, 0.2)),
 }
+"""``{type: (constant of severity 1, ..., of severity 5)}``: CIFAR-10-C's, not ImageNet-C's
+(each from the function of the same name in ``make_cifar_c.py``)."""
+
 _CACHE_VERSION = "cifar10c-v1"
 
 
