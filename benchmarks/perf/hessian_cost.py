@@ -43,7 +43,6 @@ import optax
 from jax import lax
 
 import safe_optax
-from safe_optax import _scores
 from safe_optax import flatness
 from safe_optax.experiment import cross_entropy, versions
 from safe_optax.vision import models
@@ -148,10 +147,9 @@ def measure_obd(batch: int, repeats: int, low: int = 1, high: int = 3) -> dict[s
   grad_fn = lambda p, _: jax.grad(loss_fn)(p, data)  # kept: the eager path caches per grad_fn
   key = jax.random.PRNGKey(0)
   gradient = jax.jit(lambda p: jax.grad(loss_fn)(p, data))
-  probe = optax.tree.random_like(key, params, jax.random.rademacher)
-  add_probe = jax.jit(lambda t, p, z: _scores._add_probe(grad_fn, t, p, z))
+  one_probe = jax.jit(lambda p, k: safe_optax.hutchinson_diagonal(grad_fn, p, k, 1))
   counts = {"gradient": flops(gradient, params),
-            "probe": flops(add_probe, optax.tree.zeros_like(params), params, probe)}
+            "probe": flops(one_probe, params, key)}
 
   def path(fn: Callable[..., Any], jit: bool) -> tuple[Callable[[], Any], Callable[[], Any]]:
     def make(n: int) -> Callable[[], Any]:

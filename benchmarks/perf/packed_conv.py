@@ -28,7 +28,6 @@ on a GPU is what it decides; the three agree to rounding (the tests check).
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from typing import Callable
 

@@ -11,8 +11,8 @@ jitted whole (forward, backward, SAM's second gradient, the optimizer):
   ``sam_perturb -> admm_penalty -> adam`` from :mod:`safe_optax.llm.block`,
   ``dual_every`` 32), timed on steps without a dual update;
 * ``llm_safe_no_branch``: the same step compiled without the dual update's
-  ``lax.cond`` (traced with ``safe_optax._admm.lax.cond`` replaced by its
-  untaken branch, so the program is the non-dual step and nothing else);
+  ``lax.cond`` (traced with ``admm_penalty``'s ``dual_due=False``, so the
+  program is the non-dual step and nothing else), run at every step;
 * ``llm_safe_split``: the step as :mod:`safe_optax.llm.block` runs it, two
   programs picked by the host's step counter (``admm_penalty``'s
   ``dual_due``): its non-dual steps run the program traced with
@@ -51,14 +51,12 @@ Results go to ``benchmarks/perf/results/roofline.json`` (``--out``).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import os
 import resource
 import statistics
 import time
-import types
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import flax
 import jax
@@ -69,22 +67,9 @@ from benchmarks import harness
 from benchmarks.perf import _common
 import safe_optax
 from benchmarks.perf import step_overhead
-from safe_optax import _admm
 from safe_optax.vision import resnet20
 
 VISION_BATCH = 128
-
-
-@contextlib.contextmanager
-def without_dual_branch() -> Iterator[None]:
-  """While tracing, ``admm_penalty``'s ``lax.cond`` becomes its untaken (no-update) branch."""
-  lax = _admm.lax
-  _admm.lax = types.SimpleNamespace(
-      cond=lambda pred, true_fun, false_fun, *operands: false_fun(*operands))
-  try:
-    yield
-  finally:
-    _admm.lax = lax
 
 
 class Case:
@@ -150,19 +135,16 @@ def llm_cases(dual_every: int) -> list[Case]:
   linears, data, make = step_overhead.llm_block_case()
   transforms = step_overhead.llm_block_transforms(dual_every)
   safe = transforms[f"safe_k{dual_every}"]
-  variants = {"llm_safe": (safe, contextlib.nullcontext, None),
-              "llm_safe_no_branch": (safe, without_dual_branch, None),
-              "llm_safe_split": (safe, contextlib.nullcontext, False),
-              "llm_sam_adam": (transforms["sam_adam"], contextlib.nullcontext, None)}
+  variants = {"llm_safe": (safe, None), "llm_safe_no_branch": (safe, False),
+              "llm_safe_split": (safe, False), "llm_sam_adam": (transforms["sam_adam"], None)}
   cases = {}
-  for name, (tx, context, dual_due) in variants.items():
-    with context():
-      step, tx = make(tx, dual_due)
-      lin = jax.tree.map(jnp.copy, linears)
-      opt_state = tx.init(lin)
-      compiled = step.lower(lin, opt_state, *data).compile()
+  for name, (tx, dual_due) in variants.items():
+    step, tx = make(tx, dual_due)
+    lin = jax.tree.map(jnp.copy, linears)
+    opt_state = tx.init(lin)
+    compiled = step.lower(lin, opt_state, *data).compile()
     dual_step = compiled
-    if dual_due is False:
+    if name == "llm_safe_split":
       # As safe_optax.llm.block runs it: the host's counter picks the program with
       # the projection (the default one) at the dual steps (not timed).
       dual_step = cases["llm_safe"].program
