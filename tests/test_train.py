@@ -387,7 +387,7 @@ def test_bnt_batches_cover_bnt_samples_distinct_training_images():
 
 
 @pytest.mark.slow
-def test_a_workdir_is_one_run(full_run, full_dir, tmp_path, capsys):
+def test_a_workdir_is_one_run(full_run, full_dir, tmp_path, caplog):
   data = tiny_dataset()
   results_before = (full_dir / "results.json").read_text()
   # A finished run of other settings is refused, naming what differs; nothing is rewritten.
@@ -406,9 +406,10 @@ def test_a_workdir_is_one_run(full_run, full_dir, tmp_path, capsys):
     train.train_and_evaluate(tiny_config(epochs=4, learning_rate=0.1), stopped, data_dir=None,
                              dataset=data)
   # The same settings resume and say so.
-  capsys.readouterr()
-  resumed = train.train_and_evaluate(tiny_config(), stopped, data_dir=None, dataset=data)
-  assert "resuming from step 7 of 21" in capsys.readouterr().err
+  caplog.clear()
+  with caplog.at_level("INFO", logger="safe_optax.vision.train"):
+    resumed = train.train_and_evaluate(tiny_config(), stopped, data_dir=None, dataset=data)
+  assert "resuming from step 7 of 21" in caplog.text
   _assert_same_state(resumed.state, full_run.state)
   # restart discards the old run and trains the new settings from scratch.
   fresh = train.train_and_evaluate(tiny_config(method="admm"), stopped, data_dir=None,

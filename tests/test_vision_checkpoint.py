@@ -251,7 +251,7 @@ def _assert_same(a, b):
 
 @pytest.mark.slow
 def test_a_relative_workdir_resumes_from_another_current_directory(whole_mlp_run, tmp_path,
-                                                                   monkeypatch, capsys):
+                                                                   monkeypatch, caplog):
   config, data = test_train.tiny_config(**MLP_CONFIG), test_train.tiny_dataset()
   (tmp_path / "elsewhere").mkdir()
   monkeypatch.chdir(tmp_path)
@@ -260,9 +260,10 @@ def test_a_relative_workdir_resumes_from_another_current_directory(whole_mlp_run
   assert int(stopped.state.step) == 7
   assert checkpoint_lib.Checkpointer(tmp_path / "runs" / "a" / "checkpoints").latest_step() == 7
   monkeypatch.chdir(tmp_path / "elsewhere")
-  resumed = train.train_and_evaluate(config, os.path.join("..", "runs", "a"), data_dir=None,
-                                     dataset=data)
-  assert "resuming from step 7 of 14" in capsys.readouterr().err
+  with caplog.at_level("INFO", logger="safe_optax.vision.train"):
+    resumed = train.train_and_evaluate(config, os.path.join("..", "runs", "a"), data_dir=None,
+                                       dataset=data)
+  assert "resuming from step 7 of 14" in caplog.text
   _assert_same(resumed.state, whole_mlp_run.state)
   assert (tmp_path / "runs" / "a" / "sparse_params.safetensors").is_file()
   assert not (tmp_path / "elsewhere" / "runs").exists()

@@ -27,9 +27,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import os
 import pathlib
-import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
@@ -50,6 +50,8 @@ from safe_optax.vision import steps as steps_lib
 from safe_optax.vision import train as train_lib
 from safe_optax.vision import workdirs
 from safe_optax.vision.train_state import zero_metrics
+
+_LOG = logging.getLogger(__name__)
 
 
 def pack_key(config: configs.Config) -> configs.Config:
@@ -198,8 +200,7 @@ def train_packed(runs: Sequence[configs.Config], run_dirs: Sequence[os.PathLike]
                      "alone (train_and_evaluate) or in packs of one step.")
   if latest[0] is not None:
     states = [c.restore(latest[0], s) for c, s in zip(ckpts, states)]
-    print(f"pack of {len(runs)}: resuming from step {latest[0]} of {total_steps}",
-          file=sys.stderr, flush=True)
+    _LOG.info("pack of %d: resuming from step %d of %d", len(runs), latest[0], total_steps)
   state = jax.device_put(stack(states), programs.replicated)
   del states
   start_step = int(state.step[0])

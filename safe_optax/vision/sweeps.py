@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import pathlib
@@ -36,6 +37,8 @@ from safe_optax import experiment
 from safe_optax import methods
 from safe_optax.vision import configs
 from safe_optax.vision import workdirs
+
+_LOG = logging.getLogger(__name__)
 
 SAFE_FAMILY = tuple(name for name, m in methods.REGISTRY.items() if m.penalty_field == "penalty")
 """Methods whose lambda is ``Config.penalty`` (cosine ramp by default)."""
@@ -146,7 +149,7 @@ def run_or_load(config: configs.Config, workdir: os.PathLike, *, data: Any,
                        "use another --workdir or delete that folder.")
     return results
   if distributed.is_primary():
-    print(f"  training {pathlib.Path(workdir).name}", file=sys.stderr, flush=True)
+    _LOG.info("training %s", pathlib.Path(workdir).name)
   return train_lib.train_and_evaluate(config, workdir, data_dir=data_dir, dataset=data,
                                       progress=progress).results
 
@@ -295,8 +298,7 @@ def train_packs(jobs: Sequence[tuple[configs.Config, pathlib.Path]], pack: int, 
     for j in range(0, len(members), pack):
       chosen = [todo[i] for i in members[j:j + pack]]
       if distributed.is_primary():
-        print(f"  training a pack of {len(chosen)}: "
-              + ", ".join(d.name for _, d in chosen), file=sys.stderr, flush=True)
+        _LOG.info("training a pack of %d: %s", len(chosen), ", ".join(d.name for _, d in chosen))
       packing.train_packed([c for c, _ in chosen], [d for _, d in chosen], data=data,
                            checkpoint_seconds=checkpoint_seconds, progress=progress)
 
@@ -350,8 +352,7 @@ def sweep(base: configs.Config, methods_: Sequence[str], sparsities: Sequence[fl
   for i, (config, folder) in enumerate(jobs):
     method, s, seed = config.method, config.sparsity, config.seed
     if distributed.is_primary():
-      print(f"[{i + 1}/{len(jobs)}] {method} sparsity {s:g} seed {seed}", file=sys.stderr,
-            flush=True)
+      _LOG.info("[%d/%d] %s sparsity %g seed %d", i + 1, len(jobs), method, s, seed)
     results = run_or_load(config, folder, data=data, data_dir=data_dir, progress=progress)
     runs.append({**record(config, results), "workdir": str(folder)})
   table = summarize(runs, sparsities)

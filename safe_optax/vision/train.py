@@ -45,9 +45,9 @@ The optimizers are :mod:`~safe_optax.methods`' registry, the data
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pathlib
-import sys
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple, Optional
@@ -66,6 +66,8 @@ from safe_optax.vision import programs as programs_lib
 from safe_optax.vision import workdirs
 from safe_optax.vision.configs import Config
 from safe_optax.vision.train_state import TrainState, zero_metrics
+
+_LOG = logging.getLogger(__name__)
 
 
 class Outcome(NamedTuple):
@@ -147,8 +149,7 @@ def train_and_evaluate(config: Config, workdir: os.PathLike, *, data_dir: os.Pat
   if latest is not None:
     state = ckpt.restore(latest, state)
     if primary:
-      print(f"{workdir}: resuming from step {latest} of {total_steps}", file=sys.stderr,
-            flush=True)
+      _LOG.info("%s: resuming from step %d of %d", workdir, latest, total_steps)
   start_step = int(state.step)
   metrics_path = workdir / "metrics.jsonl"
   history = workdirs.read_history(metrics_path, start_step // spe)
