@@ -66,8 +66,11 @@ def test_export_interleaved_as_hf_layout(tmp_path):
   np.testing.assert_allclose(_logits(loaded_cfg, loaded), _logits(cfg, params), atol=1e-5)
 
 
-def _write_gguf(path, cfg, params, tokens, merges):
-  """A llama GGUF the way llama.cpp's converter lays it out (numpy (out, in) tensors)."""
+def _write_gguf(path, cfg, params, tokens, merges, pre="gpt2"):
+  """A llama GGUF the way llama.cpp's converter lays it out (numpy (out, in) tensors).
+
+  ``pre`` is the pre-tokenizer's name (``tokenizer.ggml.pre``); ``None`` leaves it out.
+  """
   writer = gguf.GGUFWriter(str(path), "llama")
   writer.add_block_count(cfg.num_layers)
   writer.add_context_length(64)
@@ -79,6 +82,8 @@ def _write_gguf(path, cfg, params, tokens, merges):
   writer.add_layer_norm_rms_eps(cfg.rms_eps)
   writer.add_vocab_size(cfg.vocab_size)
   writer.add_tokenizer_model("gpt2")
+  if pre is not None:
+    writer.add_tokenizer_pre(pre)
   writer.add_token_list(tokens)
   writer.add_token_types([1] * (len(tokens) - 1) + [3])
   writer.add_token_merges(merges)
@@ -129,6 +134,37 @@ def test_gguf_round_trip_and_tokenizer(tmp_path):
   hf_cfg, hf = checkpoints.load_model(tmp_path / "hf")
   np.testing.assert_allclose(_logits(hf_cfg, hf), _logits(cfg, params), atol=1e-5)
   assert checkpoints.load_tokenizer(tmp_path / "hf").encode("hello").ids == ids[:2]
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", None])
+def test_gguf_unknown_pre_tokenizer_is_refused_by_name(tmp_path, pre):
+  """A pre-tokenizer the rebuild does not reproduce is an error naming it and those supported,
+  not GPT-2's regex in its place (other token ids, no error)."""
+  tokens, merges = _byte_vocab()
+  cfg = dataclasses.replace(CFG, vocab_size=len(tokens), num_layers=1)
+  path = tmp_path / "tiny.gguf"
+  _write_gguf(path, cfg, _params(cfg), tokens, merges, pre=pre)
+  found = "absent" if pre is None else repr(pre)
+  with pytest.raises(ValueError) as err:
+    checkpoints.load_tokenizer(path)
+  message = str(err.value)
+  assert f"tokenizer.ggml.pre is {found};" in message and str(path) in message
+  assert "'gpt2', 'smollm'" in message and "tokenizer.json" in message
+  assert "\n" not in message
+  checkpoints.load_model(path)  # the weights load: only the tokenizer is refused
+
+
+@pytest.mark.parametrize("pre, pieces", [("gpt2", ["12", "3"]), ("smollm", ["1", "2", "3"])])
+def test_gguf_pre_tokenizer_digits(tmp_path, pre, pieces):
+  """GPT-2's regex keeps a run of digits together, SmolLM's splits every digit first."""
+  tokens, merges = _byte_vocab()
+  tokens = tokens[:-1] + ["12", "<|end|>"]
+  merges = merges + ["1 2"]
+  cfg = dataclasses.replace(CFG, vocab_size=len(tokens), num_layers=1)
+  path = tmp_path / f"{pre}.gguf"
+  _write_gguf(path, cfg, _params(cfg), tokens, merges, pre=pre)
+  ids = checkpoints.load_tokenizer(path).encode("123").ids
+  assert [tokens[i] for i in ids] == pieces
 
 
 def test_gguf_source_metadata_becomes_hf_side_files(tmp_path):
@@ -298,7 +334,7 @@ def test_gguf_source_dtype_is_its_matrices_type(tmp_path):
 
 def _tiny_prune_argv(folder, text, out, *extra):
   return ["prune", "--model", str(folder), "--method", "wanda", "--calib", str(text),
-          "--nsamples", "2", "--seqlen", "16", "--out", str(out), "--quiet", *extra]
+          "--nsamples", "2", "--seqlen", "16", "--out", str(out), "--no-progress", *extra]
 
 
 @pytest.mark.slow

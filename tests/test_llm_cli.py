@@ -43,7 +43,7 @@ def test_prune_exports_sparse_safetensors(tiny, tmp_path, method, nm, capsys):
   argv = ["prune", "--model", str(folder), "--method", method, "--calib", str(text),
           "--nsamples", "4", "--seqlen", "16", "--out", str(out), "--eval", str(text),
           "--eval-protocol", "short", "--eval-seqlen", "32", "--eval-tokens", "64",
-          "--quiet"]
+          "--no-progress"]
   if nm:
     argv += ["--nm", nm]
   assert cli.main(argv) == 0
@@ -108,7 +108,7 @@ def test_ppl_and_errors(tiny, tmp_path, capsys):
 
 def _prune_argv(folder, text, out, *extra):
   return ["prune", "--model", str(folder), "--calib", str(text), "--nsamples", "4",
-          "--seqlen", "16", "--out", str(out), "--quiet", "--epochs", "2", "--batch-size", "2",
+          "--seqlen", "16", "--out", str(out), "--no-progress", "--epochs", "2", "--batch-size", "2",
           "--lr", "3e-3", *extra]
 
 

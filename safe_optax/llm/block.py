@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +22,7 @@ import optax
 
 import safe_optax
 from safe_optax import distributed
+from safe_optax import experiment
 from safe_optax.llm import model as model_lib
 from safe_optax.llm.prune_config import PruneConfig
 
@@ -36,6 +37,7 @@ def split_block(block_params: dict[str, Any]) -> tuple[dict[str, Any], dict[str,
 
 
 def merge_block(linears: dict[str, Any], norms: dict[str, Any]) -> dict[str, Any]:
+  """A block's parameters from its ``(linears, norms)``: the inverse of :func:`split_block`."""
   return {**norms, **linears}
 
 
@@ -47,11 +49,21 @@ def map_linears(fn: Callable[[tuple[str, str]], Any]) -> dict[str, Any]:
   return tree
 
 
-class BlockStats(dict):
-  """Per captured input: ``sq`` (sum of squares per feature), ``xtx``, and ``n`` rows."""
-
-
 def block_fns(config: model_lib.LlamaConfig, with_hessian: bool):
+  """The jitted passes of one block: ``(forward, forward_with_stats)``.
+
+  Args:
+    config: the model's architecture.
+    with_hessian: also sum ``X^T X`` of each linear map's input (SparseGPT's
+      Hessian), not only the squares Wanda needs.
+
+  Returns:
+    ``forward(block_params, x) -> y`` and ``forward_with_stats(block_params,
+    x) -> (y, stats)``, where ``stats[name]`` has ``"sq"``, the sum over rows
+    of each input feature's square, and with ``with_hessian`` ``"xtx"``, for
+    the inputs ``attn_in``, ``o_in``, ``mlp_in`` and ``down_in``
+    (:data:`~safe_optax.llm.model.LINEAR_INPUTS`).
+  """
   block = model_lib.Block(config)
 
   @jax.jit
@@ -92,10 +104,17 @@ def place(mesh: Optional[jax.sharding.Mesh], batch: Any) -> Any:
 
 
 def replicate(mesh: Optional[jax.sharding.Mesh], tree: Any) -> Any:
+  """A tree copied whole onto every device of the mesh; as it is without a mesh."""
   return tree if mesh is None else jax.device_put(tree, distributed.replicated(mesh))
 
 
-def chunks(size: int, chunk: int):
+def chunks(size: int, chunk: int) -> Iterator[slice]:
+  """Consecutive slices of at most ``chunk`` items covering ``range(size)``.
+
+  Examples:
+    >>> list(chunks(5, 2))
+    [slice(0, 2, None), slice(2, 4, None), slice(4, 5, None)]
+  """
   for start in range(0, size, chunk):
     yield slice(start, min(start + chunk, size))
 
@@ -211,7 +230,7 @@ def _compiled_step(config: model_lib.LlamaConfig, cfg: PruneConfig, steps_per_ep
 
 def _run_steps(step, state, inputs, targets, epoch_order: Callable[[], np.ndarray],
                cfg: PruneConfig, steps_per_epoch: int,
-               mesh: Optional[jax.sharding.Mesh]) -> tuple[Any, list[Any]]:
+               mesh: Optional[jax.sharding.Mesh], progress: bool) -> tuple[Any, list[Any]]:
   """``cfg.epochs`` epochs of ``step``; returns the final weights and each epoch's last loss.
 
   ``epoch_order()`` gives an epoch's minibatch indices, ``(steps_per_epoch,
@@ -221,7 +240,12 @@ def _run_steps(step, state, inputs, targets, epoch_order: Callable[[], np.ndarra
   between host and device implicitly (a numpy batch, a Python scalar, a loss
   read back) would raise instead of slowing every step down. With a mesh the
   host gathers each minibatch and splits it over the mesh.
+
+  ``progress`` shows a bar of the steps, advanced an epoch at a time once the
+  loop has waited for that epoch anyway: no extra wait or transfer.
   """
+  bar = experiment.progress(cfg.epochs * steps_per_epoch, desc=f"{cfg.method} steps",
+                            unit="step", enabled=progress, leave=False)
   if mesh is None:
     state, inputs, targets = jax.device_put((state, inputs, targets))
     guard = jax.transfer_guard("disallow")
@@ -244,8 +268,12 @@ def _run_steps(step, state, inputs, targets, epoch_order: Callable[[], np.ndarra
       if losses:
         # Waits (no transfer) for the epoch before: at most two epochs of steps in flight.
         losses[-1].block_until_ready()
+        bar.update(steps_per_epoch)
       losses.append(loss)  # read once, after the loop
-  return params, jax.device_get(losses)
+  losses = jax.device_get(losses)
+  bar.update(steps_per_epoch)
+  bar.close()
+  return params, losses
 
 
 def _project(cfg: PruneConfig, params: dict[str, Any],
@@ -266,6 +294,8 @@ def safe_block(
     cfg: PruneConfig,
     input_norms: Optional[dict[str, Any]] = None,
     mesh: Optional[jax.sharding.Mesh] = None,
+    *,
+    progress: bool = False,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
   """SAFE / SAFE+ on one block's reconstruction loss, then the final projection.
 
@@ -281,6 +311,7 @@ def safe_block(
     cfg: the :class:`PruneConfig`.
     input_norms: Wanda norms for SAFE+, ``None`` for SAFE.
     mesh: split each minibatch over this ``'data'`` mesh (:func:`calibration_mesh`).
+    progress: show a bar of the steps on stderr (advanced once per epoch).
 
   Returns:
     ``(pruned_linears, info)`` with the last minibatch loss of each epoch.
@@ -297,7 +328,7 @@ def safe_block(
       (linears, norms, input_norms, scales, opt_state),
       inputs, targets,
       lambda: rng.permutation(n)[:steps_per_epoch * batch].reshape(steps_per_epoch, batch),
-      cfg, steps_per_epoch, mesh)
+      cfg, steps_per_epoch, mesh, progress)
   return _project(cfg, params, input_norms), {
       "epoch_last_loss": [float(loss) for loss in losses],
       "steps": cfg.epochs * steps_per_epoch}
@@ -330,6 +361,8 @@ def safe_blocks(
     targets: np.ndarray,
     cfgs: Sequence[PruneConfig],
     input_norms: Optional[dict[str, Any]] = None,
+    *,
+    progress: bool = False,
 ) -> list[tuple[dict[str, Any], dict[str, Any]]]:
   """:func:`safe_block` for several calibration sets of one block at once, on one device.
 
@@ -352,6 +385,7 @@ def safe_blocks(
     inputs, targets: ``(lanes, n, L, d)``.
     cfgs: one per lane, equal but for ``seed`` (:func:`check_pack`).
     input_norms: Wanda norms with a leading lane axis for SAFE+, ``None`` for SAFE.
+    progress: show a bar of the steps on stderr (advanced once per epoch).
 
   Returns:
     ``[(pruned_linears, info)]``, one per lane.
@@ -382,7 +416,7 @@ def safe_blocks(
   params, losses = _run_steps(
       safe_step(config, cfg, steps_per_epoch, pack=True),
       (stack([linears] * lanes), norms, input_norms, scales, opt_state),
-      inputs, targets, epoch_order, cfg, steps_per_epoch, None)
+      inputs, targets, epoch_order, cfg, steps_per_epoch, None, progress)
   results = []
   for i in range(lanes):
     lane_params = jax.tree.map(lambda a, i=i: a[i], params)

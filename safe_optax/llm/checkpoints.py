@@ -7,7 +7,9 @@
 * A GGUF file (llama.cpp), dequantised to float32 by PyPI ``gguf``. GGUF
   permutes the Q/K rows of each head for the interleaved-pair RoPE, so the
   model is built with ``rope_layout="interleaved"`` and the weights are used
-  as stored. The tokenizer is rebuilt from the file's BPE metadata. A cut or
+  as stored. The tokenizer is rebuilt from the file's BPE metadata for the
+  pre-tokenizers in :data:`GGUF_PRE_TOKENIZERS` (others are refused, since a
+  wrong pre-tokenizer gives other token ids without an error). A cut or
   damaged file raises ``ValueError`` naming it.
 
 Parameters are float32 in memory whatever the source. :func:`source_dtype`
@@ -26,13 +28,16 @@ RoPE permutations are re-exported here, where callers have always found them.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pathlib
+import time
 from typing import Any
 
 import jax
 import numpy as np
 
+from safe_optax import experiment
 from safe_optax.llm import model as model_lib
 # Re-exported: the writer and its tables live in export.py.
 from safe_optax.llm.export import EXPORT_DTYPES  # pylint: disable=unused-import
@@ -51,6 +56,19 @@ _GGUF_LINEARS = {
 }
 _GGUF_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 _SAFETENSORS_DTYPES = {"F64": "float32", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+GGUF_PRE_TOKENIZERS = {
+    "gpt2": "GPT-2's byte-level regex",
+    "smollm": "every digit on its own, then GPT-2's byte-level regex",
+}
+"""The GGUF pre-tokenizers (``tokenizer.ggml.pre``) :func:`tokenizer_from_gguf` rebuilds.
+
+Each is llama.cpp's regex split for that name, and the name's Hugging Face
+``tokenizer.json`` pre-tokenizer; ``smollm`` is checked token for token against
+an independent BPE on WikiText (``tests/test_llm_real.py``).
+"""
+
+_LOG = logging.getLogger(__name__)
 
 
 def _missing(path: pathlib.Path, what: str) -> FileNotFoundError:
@@ -113,7 +131,8 @@ def _flatten(tree: dict[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple[s
   return flat
 
 
-def load_safetensors(path: os.PathLike) -> tuple[model_lib.LlamaConfig, dict[str, Any]]:
+def load_safetensors(path: os.PathLike, *,
+                     progress: bool = False) -> tuple[model_lib.LlamaConfig, dict[str, Any]]:
   """Reads a Hugging Face LLaMA-family folder into ``(config, params)`` (float32).
 
   bf16 / fp16 tensors are widened exactly; :func:`source_dtype` tells which
@@ -121,11 +140,12 @@ def load_safetensors(path: os.PathLike) -> tuple[model_lib.LlamaConfig, dict[str
 
   Args:
     path: folder with ``config.json`` and one or more ``*.safetensors`` files.
+    progress: show a bar of the tensors read on stderr.
 
   Returns:
     The :class:`~safe_optax.llm.model.LlamaConfig` and Flax parameters.
   """
-  from safetensors.numpy import load_file  # pylint: disable=import-outside-toplevel
+  from safetensors import safe_open  # pylint: disable=import-outside-toplevel
 
   path = pathlib.Path(path)
   if not path.is_dir():
@@ -136,37 +156,50 @@ def load_safetensors(path: os.PathLike) -> tuple[model_lib.LlamaConfig, dict[str
   files = sorted(path.glob("*.safetensors"))
   if not files:
     raise _missing(path / "*.safetensors", "safetensors weights")
-  tensors: dict[str, np.ndarray] = {}
+  names = {}
   for file in files:
-    tensors.update(load_file(str(file)))
+    with safe_open(str(file), framework="np") as f:
+      names[file] = list(f.keys())
+  bar = experiment.progress(sum(map(len, names.values())), desc=f"load {path.name}",
+                            unit="tensor", enabled=progress)
   params = _empty_params(config)
   unknown = []
-  for name, value in tensors.items():
-    value = np.asarray(value, np.float32)
-    parts = name.split(".")
-    if name == "model.embed_tokens.weight":
-      params["embed_tokens"] = {"embedding": value}
-    elif name == "model.norm.weight":
-      params["norm"] = {"scale": value}
-    elif name == "lm_head.weight":
-      if not config.tie_embeddings:
-        params["lm_head"] = {"kernel": value.T}
-    elif name.startswith("model.layers.") and len(parts) >= 5 and parts[2].isdigit():
-      block = params.setdefault(f"layers_{parts[2]}", {"self_attn": {}, "mlp": {}})
-      inner = ".".join(parts[3:-1])
-      if inner in _HF_LINEARS and parts[-1] == "weight":
-        group, linear = _HF_LINEARS[inner]
-        block[group][linear] = {"kernel": value.T}
-      elif inner in _HF_NORMS and parts[-1] == "weight":
-        block[_HF_NORMS[inner]] = {"scale": value}
-      elif "rotary_emb" not in inner:
-        unknown.append(name)
-    else:
-      unknown.append(name)
+  for file, keys in names.items():
+    with safe_open(str(file), framework="np") as f:
+      for name in keys:
+        _place_hf_tensor(params, config, name, np.asarray(f.get_tensor(name), np.float32),
+                         unknown)
+        bar.update(1)
+  bar.close()
   if unknown:
     raise ValueError(f"'{path}': unexpected tensors for a LLaMA-family model: {unknown[:6]}.")
   _check_shapes(params, config, str(path))
   return config, params
+
+
+def _place_hf_tensor(params: dict[str, Any], config: model_lib.LlamaConfig, name: str,
+                     value: np.ndarray, unknown: list[str]) -> None:
+  """Puts one Hugging Face tensor where the Flax model has it; an unknown name joins ``unknown``."""
+  parts = name.split(".")
+  if name == "model.embed_tokens.weight":
+    params["embed_tokens"] = {"embedding": value}
+  elif name == "model.norm.weight":
+    params["norm"] = {"scale": value}
+  elif name == "lm_head.weight":
+    if not config.tie_embeddings:
+      params["lm_head"] = {"kernel": value.T}
+  elif name.startswith("model.layers.") and len(parts) >= 5 and parts[2].isdigit():
+    block = params.setdefault(f"layers_{parts[2]}", {"self_attn": {}, "mlp": {}})
+    inner = ".".join(parts[3:-1])
+    if inner in _HF_LINEARS and parts[-1] == "weight":
+      group, linear = _HF_LINEARS[inner]
+      block[group][linear] = {"kernel": value.T}
+    elif inner in _HF_NORMS and parts[-1] == "weight":
+      block[_HF_NORMS[inner]] = {"scale": value}
+    elif "rotary_emb" not in inner:
+      unknown.append(name)
+  else:
+    unknown.append(name)
 
 
 def _gguf_reader(path: pathlib.Path) -> Any:
@@ -283,11 +316,19 @@ def source_metadata(path: os.PathLike) -> dict[str, dict[str, Any]]:
   raise _missing(path, "model (a safetensors folder or a .gguf file)")
 
 
-def load_gguf(path: os.PathLike) -> tuple[model_lib.LlamaConfig, dict[str, Any]]:
+def load_gguf(path: os.PathLike, *,
+              progress: bool = False) -> tuple[model_lib.LlamaConfig, dict[str, Any]]:
   """Reads a llama.cpp GGUF file (architecture ``llama``), dequantised to float32.
 
   The Q/K weights keep GGUF's row order, so the config says
   ``rope_layout="interleaved"``.
+
+  Args:
+    path: a ``.gguf`` file.
+    progress: show a bar of the tensors dequantised on stderr.
+
+  Returns:
+    The :class:`~safe_optax.llm.model.LlamaConfig` and Flax parameters.
   """
   import gguf  # pylint: disable=import-outside-toplevel
 
@@ -317,6 +358,8 @@ def load_gguf(path: os.PathLike) -> tuple[model_lib.LlamaConfig, dict[str, Any]]
   )
   params = _empty_params(config)
   unknown = []
+  bar = experiment.progress(len(reader.tensors), desc=f"load {path.name}", unit="tensor",
+                            enabled=progress)
   for tensor in reader.tensors:
     # gguf gives numpy (out, in) order; dequantize handles F32/F16 as well.
     value = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), np.float32)
@@ -338,27 +381,62 @@ def load_gguf(path: os.PathLike) -> tuple[model_lib.LlamaConfig, dict[str, Any]]
         unknown.append(tensor.name)
     elif tensor.name != "rope_freqs.weight":
       unknown.append(tensor.name)
+    bar.update(1)
+  bar.close()
   if unknown:
     raise ValueError(f"'{path}': unexpected tensors for a llama GGUF: {unknown[:6]}.")
   _check_shapes(params, config, str(path))
   return config, params
 
 
-def load_model(path: os.PathLike) -> tuple[model_lib.LlamaConfig, dict[str, Any]]:
-  """Loads a safetensors folder or a ``.gguf`` file (by what ``path`` is)."""
+def load_model(path: os.PathLike, *,
+               progress: bool = False) -> tuple[model_lib.LlamaConfig, dict[str, Any]]:
+  """Loads a safetensors folder or a ``.gguf`` file (by what ``path`` is).
+
+  Args:
+    path: a Hugging Face folder (:func:`load_safetensors`) or a ``.gguf``
+      file (:func:`load_gguf`).
+    progress: show a bar of the tensors read on stderr.
+
+  Returns:
+    ``(config, params)``, the parameters in float32.
+  """
   path = pathlib.Path(path)
   if path.is_dir():
-    return load_safetensors(path)
-  if path.is_file() and path.suffix == ".gguf":
-    return load_gguf(path)
-  if path.exists():
+    load = load_safetensors
+  elif path.is_file() and path.suffix == ".gguf":
+    load = load_gguf
+  elif path.exists():
     raise ValueError(
         f"--model '{path}' must be a folder (config.json + *.safetensors) or a .gguf file.")
-  raise _missing(path, "model (a safetensors folder or a .gguf file)")
+  else:
+    raise _missing(path, "model (a safetensors folder or a .gguf file)")
+  start = time.perf_counter()
+  config, params = load(path, progress=progress)
+  _LOG.info("loaded %s in %.1f s: %d blocks, width %d, %d heads (%d key/value), vocabulary %d",
+            path, time.perf_counter() - start, config.num_layers, config.hidden_size,
+            config.num_heads, config.num_kv_heads, config.vocab_size)
+  return config, params
 
 
 def tokenizer_from_gguf(path: os.PathLike) -> Any:
-  """Rebuilds the byte-level BPE tokenizer stored in a GGUF file's metadata."""
+  """Rebuilds the byte-level BPE tokenizer stored in a GGUF file's metadata.
+
+  The vocabulary, merges and special tokens come from the file; the
+  pre-tokenizer from its name, ``tokenizer.ggml.pre``, which must be one of
+  :data:`GGUF_PRE_TOKENIZERS`.
+
+  Args:
+    path: a ``.gguf`` file whose ``tokenizer.ggml.model`` is ``gpt2``.
+
+  Returns:
+    A ``tokenizers.Tokenizer``.
+
+  Raises:
+    ValueError: another tokenizer model, or a pre-tokenizer that is absent or
+      not in :data:`GGUF_PRE_TOKENIZERS` (the message names it and those
+      supported).
+  """
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # pylint: disable=import-outside-toplevel
 
   reader = _gguf_reader(pathlib.Path(path))
@@ -366,12 +444,20 @@ def tokenizer_from_gguf(path: os.PathLike) -> Any:
   if kind != "gpt2":
     raise ValueError(f"'{path}': tokenizer.ggml.model is {kind!r}; only byte-level BPE "
                      "('gpt2') is supported.")
+  pre = _gguf_field(reader, "tokenizer.ggml.pre")
+  if pre not in GGUF_PRE_TOKENIZERS:
+    found = "absent" if pre is None else repr(pre)
+    raise ValueError(
+        f"'{path}': tokenizer.ggml.pre is {found}; the tokenizer can be rebuilt only for the "
+        f"pre-tokenizers {', '.join(map(repr, GGUF_PRE_TOKENIZERS))} (another one would split "
+        "the text differently and give other token ids); use the model's Hugging Face folder "
+        "(config.json, *.safetensors, tokenizer.json) instead.")
   tokens = list(_gguf_field(reader, "tokenizer.ggml.tokens"))
   merges = [tuple(m.split(" ", 1)) for m in _gguf_field(reader, "tokenizer.ggml.merges", [])]
   vocab = {token: i for i, token in enumerate(tokens)}
   tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
   byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-  if _gguf_field(reader, "tokenizer.ggml.pre") == "smollm":
+  if pre == "smollm":
     # SmolLM's tokenizer.json splits digits one by one before the GPT-2 regex.
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), byte_level])

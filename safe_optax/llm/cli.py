@@ -43,6 +43,11 @@ same ones says so and prunes nothing). Arguments, the output folder, the
 texts and the calibration length are checked before the model is loaded, and
 ``--export-dtype float16`` refuses a model whose weights float16 cannot
 hold. Errors and Ctrl-C print one line (exit 2 and 130), not a traceback.
+
+Progress bars (loading, each block's SAFE / SAFE+ steps, the perplexity
+windows) go to stderr unless ``--no-progress``; messages go through
+:mod:`logging` (the ``safe_optax`` loggers, ``--log-level``, default INFO, to
+stderr); the result is JSON on stdout.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import logging
 import pathlib
 import shutil
 import sys
@@ -70,6 +76,41 @@ from safe_optax.llm import export
 from safe_optax.llm import model as model_lib
 from safe_optax.llm import prune as prune_lib
 from safe_optax.llm import prune_config
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+"""Values of ``--log-level``: the least severe message of the ``safe_optax`` loggers shown."""
+# Named, not __name__: under ``python -m safe_optax.llm.cli`` this module is ``__main__``.
+_LOG = logging.getLogger("safe_optax.llm.cli")
+
+DESCRIPTION = """\
+Prune a LLaMA-family checkpoint block by block (SAFE, SAFE+, magnitude, Wanda,
+SparseGPT) and export it as a Hugging Face folder, or measure its perplexity.
+--model is a Hugging Face folder (config.json, *.safetensors, tokenizer.json)
+or a .gguf file."""
+
+EPILOG = """\
+examples:
+  safe-optax-llm ppl --model MODEL.gguf --text wiki.test.raw
+  safe-optax-llm prune --model MODEL.gguf --method safe-plus --sparsity 0.5 \\
+      --calib valid.txt --nsamples 16 --seqlen 128 --out pruned/ --eval wiki.test.raw
+
+The JSON result goes to stdout; progress bars and log messages to stderr.
+'safe-optax-llm prune --help' and 'safe-optax-llm ppl --help' list each
+command's options. Guide: docs/llm.md."""
+
+PRUNE_DESCRIPTION = """\
+Prune every transformer block in order on the pruned stream, then write OUT as
+a Hugging Face folder (model.safetensors, config.json, tokenizer files,
+sparsity.json) and report.json (arguments, per-block seconds and errors,
+sparsity, perplexities, versions). Resumable: each pruned block is saved in
+OUT/prune_state, and rerunning the same command continues from the next
+block; a rerun with other pruning arguments is refused unless --restart."""
+
+PPL_DESCRIPTION = """\
+Perplexity of a checkpoint on a text. The standard protocol (SparseGPT's and
+Wanda's) scores the whole text in windows of min(context, 2048) tokens; the
+short one the first --max-tokens tokens in 512-token windows, for quick
+checks."""
 
 
 def versions() -> dict[str, Any]:
@@ -133,7 +174,8 @@ def model_context(path: str) -> Optional[int]:
 def evaluate(config: model_lib.LlamaConfig, params: Any, tokenizer: Any, text_path: str,
              seqlen: Optional[int] = None, max_tokens: Optional[int] = None, *,
              protocol: str = "standard", context: Optional[int] = None,
-             flags: tuple[str, str] = ("--seqlen", "--max-tokens")) -> dict[str, Any]:
+             flags: tuple[str, str] = ("--seqlen", "--max-tokens"),
+             progress: bool = False) -> dict[str, Any]:
   """Perplexity of the model on a text under an evaluation protocol (:data:`data.PROTOCOLS`).
 
   ``"standard"``: the whole text, rows joined as SparseGPT and Wanda join
@@ -141,6 +183,7 @@ def evaluate(config: model_lib.LlamaConfig, params: Any, tokenizer: Any, text_pa
   ``"short"``: the first ``max_tokens`` (default 2,048) tokens of the text
   as it is, in windows of ``seqlen`` (default 512). ``flags`` names the
   options that set ``seqlen`` and ``max_tokens`` in error messages.
+  ``progress`` shows a bar of the windows scored on stderr.
 
   Returns the protocol, the window length, the joined text's token count
   (standard), the tokens and windows scored, the perplexity and the seconds.
@@ -160,7 +203,9 @@ def evaluate(config: model_lib.LlamaConfig, params: Any, tokenizer: Any, text_pa
   apply = _apply_fn(config)
   logits_fn = lambda t: apply({"params": params}, t)
   start = time.perf_counter()
-  ppl, nll = data.perplexity(logits_fn, windows)
+  ppl, nll = data.perplexity(logits_fn, windows, progress=progress)
+  _LOG.info("perplexity %.4g on %s (%s protocol, %d windows of %d tokens)", ppl, text_path,
+            protocol, windows.shape[0], window)
   return {"text": str(text_path), "protocol": protocol, "window": window, "seqlen": window,
           "context": context,
           "text_tokens": int(len(tokens)) if protocol == "standard" else None,
@@ -180,12 +225,15 @@ def _add_protocol_arguments(parser: argparse.ArgumentParser, protocol: str, seql
   """The perplexity protocol's three flags (``prune --eval-*`` and ``ppl`` name them apart)."""
   parser.add_argument(protocol, choices=data.PROTOCOLS, default="standard",
                       help="'standard': the whole text in windows of min(context, 2048) tokens, "
-                           f"as SparseGPT and Wanda; 'short': its first {tokens} (default 2048) "
-                           "in 512-token windows, for quick checks")
-  parser.add_argument(seqlen, type=_count(2), default=None,
-                      help="evaluation window (default: the protocol's)")
-  parser.add_argument(tokens, type=_count(2), default=None,
-                      help="tokens scored by the short protocol (default 2048)")
+                           f"as SparseGPT and Wanda; 'short': its first {tokens} tokens in "
+                           "512-token windows, for quick checks (default: %(default)s)")
+  parser.add_argument(seqlen, type=_count(2), default=None, metavar="L",
+                      help="evaluation window in tokens (default: the protocol's, "
+                           f"min(context, 2048) or {data.SHORT_WINDOW})")
+  parser.add_argument(tokens, type=_count(2), default=None, metavar="N",
+                      help="tokens scored by the short protocol (default: "
+                           f"{data.SHORT_TOKENS} with {protocol} short; the standard protocol "
+                           "scores the whole text)")
 
 
 def _fixed_order(args: argparse.Namespace) -> bool:
@@ -257,8 +305,8 @@ def _start_lane(args: argparse.Namespace) -> Optional[dict[str, Any]]:
     # A run killed between its report and this removal.
     if state_dir.exists() and distributed.is_primary():
       shutil.rmtree(state_dir)
-    print(f"safe-optax-llm prune: '{out}' already holds this export; nothing to prune "
-          "(--restart prunes it again).", file=sys.stderr)
+    _LOG.info("'%s' already holds this export; nothing to prune (--restart prunes it again)",
+              out)
     return finished
   _make_folder(out, "--out")
   return None
@@ -293,7 +341,11 @@ def _prune(args: argparse.Namespace) -> dict[str, Any]:
                      f"--seqlen {args.seqlen}; give a longer text or a smaller --seqlen.")
   calibrations = [data.calibration_windows(calib_tokens, args.nsamples, args.seqlen, lane.seed)
                   for lane in pending]
-  config, params = checkpoints.load_model(args.model)
+  _LOG.info("calibration: %d windows of %d tokens from %s (%d tokens) for seed %s",
+            args.nsamples, args.seqlen, args.calib, len(calib_tokens),
+            ", ".join(str(lane.seed) for lane in pending))
+  progress = not args.no_progress
+  config, params = checkpoints.load_model(args.model, progress=progress)
   if args.dtype:
     config = dataclasses.replace(config, dtype=args.dtype)
   # Pruning only zeroes or refits weights of the same scale: a dense weight out of the
@@ -303,15 +355,16 @@ def _prune(args: argparse.Namespace) -> dict[str, Any]:
   state_dirs = [pathlib.Path(lane.out) / STATE_DIR for lane in pending]
   if len(pending) == 1:
     pruned = [prune_lib.prune_model(
-        config, params, calibrations[0], _prune_config(pending[0]), progress=not args.quiet,
+        config, params, calibrations[0], _prune_config(pending[0]), progress=progress,
         state_dir=state_dirs[0], identity=_identity(pending[0]),
         fixed_order=True if args.fixed_order else None)]
   else:
     pruned = prune_lib.prune_models(
         config, params, calibrations, [_prune_config(lane) for lane in pending],
-        progress=not args.quiet, state_dirs=state_dirs,
+        progress=progress, state_dirs=state_dirs,
         identities=[_identity(lane) for lane in pending])
   total = time.perf_counter() - start
+  _LOG.info("pruning took %.1f s", total)
   # Every process holds the same pruned model; process 0 alone writes and evaluates.
   distributed.barrier("safe_optax_llm_pruned")
   if not distributed.is_primary():
@@ -354,7 +407,7 @@ def _write_lane(args: argparse.Namespace, config: model_lib.LlamaConfig, pruned:
       "sparsity": {"prunable": sparsity.sparsity, "overall": sparsity.overall_sparsity},
       "eval": [evaluate(config, pruned, tokenizer, text, args.eval_seqlen, args.eval_tokens,
                         protocol=args.eval_protocol, context=context,
-                        flags=("--eval-seqlen", "--eval-tokens"))
+                        flags=("--eval-seqlen", "--eval-tokens"), progress=not args.no_progress)
                for text in args.eval or []],
       "versions": versions(),
   }
@@ -362,6 +415,7 @@ def _write_lane(args: argparse.Namespace, config: model_lib.LlamaConfig, pruned:
     tmp.write_text(json.dumps(report, indent=2) + "\n")
   # The export and report now hold everything the state was kept for.
   shutil.rmtree(out / STATE_DIR)
+  _LOG.info("wrote %s (model.safetensors, sparsity.json, report.json)", out)
   return report
 
 
@@ -381,12 +435,14 @@ def _ppl(args: argparse.Namespace) -> dict[str, Any]:
   data.read_text(args.text)
   if args.json:
     _make_folder(pathlib.Path(args.json).parent, "--json's folder")
-  config, params = checkpoints.load_model(args.model)
+  progress = not args.no_progress
+  config, params = checkpoints.load_model(args.model, progress=progress)
   if args.dtype:
     config = dataclasses.replace(config, dtype=args.dtype)
   tokenizer = checkpoints.load_tokenizer(args.model)
   result = evaluate(config, params, tokenizer, args.text, args.seqlen, args.max_tokens,
-                    protocol=args.protocol, context=model_context(args.model))
+                    protocol=args.protocol, context=model_context(args.model),
+                    progress=progress)
   result.update(model=str(args.model), dtype=config.dtype, versions=versions())
   if args.json:
     with experiment.atomic_write(args.json) as tmp:
@@ -394,59 +450,109 @@ def _ppl(args: argparse.Namespace) -> dict[str, Any]:
   return result
 
 
+def _add_output_options(parser: argparse.ArgumentParser) -> None:
+  """What every command prints besides its result: progress bars and log messages."""
+  group = parser.add_argument_group("output")
+  group.add_argument("--no-progress", action="store_true",
+                     help="no progress bars (default: progress bars on stderr)")
+  group.add_argument("--log-level", choices=LOG_LEVELS, default="INFO", type=str.upper,
+                     help="least severe log message written to stderr; WARNING silences the "
+                          "informational ones (default: %(default)s)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="safe-optax-llm", description=__doc__.split("\n")[0])
-  sub = parser.add_subparsers(dest="command", required=True)
-  p = sub.add_parser("prune", help="prune a checkpoint block by block")
-  p.add_argument("--model", required=True, help="safetensors folder or .gguf file")
-  p.add_argument("--method", required=True, choices=prune_config.METHODS)
+  """The ``safe-optax-llm`` parser: ``prune`` and ``ppl``, each with its own options."""
+  # Line breaks kept in the top-level text (its examples); the commands' prose is rewrapped.
+  parser = argparse.ArgumentParser(prog="safe-optax-llm", description=DESCRIPTION,
+                                   epilog=EPILOG,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--version", action="version",
+                      version=f"safe-optax-llm {safe_optax.__version__}")
+  sub = parser.add_subparsers(dest="command", required=True, title="commands",
+                              metavar="{prune,ppl}", help="what to do (required)")
+  p = sub.add_parser("prune", help="prune a checkpoint block by block and export it",
+                     description=PRUNE_DESCRIPTION)
+  p.add_argument("--model", required=True,
+                 help="Hugging Face folder (config.json, *.safetensors, tokenizer.json) or "
+                      ".gguf file (required)")
+  p.add_argument("--method", required=True, choices=prune_config.METHODS,
+                 help="magnitude, wanda and sparsegpt prune in one shot; safe and safe-plus "
+                      "minimise each block's reconstruction error with SAFE / SAFE+ steps "
+                      "(required)")
   p.add_argument("--sparsity", type=float, default=None,
-                 help="fraction pruned (default 0.5); with --nm it is 1 - N/M")
-  p.add_argument("--nm", type=parse_nm, default=None, help="N:M along the input dim, e.g. 2:4")
+                 help="fraction of each block matrix pruned (default: 0.5; with --nm N:M, "
+                      "1 - N/M)")
+  p.add_argument("--nm", type=parse_nm, default=None, metavar="N:M",
+                 help="keep N of every M weights along each matrix's input dimension, e.g. 2:4 "
+                      "(default: unstructured)")
   p.add_argument("--grouping", choices=prune_config.GROUPINGS, default=None,
-                 help="unstructured scores compete per matrix or per output row "
-                      "(default: per row for wanda / safe-plus, per matrix otherwise)")
-  p.add_argument("--calib", required=True, help="calibration text file or folder")
-  p.add_argument("--nsamples", type=_count(1), default=128)
-  p.add_argument("--seqlen", type=_count(2), default=2048)
+                 help="unstructured scores compete per matrix or per output row (default: "
+                      "per_row for wanda and safe-plus, per_matrix otherwise)")
+  p.add_argument("--calib", required=True,
+                 help="calibration text file, or a folder of *.txt files (required)")
+  p.add_argument("--nsamples", type=_count(1), default=128, metavar="N",
+                 help="calibration windows drawn from --calib (default: %(default)s)")
+  p.add_argument("--seqlen", type=_count(2), default=2048, metavar="L",
+                 help="tokens per calibration window (default: %(default)s)")
   p.add_argument("--out", required=True,
                  help="output folder (safetensors + report.json); '{seed}' is replaced by the "
-                      "seed")
-  p.add_argument("--epochs", type=_count(1), default=30)
-  p.add_argument("--batch-size", type=_count(1), default=8)
-  p.add_argument("--lr", type=_non_negative, default=2e-4)
-  p.add_argument("--lr-scale", choices=prune_config.LR_SCALES, default="none",
-                 help="'rms': each matrix's step is lr x the RMS of its dense weights")
-  p.add_argument("--warmup-epochs", type=_count(0), default=2)
-  p.add_argument("--rho", type=_non_negative, default=2e-4)
-  p.add_argument("--penalty", type=_non_negative, default=1e-3)
-  p.add_argument("--dual-every", type=_count(1), default=32)
+                      "seed (required)")
+  safe = p.add_argument_group("SAFE / SAFE+ steps (--method safe, safe-plus)")
+  safe.add_argument("--epochs", type=_count(1), default=30,
+                    help="passes over the calibration windows for each block "
+                         "(default: %(default)s)")
+  safe.add_argument("--batch-size", type=_count(1), default=8,
+                    help="calibration windows per step (default: %(default)s)")
+  safe.add_argument("--lr", type=_non_negative, default=2e-4,
+                    help="Adam's peak learning rate (default: %(default)s)")
+  safe.add_argument("--lr-scale", choices=prune_config.LR_SCALES, default="none",
+                    help="'rms': each matrix's step is lr x the RMS of its dense weights "
+                         "(default: %(default)s)")
+  safe.add_argument("--warmup-epochs", type=_count(0), default=2,
+                    help="epochs of linear learning-rate warm-up, then linear decay to 0 "
+                         "(default: %(default)s)")
+  safe.add_argument("--rho", type=_non_negative, default=2e-4,
+                    help="SAM's perturbation radius (default: %(default)s)")
+  safe.add_argument("--penalty", type=_non_negative, default=1e-3,
+                    help="ADMM penalty (lambda) pulling the weights towards their sparse "
+                         "projection (default: %(default)s)")
+  safe.add_argument("--dual-every", type=_count(1), default=32, metavar="K",
+                    help="steps between ADMM dual updates (default: %(default)s)")
   p.add_argument("--seed", type=int, nargs="+", default=[0],
                  help="calibration seed (windows and SAFE's minibatch order); several values "
                       "prune one model per seed in one walk, SAFE / SAFE+ steps of all seeds "
-                      "as one program, and need '{seed}' in --out")
+                      "as one program, and need '{seed}' in --out (default: 0)")
   p.add_argument("--dtype", choices=tuple(model_lib.DTYPES), default=None,
-                 help="computation dtype while pruning and evaluating (default float32)")
+                 help="computation dtype while pruning and evaluating (default: float32)")
   p.add_argument("--export-dtype", choices=tuple(checkpoints.EXPORT_DTYPES), default=None,
                  help="precision of the written safetensors (default: the source's; a "
                       "quantised GGUF counts as float16)")
-  p.add_argument("--eval", action="append", help="text to report perplexity on (repeatable)")
+  p.add_argument("--eval", action="append", metavar="TEXT",
+                 help="text to report perplexity on, repeatable (default: none)")
   _add_protocol_arguments(p, "--eval-protocol", "--eval-seqlen", "--eval-tokens")
-  p.add_argument("--quiet", action="store_true", help="no progress bar")
   p.add_argument("--fixed-order", action="store_true",
-                 help="sum over calibration windows in the fixed order a multi-process run uses "
-                      "(the default with several processes): one process then gives its bits")
-  distributed.add_launch_arguments(p)
+                 help="sum over calibration windows in the fixed order a multi-process run uses, "
+                      "so one process gives its bits (default: off; on with several processes)")
   p.add_argument("--restart", action="store_true",
-                 help=f"discard the saved state of an interrupted run in OUT/{STATE_DIR} "
-                      "(by default a rerun continues it, and refuses if the arguments differ)")
+                 help=f"discard the saved state of an interrupted run in OUT/{STATE_DIR} and "
+                      "a finished export in OUT (default: off: a rerun continues, and refuses "
+                      "other pruning arguments)")
+  _add_output_options(p)
+  distributed.add_launch_arguments(p)
   p.set_defaults(func=_prune)
-  q = sub.add_parser("ppl", help="perplexity of a checkpoint on a text")
-  q.add_argument("--model", required=True)
-  q.add_argument("--text", required=True)
+  q = sub.add_parser("ppl", help="perplexity of a checkpoint on a text",
+                     description=PPL_DESCRIPTION)
+  q.add_argument("--model", required=True,
+                 help="Hugging Face folder (config.json, *.safetensors, tokenizer.json) or "
+                      ".gguf file (required)")
+  q.add_argument("--text", required=True,
+                 help="text file, or a folder of *.txt files, to score (required)")
   _add_protocol_arguments(q, "--protocol", "--seqlen", "--max-tokens")
-  q.add_argument("--dtype", choices=tuple(model_lib.DTYPES), default=None)
-  q.add_argument("--json", default=None, help="also write the result here")
+  q.add_argument("--dtype", choices=tuple(model_lib.DTYPES), default=None,
+                 help="computation dtype (default: float32)")
+  q.add_argument("--json", default=None, metavar="PATH",
+                 help="also write the result to this file (default: stdout only)")
+  _add_output_options(q)
   q.set_defaults(func=_ppl)
   return parser
 
@@ -498,11 +604,46 @@ def _check_protocol(parser: argparse.ArgumentParser, args: argparse.Namespace) -
                    f"to evaluate; raise {names[1]} or lower {names[2]}.")
 
 
+class _AboveProgressBars(logging.StreamHandler):
+  """A stream handler that prints each record above the progress bars (``tqdm.write``)."""
+
+  def emit(self, record: logging.LogRecord) -> None:
+    from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
+    try:
+      tqdm.write(self.format(record), file=self.stream)
+    except Exception:  # pylint: disable=broad-except
+      self.handleError(record)
+
+
+def configure_logging(level: str, *, primary: bool = True) -> None:
+  """Log messages of the ``safe_optax`` loggers from ``level`` up go to stderr.
+
+  The root logger gets a stderr handler, which prints above any progress bar,
+  unless it has one already (a program or a test harness that set up logging
+  keeps its own); only ``safe_optax``'s loggers are lowered to ``level``, so
+  other libraries' informational messages stay hidden. A process other than
+  the primary one (process 0) shows warnings and errors only.
+  """
+  logging.basicConfig(format="%(levelname)s %(name)s: %(message)s",
+                      handlers=[_AboveProgressBars(sys.stderr)])
+  threshold = logging.getLevelName(level)
+  logging.getLogger("safe_optax").setLevel(threshold if primary else
+                                           max(threshold, logging.WARNING))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  """Entry point of ``safe-optax-llm``; prints the JSON result."""
+  """Entry point of ``safe-optax-llm``: runs one command and prints its JSON result.
+
+  Args:
+    argv: the arguments after the program name (default: ``sys.argv[1:]``).
+
+  Returns:
+    The exit status: 0, 2 for an error (one line on stderr) or 130 for Ctrl-C.
+  """
   argv = list(sys.argv[1:] if argv is None else argv)
   parser = build_parser()
   args = parser.parse_args(argv)
+  configure_logging(args.log_level)
   if args.command == "prune":
     _check_sparsity(parser, args)
     _check_seeds(parser, args)
@@ -510,6 +651,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if args.command == "prune":
     # Before anything touches a device.
     distributed.initialize_from_args(parser, args)
+    configure_logging(args.log_level, primary=distributed.is_primary())
   args.command_line = " ".join(["safe-optax-llm"] + argv)
   try:
     result = args.func(args)

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from safe_optax import experiment
 
 PROTOCOLS = ("standard", "short")
 STANDARD_MAX_WINDOW = 2048  # SparseGPT's and Wanda's window: the model's context, at most 2,048
@@ -132,23 +133,27 @@ def eval_windows(tokens: np.ndarray, seqlen: int, max_tokens: Optional[int] = No
 
 
 def perplexity(
-    logits_fn: Callable[[jax.Array], jax.Array], windows: np.ndarray
+    logits_fn: Callable[[jax.Array], jax.Array], windows: np.ndarray, *, progress: bool = False
 ) -> tuple[float, float]:
   r"""Perplexity :math:`\exp(\frac{1}{N}\sum -\log p(t_{i+1} | t_{\le i}))` over windows.
 
   Args:
     logits_fn: jitted ``tokens (1, L) -> logits (1, L, vocab)``.
     windows: ``(n, L)`` token windows, each evaluated on its own.
+    progress: show a bar of the windows scored on stderr.
 
   Returns:
     ``(perplexity, mean_nll)``.
   """
   total, count = 0.0, 0
+  bar = experiment.progress(len(windows), desc="perplexity", unit="window", enabled=progress)
   for window in windows:
     tokens = jnp.asarray(window[None])
     nll = _window_nll(logits_fn(tokens), tokens)
     total += float(nll)
     count += window.shape[0] - 1
+    bar.update(1)
+  bar.close()
   mean = total / count
   return float(np.exp(mean)), mean
 

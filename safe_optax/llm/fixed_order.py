@@ -31,6 +31,7 @@ import optax
 
 import safe_optax
 from safe_optax import distributed
+from safe_optax import experiment
 from safe_optax.llm import model as model_lib
 from safe_optax.llm.block import lr_scales
 from safe_optax.llm.block import merge_block
@@ -86,11 +87,14 @@ def safe_block(
     targets: np.ndarray,
     cfg: PruneConfig,
     input_norms: Optional[dict[str, Any]] = None,
+    *,
+    progress: bool = False,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
   """:func:`safe_optax.llm.block.safe_block` with every minibatch sum in the fixed order.
 
   The same loss (the mean over the minibatch), schedule, transforms and final
   projection; each process computes its windows of every minibatch.
+  ``progress`` shows a bar of the steps, advanced once per epoch.
   """
   linears, norms = split_block(block_params)
   n, length, width = inputs.shape
@@ -105,6 +109,8 @@ def safe_block(
   params, opt_state = linears, tx.init(linears)
   rng = np.random.default_rng(cfg.seed)
   losses = []
+  bar = experiment.progress(cfg.epochs * steps_per_epoch, desc=f"{cfg.method} steps",
+                            unit="step", enabled=progress, leave=False)
   for epoch in range(cfg.epochs):
     order = rng.permutation(n)
     for b in range(steps_per_epoch):
@@ -121,6 +127,8 @@ def safe_block(
                                                         cfg.dual_every))
       params = optax.apply_updates(params, updates)
     losses.append(float(loss))
+    bar.update(steps_per_epoch)
+  bar.close()
   final_scores = None
   if input_norms is not None:
     final_scores = safe_optax.wanda_scores(params, input_norms)

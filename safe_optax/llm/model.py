@@ -101,10 +101,12 @@ class LlamaConfig:
 
   @property
   def dim_per_head(self) -> int:
+    """Each head's width: ``head_dim``, or ``hidden_size // num_heads`` when it is ``None``."""
     return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
 
   @property
   def compute_dtype(self) -> Any:
+    """The jax dtype of :attr:`dtype`, in which activations are computed."""
     return DTYPES[self.dtype]
 
 
@@ -244,6 +246,7 @@ class Llama(nn.Module):
   config: LlamaConfig
 
   def setup(self):
+    """The embedding, the blocks ``layers_<i>``, the final norm and (untied) the head."""
     cfg = self.config
     self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=cfg.compute_dtype,
                                  param_dtype=jnp.float32,
@@ -254,9 +257,11 @@ class Llama(nn.Module):
       self.lm_head = _dense(cfg.vocab_size, "lm_head", cfg.compute_dtype)
 
   def embed(self, tokens):
+    """Token ids ``(batch, seq)`` to the first block's inputs ``(batch, seq, hidden)``."""
     return self.embed_tokens(tokens)
 
   def head(self, x):
+    """The last block's outputs to float32 logits: final norm, then the (tied) head."""
     x = self.norm(x)
     if self.config.tie_embeddings:
       logits = self.embed_tokens.attend(x)

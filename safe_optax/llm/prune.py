@@ -48,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import time
 from typing import Any, Callable, Optional, Sequence
@@ -59,6 +60,7 @@ import optax
 
 import safe_optax
 from safe_optax import distributed
+from safe_optax import experiment
 from safe_optax.llm import fixed_order as fixed_order_lib
 from safe_optax.llm import model as model_lib
 from safe_optax.llm.block import block_fns
@@ -75,6 +77,8 @@ from safe_optax.llm.block import split_block
 from safe_optax.llm.prune_config import PruneConfig
 from safe_optax.llm.prune_state import PruneState
 from safe_optax.llm.sparsegpt import sparsegpt_prune
+
+_LOG = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------- resumable state
@@ -110,12 +114,15 @@ def prune_block(
     cfg: PruneConfig,
     mesh: Optional[jax.sharding.Mesh] = None,
     fixed_order: bool = False,
+    *,
+    progress: bool = False,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
   """Prunes one block's seven matrices with ``cfg.method``; returns ``(params, info)``.
 
   ``mesh`` splits SAFE's minibatches over its devices (:func:`calibration_mesh`);
   ``fixed_order`` splits them over the processes instead, summing in a fixed
-  order (:func:`safe_optax.llm.fixed_order.safe_block`).
+  order (:func:`safe_optax.llm.fixed_order.safe_block`). ``progress`` shows a
+  bar of SAFE's steps.
   """
   linears, norms = split_block(block_params)
   num_rows = inputs.shape[0] * inputs.shape[1]
@@ -134,10 +141,11 @@ def prune_block(
   elif fixed_order:
     pruned, info = fixed_order_lib.safe_block(
         config, block_params, inputs, targets, cfg,
-        input_norms if cfg.method == "safe-plus" else None)
+        input_norms if cfg.method == "safe-plus" else None, progress=progress)
   else:
     pruned, info = safe_block(config, block_params, inputs, targets, cfg,
-                              input_norms if cfg.method == "safe-plus" else None, mesh)
+                              input_norms if cfg.method == "safe-plus" else None, mesh,
+                              progress=progress)
   return merge_block(pruned, norms), info
 
 
@@ -165,6 +173,7 @@ class _Lane:
   targets: Optional[np.ndarray] = None
 
   def report(self) -> dict[str, Any]:
+    """The per-block entries and their mean seconds, as :func:`prune_model` returns them."""
     blocks = self.blocks
     return {
         "resumed_blocks": 0 if self.state is None else self.state.resumed_blocks,
@@ -202,7 +211,8 @@ def prune_model(
     params: its parameters (not modified).
     calibration: ``(nsamples, seqlen)`` token windows.
     cfg: the :class:`PruneConfig`.
-    progress: show a tqdm bar over blocks.
+    progress: show tqdm bars on stderr: one over the blocks and, for SAFE /
+      SAFE+, one over each block's steps (process 0 only).
     state_dir: folder for the resumable state; ``None`` keeps nothing.
     identity: extra JSON-able ``{name: value}`` that must match on resume
       (the CLI passes its pruning arguments, so errors name its flags).
@@ -302,8 +312,6 @@ def prune_models(
 def _walk(config, params, calibrations, cfgs, state_dirs, identities, *, progress, on_block,
           fixed) -> list[_Lane]:
   """The block walk of :func:`prune_model` (one lane) and :func:`prune_models` (a pack)."""
-  from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
-
   model = model_lib.Llama(config)
   forward, forward_with_stats = block_fns(config, with_hessian=cfgs[0].method == "sparsegpt")
   embed = jax.jit(lambda p, t: model.apply({"params": p}, t, method=model_lib.Llama.embed))
@@ -323,6 +331,8 @@ def _walk(config, params, calibrations, cfgs, state_dirs, identities, *, progres
                      + ", ".join(f"{d}: {len(lane.blocks)}" for d, lane in zip(state_dirs, lanes))
                      + "); continue each alone with prune_model, or restart them.")
   first = done.pop()
+  if first:
+    _LOG.info("resuming from the saved state: %d of %d blocks done", first, config.num_layers)
   # Two host buffers per lane for the whole run: the current block's inputs and its
   # dense targets. Each window's output depends only on that window, so the pruned
   # block's outputs overwrite its inputs chunk by chunk.
@@ -335,11 +345,11 @@ def _walk(config, params, calibrations, cfgs, state_dirs, identities, *, progres
         lane.x[part] = embed(params, jnp.asarray(lane.calibration[part], jnp.int32))
     lane.targets = np.empty_like(lane.x)
   pack = (len(lanes) > 1 and mesh is None and cfgs[0].method in ("safe", "safe-plus"))
-  bar = tqdm(range(first, config.num_layers),
-             desc=f"prune {cfgs[0].method}" + (f" x{len(lanes)}" if len(lanes) > 1 else ""),
-             unit="block", disable=not (progress and distributed.is_primary()), initial=first,
-             total=config.num_layers)
-  for i in bar:
+  progress = progress and distributed.is_primary()
+  bar = experiment.progress(
+      config.num_layers, initial=first, unit="block", enabled=progress,
+      desc=f"prune {cfgs[0].method}" + (f" x{len(lanes)}" if len(lanes) > 1 else ""))
+  for i in range(first, config.num_layers):
     start = time.perf_counter()
     block_params = replicate(mesh, params[f"layers_{i}"])
     all_stats = []
@@ -361,10 +371,11 @@ def _walk(config, params, calibrations, cfgs, state_dirs, identities, *, progres
       kept = split_block(block_params)[1]
       pruned = [(merge_block(linears, kept), info) for linears, info in safe_blocks(
           config, block_params, np.stack([lane.x for lane in lanes]),
-          np.stack([lane.targets for lane in lanes]), cfgs, norms)]
+          np.stack([lane.targets for lane in lanes]), cfgs, norms, progress=progress)]
     else:
       pruned = [prune_block(config, block_params, lane.x, lane.targets, stats, lane.cfg, mesh,
-                            fixed_order=fixed) for lane, stats in zip(lanes, all_stats)]
+                            fixed_order=fixed, progress=progress)
+                for lane, stats in zip(lanes, all_stats)]
     jax.block_until_ready([pruned_block for pruned_block, _ in pruned])
     seconds = time.perf_counter() - start
     entries = []
@@ -389,8 +400,12 @@ def _walk(config, params, calibrations, cfgs, state_dirs, identities, *, progres
       entries.append(entry)
       if lane.state is not None:
         lane.state.save(pruned_block, lane.x, lane.blocks)
-    bar.set_postfix(rel_err=f"{max(e['relative_error'] for e in entries):.3g}",
-                    s=f"{seconds:.1f}")
+    worst = max(e["relative_error"] for e in entries)
+    bar.update(1)
+    bar.set_postfix_str(f"rel_err={worst:.3g}, s={seconds:.1f}")
+    _LOG.info("block %d/%d pruned in %.1f s, relative error %.3g%s", i + 1, config.num_layers,
+              seconds, worst, f" (the largest of {len(lanes)} seeds)" if len(lanes) > 1 else "")
     if on_block is not None:
       on_block(i, entries)
+  bar.close()
   return lanes

@@ -87,6 +87,7 @@ class PruneConfig:
 
   @property
   def target_sparsity(self) -> float:
+    """The fraction of each matrix pruned: ``1 - N/M`` with ``nm``, else ``sparsity``."""
     return 1.0 - self.nm[0] / self.nm[1] if self.nm else self.sparsity
 
   @property

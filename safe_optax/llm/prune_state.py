@@ -104,6 +104,7 @@ class PruneState:
     return jax.tree.map(lambda a, ref: jnp.asarray(a, dtype=jnp.asarray(ref).dtype), loaded, like)
 
   def load_stream(self, count: int) -> np.ndarray:
+    """The pruned stream after ``count`` blocks (block ``count``'s inputs), float32."""
     return np.array(self._load(f"stream_{count}.npz")["x"], np.float32)
 
   def _load(self, name: str) -> dict[str, np.ndarray]:
