@@ -10,6 +10,19 @@ declared once below, in code, and printed at the top of the report.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
+if __name__ == "__main__" and not __package__:
+  # `python benchmarks/report.py`: run as the package module it is (`python -m benchmarks.report`),
+  # with the repository root importable in that process only; arguments and the working
+  # directory are the caller's.
+  _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  _PATH = os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))
+  sys.exit(subprocess.call([sys.executable, "-m", "benchmarks.report", *sys.argv[1:]],
+                           env={**os.environ, "PYTHONPATH": _PATH}))
+
 import argparse
 import dataclasses
 import difflib
@@ -17,7 +30,6 @@ import json
 import math
 import pathlib
 import re
-import sys
 from typing import Optional, Sequence
 
 from benchmarks import report_sources
