@@ -214,7 +214,7 @@ def test_sigkill_the_llm_pruner_at_random_points(tmp_path):
   model, text = _llm_fixture(tmp_path)
   env, log = _env(tmp_path), tmp_path / "children.log"
   argv = lambda out: ["prune", "--model", str(model), "--calib", str(text), "--nsamples", "4",
-                      "--seqlen", "16", "--out", str(out), "--quiet", "--method", "safe-plus",
+                      "--seqlen", "16", "--out", str(out), "--no-progress", "--method", "safe-plus",
                       "--epochs", "3", "--batch-size", "2", "--lr", "3e-3", "--dual-every", "2"]
   reference = tmp_path / "reference"
   status, _ = _run("llm", argv(reference), env, log)

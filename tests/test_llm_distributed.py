@@ -105,7 +105,7 @@ def test_cli_two_processes_write_one_export_like_one_process(tiny, tmp_path):
 
   def argv(out):
     return ["cli", "prune", "--model", str(folder), "--method", "wanda", "--calib", str(text),
-            "--nsamples", "4", "--seqlen", "16", "--out", str(out), "--quiet"]
+            "--nsamples", "4", "--seqlen", "16", "--out", str(out), "--no-progress"]
 
   process_launcher.launch(__file__, 1, *argv(tmp_path / "one"), "--fixed-order",
                           env=ONE_DEVICE, timeout=TIMEOUT)

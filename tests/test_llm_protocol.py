@@ -141,7 +141,7 @@ def test_prune_eval_records_the_protocol(tiny, tmp_path, capsys):
   out = tmp_path / "out"
   assert cli.main(["prune", "--model", str(folder), "--method", "wanda", "--calib", str(text),
                    "--nsamples", "4", "--seqlen", "16", "--out", str(out), "--eval", str(text),
-                   "--quiet"]) == 0
+                   "--no-progress"]) == 0
   capsys.readouterr()
   (entry,) = json.loads((out / "report.json").read_text())["eval"]
   joined_bytes = len("\n\n".join(text.read_text().splitlines(keepends=True)).encode())
