@@ -46,8 +46,6 @@ from safe_optax import methods
 
 METHODS = ("dense", "magnitude", "admm", "safe")
 LAYERS = (64, 128, 64, 10)
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-"""Values of ``--log-level``: the least severe message of the ``safe_optax`` loggers shown."""
 # By name, not __name__: `python -m safe_optax.demo` runs this module as __main__.
 _LOG = logging.getLogger("safe_optax.demo")
 
@@ -320,11 +318,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[Config, argparse.N
   parser.add_argument("--json", metavar="PATH", default=None,
                       help="write versions, config and per-seed results to PATH "
                            "(default: no file, the table only)")
-  parser.add_argument("--no-progress", action="store_true",
-                      help="no progress bar (default: a progress bar on stderr)")
-  parser.add_argument("--log-level", choices=LOG_LEVELS, default="INFO", type=str.upper,
-                      help="least severe log message written to stderr; WARNING silences "
-                           "the informational ones (default: %(default)s)")
+  experiment.add_output_options(parser)
   parser.add_argument("--version", action="version",
                       version=f"safe-optax-demo {safe_optax.__version__}")
   args = parser.parse_args(argv)
@@ -355,8 +349,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   """Command-line entry point (``safe-optax-demo`` / ``python -m safe_optax.demo``)."""
   config, args = parse_args(argv)
   # The informational lines go to stderr through logging; the table is the result, on stdout.
-  logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-  logging.getLogger("safe_optax").setLevel(args.log_level)
+  experiment.configure_logging(args.log_level)
   _LOG.info("safe_optax %s demo: digits MLP %s, %d epochs, %d seed(s), sparsity %s, SAFE "
             "lambda=%s rho=%s, ADMM lambda=%s, K=%d", safe_optax.__version__,
             "-".join(map(str, config.layers)), config.epochs, config.seeds,

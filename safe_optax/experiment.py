@@ -23,7 +23,9 @@ Examples:
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import logging
 import math
 import os
 import pathlib
@@ -278,6 +280,61 @@ def progress(total: int, *, initial: int = 0, desc: Optional[str] = None, unit: 
     return _Plain(total, initial, enabled)
   return tqdm(total=total, initial=initial, desc=desc, unit=unit, disable=not enabled,
               leave=leave, dynamic_ncols=True, file=sys.stderr)
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+"""Values of ``--log-level``: the least severe message of the ``safe_optax`` loggers shown."""
+
+
+def add_output_options(parser: Any) -> None:
+  """Adds the commands' shared ``--no-progress`` and ``--log-level`` to an argparse parser or group.
+
+  Every command spells them the same way: progress bars go to stderr unless
+  ``--no-progress``; log messages of the ``safe_optax`` loggers from
+  ``--log-level`` up (default INFO) go to stderr (:func:`configure_logging`).
+  """
+  parser.add_argument("--no-progress", action="store_true",
+                      help="no progress bars (default: progress bars on stderr)")
+  parser.add_argument("--log-level", choices=LOG_LEVELS, default="INFO", type=str.upper,
+                      help="least severe log message written to stderr; WARNING silences the "
+                           "informational ones (default: %(default)s)")
+
+
+class _AboveProgressBars(logging.StreamHandler):
+  """A stream handler that prints each record above the progress bars (``tqdm.write``)."""
+
+  def emit(self, record: logging.LogRecord) -> None:
+    try:
+      from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
+    except ImportError:
+      super().emit(record)
+      return
+    try:
+      tqdm.write(self.format(record), file=self.stream)
+    except Exception:  # pylint: disable=broad-except
+      self.handleError(record)
+
+
+def configure_logging(level: str, *, primary: bool = True) -> None:
+  """Log messages of the ``safe_optax`` loggers from ``level`` up go to stderr.
+
+  The root logger gets a stderr handler, which prints above any progress bar,
+  unless it has one already (a program or a test harness that set up logging
+  keeps its own); only ``safe_optax``'s loggers are lowered to ``level``, so
+  other libraries' informational messages stay hidden. A process other than
+  the primary one (process 0) shows warnings and errors only.
+
+  Args:
+    level: one of :data:`LOG_LEVELS`.
+    primary: whether this is the process that reports (process 0).
+  """
+  if level not in LOG_LEVELS:
+    raise ValueError(f"level must be one of {', '.join(LOG_LEVELS)}; got {level!r}")
+  logging.basicConfig(format="%(levelname)s %(name)s: %(message)s",
+                      handlers=[_AboveProgressBars(sys.stderr)])
+  threshold = logging.getLevelName(level)
+  logging.getLogger("safe_optax").setLevel(threshold if primary else
+                                           max(threshold, logging.WARNING))
 
 
 @contextlib.contextmanager

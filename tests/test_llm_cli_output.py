@@ -169,12 +169,12 @@ def test_configure_logging_writes_records_to_stderr(monkeypatch, capsys):
   the level up go to stderr as ``LEVEL logger: message``; other libraries' INFO stays out."""
   root = logging.getLogger()
   monkeypatch.setattr(root, "handlers", [])
-  cli.configure_logging("INFO")
+  experiment.configure_logging("INFO")
   logging.getLogger("safe_optax.llm.cli").info("loaded %d blocks", 2)
   logging.getLogger("some_library").info("not shown")
   logging.getLogger("safe_optax.llm.prune").debug("not shown either")
   assert capsys.readouterr().err == "INFO safe_optax.llm.cli: loaded 2 blocks\n"
-  cli.configure_logging("WARNING")
+  experiment.configure_logging("WARNING")
   logging.getLogger("safe_optax.llm.cli").info("silenced")
   logging.getLogger("safe_optax.llm.cli").warning("kept")
   assert capsys.readouterr().err == "WARNING safe_optax.llm.cli: kept\n"

@@ -77,8 +77,6 @@ from safe_optax.llm import model as model_lib
 from safe_optax.llm import prune as prune_lib
 from safe_optax.llm import prune_config
 
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-"""Values of ``--log-level``: the least severe message of the ``safe_optax`` loggers shown."""
 # Named, not __name__: under ``python -m safe_optax.llm.cli`` this module is ``__main__``.
 _LOG = logging.getLogger("safe_optax.llm.cli")
 
@@ -453,11 +451,7 @@ def _ppl(args: argparse.Namespace) -> dict[str, Any]:
 def _add_output_options(parser: argparse.ArgumentParser) -> None:
   """What every command prints besides its result: progress bars and log messages."""
   group = parser.add_argument_group("output")
-  group.add_argument("--no-progress", action="store_true",
-                     help="no progress bars (default: progress bars on stderr)")
-  group.add_argument("--log-level", choices=LOG_LEVELS, default="INFO", type=str.upper,
-                     help="least severe log message written to stderr; WARNING silences the "
-                          "informational ones (default: %(default)s)")
+  experiment.add_output_options(group)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -604,33 +598,6 @@ def _check_protocol(parser: argparse.ArgumentParser, args: argparse.Namespace) -
                    f"to evaluate; raise {names[1]} or lower {names[2]}.")
 
 
-class _AboveProgressBars(logging.StreamHandler):
-  """A stream handler that prints each record above the progress bars (``tqdm.write``)."""
-
-  def emit(self, record: logging.LogRecord) -> None:
-    from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
-    try:
-      tqdm.write(self.format(record), file=self.stream)
-    except Exception:  # pylint: disable=broad-except
-      self.handleError(record)
-
-
-def configure_logging(level: str, *, primary: bool = True) -> None:
-  """Log messages of the ``safe_optax`` loggers from ``level`` up go to stderr.
-
-  The root logger gets a stderr handler, which prints above any progress bar,
-  unless it has one already (a program or a test harness that set up logging
-  keeps its own); only ``safe_optax``'s loggers are lowered to ``level``, so
-  other libraries' informational messages stay hidden. A process other than
-  the primary one (process 0) shows warnings and errors only.
-  """
-  logging.basicConfig(format="%(levelname)s %(name)s: %(message)s",
-                      handlers=[_AboveProgressBars(sys.stderr)])
-  threshold = logging.getLevelName(level)
-  logging.getLogger("safe_optax").setLevel(threshold if primary else
-                                           max(threshold, logging.WARNING))
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
   """Entry point of ``safe-optax-llm``: runs one command and prints its JSON result.
 
@@ -643,7 +610,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   parser = build_parser()
   args = parser.parse_args(argv)
-  configure_logging(args.log_level)
+  experiment.configure_logging(args.log_level)
   if args.command == "prune":
     _check_sparsity(parser, args)
     _check_seeds(parser, args)
@@ -651,7 +618,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if args.command == "prune":
     # Before anything touches a device.
     distributed.initialize_from_args(parser, args)
-    configure_logging(args.log_level, primary=distributed.is_primary())
+    experiment.configure_logging(args.log_level, primary=distributed.is_primary())
   args.command_line = " ".join(["safe-optax-llm"] + argv)
   try:
     result = args.func(args)

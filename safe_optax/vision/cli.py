@@ -56,6 +56,7 @@ from absl import flags
 from ml_collections import config_flags
 
 import safe_optax
+from safe_optax import experiment
 from safe_optax import methods
 from safe_optax.vision import config_files
 from safe_optax.vision import configs
@@ -63,8 +64,6 @@ from safe_optax.vision import workdirs
 
 _CONFIG_OVERRIDE = "--config."
 _FROM_BASE = "(default: from --preset or --config)"
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-"""Values of ``--log-level``: the least severe message of the ``safe_optax`` loggers shown."""
 # By name, not __name__: `python -m safe_optax.vision.cli` runs this module as __main__.
 _LOG = logging.getLogger("safe_optax.vision.cli")
 
@@ -161,11 +160,7 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
 
 def _add_output_options(parser: argparse.ArgumentParser) -> None:
   """What every subcommand prints besides its result: progress bars and log messages."""
-  parser.add_argument("--no-progress", action="store_true",
-                      help="no progress bars (default: progress bars on stderr)")
-  parser.add_argument("--log-level", choices=LOG_LEVELS, default="INFO", type=str.upper,
-                      help="least severe log message written to stderr; WARNING silences "
-                           "the informational ones (default: %(default)s)")
+  experiment.add_output_options(parser)
 
 
 def _structure(value: str) -> str:
@@ -566,28 +561,13 @@ def _parse(argv: Optional[Sequence[str]]) -> tuple[argparse.ArgumentParser, argp
   return parser, args
 
 
-def configure_logging(level: str, *, primary: bool = True) -> None:
-  """Log messages of the ``safe_optax`` loggers from ``level`` up go to stderr.
-
-  The root logger gets a stderr handler unless it has one already (a program
-  or a test harness that set up logging keeps its own); only ``safe_optax``'s
-  loggers are lowered to ``level``, so other libraries' informational
-  messages stay hidden. A process other than the primary one (process 0)
-  shows warnings and errors only.
-  """
-  logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-  threshold = logging.getLevelName(level)
-  logging.getLogger("safe_optax").setLevel(threshold if primary else
-                                           max(threshold, logging.WARNING))
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
   """Entry point of ``safe-optax-vision``."""
   from safe_optax import distributed  # pylint: disable=import-outside-toplevel
   _, args = _parse(argv)
-  configure_logging(args.log_level)
+  experiment.configure_logging(args.log_level)
   _join_runtime(args.parser, args)
-  configure_logging(args.log_level, primary=distributed.is_primary())
+  experiment.configure_logging(args.log_level, primary=distributed.is_primary())
   return args.func(args.parser, args)
 
 
