@@ -214,10 +214,13 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
       "SAFE_OPTAX_NUM_PROCESSES / SAFE_OPTAX_PROCESS_ID variables, or the cluster JAX detects "
       "(SLURM, Open MPI, Cloud TPU), or one process")
   group.add_argument("--coordinator", metavar="HOST:PORT",
-                     help="process 0's address and a free port, the same in every process")
-  group.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
+                     help="process 0's address and a free port, the same in every process "
+                          "(default: from the launch variables or the cluster, else one process)")
+  group.add_argument("--num-processes", type=int, metavar="N",
+                     help="processes in the run (default: as --coordinator)")
   group.add_argument("--process-id", type=int, metavar="I",
-                     help="this process's index in 0..N-1 (0 writes the outputs)")
+                     help="this process's index in 0..N-1, 0 writes the outputs "
+                          "(default: as --coordinator)")
 
 
 def initialize_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

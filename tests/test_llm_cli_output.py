@@ -30,11 +30,6 @@ from safe_optax.llm import prune as prune_lib
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_llm_cli import _byte_tokenizer, fixture_tiny  # noqa: E402,F401
 
-# Their help lives in safe_optax.distributed.add_launch_arguments, shared with the vision
-# CLI; the group's description says what leaving them out does.
-LAUNCH_FLAGS = {"--coordinator", "--num-processes", "--process-id"}
-
-
 @pytest.fixture(autouse=True)
 def _restore_log_level():
   """``cli.main`` sets the ``safe_optax`` logger's level; later tests get it back."""
@@ -80,7 +75,7 @@ def test_every_option_has_help_with_its_default(capsys, monkeypatch, command):
   assert flags <= set(by_flag), flags - set(by_flag)
   for flag, help_text in by_flag.items():
     assert help_text, f"{flag} has no help text"
-    if flag in ("--help", "--version") or flag in LAUNCH_FLAGS:
+    if flag in ("--help", "--version"):
       continue
     assert "(default: " in help_text or "(required)" in help_text, (flag, help_text)
   if not command:
