@@ -87,7 +87,8 @@ def run_dir(root: os.PathLike, config: configs.Config) -> pathlib.Path:
   value), or another SAM-type method's when it is not the default
   ``Config.rho``; ``-rescaled``: a SAFE-family run with ``rescale_dual``
   (another update, so another folder); ``-perleaf``: ``structure="per_leaf"``
-  (another sparsity set).
+  (another sparsity set); ``-2of4``: N:M sparsity ``structure="2:4"`` (no colon in a
+  folder name).
 
   Examples:
     >>> c = configs.get_config("mlp-mnist", method="admm", sparsity=0.9, admm_penalty=0.01)
@@ -99,10 +100,12 @@ def run_dir(root: os.PathLike, config: configs.Config) -> pathlib.Path:
     'out/safe-s0.9-lam1-rho0.02-seed0'
     >>> run_dir("out", c.replace(method="gmp", structure="per_leaf")).as_posix()
     'out/gmp-s0.9-perleaf-seed0'
+    >>> run_dir("out", c.replace(method="safe", sparsity=0.5, structure="2:4")).as_posix()
+    'out/safe-s0.5-2of4-lam0.1-seed0'
   """
   name = f"{config.method}-s{config.sparsity:g}"
   if config.structure != "global" and config.method != "dense":
-    name += "-" + config.structure.replace("_", "")
+    name += "-" + config.structure.replace("_", "").replace(":", "of")
   if config.label_noise > 0:
     name = f"noise{config.label_noise:g}-{name}"
   if config.method in PENALTY_METHODS:
