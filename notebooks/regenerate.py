@@ -94,11 +94,13 @@ def store(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
   return nb
 
 
-# What a rerun on other hardware or at another time may print differently: numbers (timings,
-# accuracies, versions), temporary paths, object addresses, the backend's name.
+# What a rerun on other hardware or in the other compile mode may print differently: numbers
+# (timings, accuracies, versions), flags computed from them (whether a power iteration
+# converged), temporary paths, object addresses, the backend's name.
 _VOLATILE = [(re.compile(r"(/[\w.+-]+)+/?"), "<path>"),
              (re.compile(r"0x[0-9a-f]+"), "<address>"),
              (re.compile(r"\b(cpu|gpu|tpu|cuda|rocm)", re.I), "<backend>"),
+             (re.compile(r"\b(True|False|true|false)\b"), "<bool>"),
              (re.compile(r"[-+]?(\d[\d,]*\.?\d*|\.\d+)(e[-+]?\d+)?"), "#"),
              (re.compile(r"\s+"), " ")]
 
@@ -142,10 +144,13 @@ def kernel_env() -> dict[str, str]:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   names = sorted(p.name for p in HERE.glob("*.ipynb"))
-  parser.add_argument("notebooks", nargs="*", choices=names, default=names, metavar="NAME",
+  parser.add_argument("notebooks", nargs="*", metavar="NAME",
                       help=f"notebooks to run (default: all of {', '.join(names)})")
   args = parser.parse_args()
-  for name in args.notebooks:
+  unknown = sorted(set(args.notebooks) - set(names))
+  if unknown:
+    parser.error(f"no such notebook in {HERE}: {', '.join(unknown)}")
+  for name in args.notebooks or names:
     path = HERE / name
     nb = store(execute(path, kernel_env()))
     nbformat.validate(nb)

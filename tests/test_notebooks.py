@@ -9,9 +9,11 @@ line; the notebook-specific checks below read it.
 """
 
 import ast
+import base64
 import concurrent.futures
 import importlib.metadata
 import importlib.util
+import io
 import json
 import math
 import os
@@ -28,13 +30,11 @@ from safe_optax import data_paths
 nbformat = pytest.importorskip("nbformat")
 pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
+# After the skips: the script that runs a notebook and stores its outputs imports nbclient.
+from notebooks import regenerate  # noqa: E402  pylint: disable=wrong-import-position
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-# The script that runs a notebook and stores its outputs, loaded by path (notebooks/ is no package).
-_SPEC = importlib.util.spec_from_file_location("regenerate", ROOT / "notebooks" / "regenerate.py")
-regenerate = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(regenerate)
 # The data sets a notebook reads through safe_optax.data_paths (without them it downloads, which
 # a test must not do): the test skips, or fails under SAFE_OPTAX_REQUIRE_DATA=1, when one is absent.
 NOTEBOOK_DATA = {"cifar_safe.ipynb": ("cifar10",),
@@ -179,6 +179,52 @@ def test_committed_outputs_are_those_the_code_makes(executed, path):
   assert len(made) == len(committed) and not differ, (
       f"{path.name}: its committed outputs are stale (first difference: {differ[:1]}); run "
       f"`{regenerate.COMMAND} {path.name}`")
+
+
+def _notebook_printing(text, split, image=True):
+  """A notebook of one code cell that printed ``text`` in two chunks (stderr between them),
+  then drew a plot if ``image``."""
+  v4 = nbformat.v4
+  outputs = [v4.new_output("stream", name="stdout", text=text[:split]),
+             v4.new_output("stream", name="stderr", text="a warning"),
+             v4.new_output("stream", name="stdout", text=text[split:])]
+  if image:
+    outputs.append(v4.new_output("display_data", data={"image/png": "iVBORw0KGgo=",
+                                                       "text/plain": "<Figure size 640x480>"}))
+  return v4.new_notebook(cells=[v4.new_markdown_cell("# a"),
+                                v4.new_code_cell("print(...)", id="printing", outputs=outputs)])
+
+
+def test_output_signature_sees_what_changed_not_the_numbers_of_a_rerun():
+  text = "accuracy 91.25 % in 3 s (/tmp/run_1/x.json, cpu), converged True\n"
+  signature = regenerate.signature(_notebook_printing(text, 5))
+  rerun = "accuracy 8.4 % in 12 s (/var/tmp/q, gpu), converged False\n"
+  assert regenerate.signature(_notebook_printing(rerun, 20)) == signature
+  assert regenerate.signature(_notebook_printing(text + "a new line\n", 5)) != signature
+  assert regenerate.signature(_notebook_printing(text.replace("accuracy", "loss"), 5)) != signature
+  assert regenerate.signature(_notebook_printing(text, 5, image=False)) != signature
+
+
+def test_stored_outputs_keep_stdout_and_small_images_and_the_source_hash():
+  image = pytest.importorskip("PIL.Image")
+  buffer = io.BytesIO()
+  image.new("RGBA", (64, 48), (200, 30, 30, 255)).save(buffer, "PNG")
+  nb = _notebook_printing("some text", 4)
+  nb.cells[1].outputs[-1].data["image/png"] = base64.b64encode(buffer.getvalue()).decode()
+  nb.metadata["widgets"] = {"state": {}}
+  cell = regenerate.store(nb).cells[1]
+  assert cell.metadata["source_sha256"] == regenerate.source_hash("print(...)")
+  assert [o.output_type for o in cell.outputs] == ["stream", "display_data"]
+  assert cell.outputs[0].text == "some text" and "widgets" not in nb.metadata
+  stored = image.open(io.BytesIO(base64.b64decode(cell.outputs[1].data["image/png"])))
+  assert stored.mode == "P" and stored.size == (64, 48)  # a palette PNG
+
+
+def test_regenerate_refuses_a_notebook_that_is_not_there(monkeypatch, capsys):
+  monkeypatch.setattr(sys, "argv", ["regenerate.py", "quickstart.ipynb", "nope.ipynb"])
+  with pytest.raises(SystemExit) as exit_info:
+    regenerate.main()  # before running anything
+  assert exit_info.value.code == 2 and "nope.ipynb" in capsys.readouterr().err
 
 
 def _summary(executed, name):
