@@ -434,6 +434,25 @@ def test_install_cell_stops_with_one_sentence_when_a_release_stays_too_old(path,
   assert "\n" not in message and message.count(". ") == 0  # one sentence
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_install_cell_floors_are_at_least_the_packages(path):
+  """A notebook checks no older release than pyproject.toml asks for (its core dependencies and
+  extras): where safe_optax is already installed, the check is all that guards the notebook."""
+  project = _pyproject()["project"]
+  floors = {}
+  for requirement in [*project["dependencies"],
+                      *(r for extra in project["optional-dependencies"].values() for r in extra)]:
+    match = re.fullmatch(r"([\w.-]+)>=([\d.]+)", requirement.split(";")[0].strip())
+    if match:
+      floors[match[1].lower()] = max(floors.get(match[1].lower(), ()),
+                                     tuple(map(int, match[2].split("."))))
+  for requirement in _cell_constants(path)[2].values():
+    distribution, floor = requirement.split(">=")
+    assert tuple(map(int, floor.split("."))) >= floors.get(distribution.lower(), ()), (
+        f"{path.name}: {requirement}, pyproject.toml: {distribution}>="
+        f"{'.'.join(map(str, floors[distribution.lower()]))}")
+
+
 def test_notebooks_state_the_flax_their_nnx_calls_need():
   """``nnx.as_pure`` came with flax 0.12.7: a notebook calling it must not run on an older one."""
   calling = [path for path in NOTEBOOKS if "nnx.as_pure" in "".join(
