@@ -259,4 +259,8 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.register_profile("thorough", parent=settings.get_profile("default"), max_examples=300)
+# The default tier's second run in .ci/run, on the dependency floors: every test runs, each
+# property with fewer drawn examples (the full search ran minutes before on the latest versions;
+# this run asks whether the oldest versions work at all).
+settings.register_profile("floors", parent=settings.get_profile("default"), max_examples=10)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))

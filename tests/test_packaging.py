@@ -52,6 +52,14 @@ def test_changelog_has_a_section_for_this_version():
   released = re.findall(r"^## \[([^\]]+)\] - (\d{4}-\d{2}-\d{2})$", changelog, flags=re.M)
   assert [Version(v) for v, _ in released] == sorted(
       (Version(v) for v, _ in released), reverse=True)
+  # What a user needs per release, not the project's diary: a few dozen lines a section.
+  sections = re.split(r"^## ", changelog, flags=re.M)[1:]
+  long = {section.splitlines()[0]: len(section.splitlines()) for section in sections
+          if len(section.splitlines()) > 60}
+  assert not long, f"CHANGELOG sections over 60 lines: {long}"
+  # Each version links to its tag, at the repository's one address.
+  for version, _ in released:
+    assert f"[{version}]: {repository_url()}/releases/tag/v{version}" in changelog, version
 
 
 @pytest.fixture(scope="module")

@@ -200,7 +200,7 @@ def merge_leases(inputs: list[pathlib.Path], out: pathlib.Path) -> str:
   for folder in inputs:
     lease = json.loads((folder / "cifar_gpu.json").read_text())
     with tarfile.open(folder / "runs.tar.gz") as tar:
-      tar.extractall(out / "runs", filter="data")
+      harness.extract_tar(tar, out / "runs", str(folder / "runs.tar.gz"))
     leases.append({k: lease.get(k) for k in ("command", "date", "nvidia_smi", "versions",
                                              "plan", "run_commands", "wall_seconds")})
     for name in lease["runs"]:

@@ -407,14 +407,7 @@ def unbundle_runs(source: pathlib.Path, root: pathlib.Path) -> dict[str, Any]:
                        f"the bundle's {step}")
   root.mkdir(parents=True, exist_ok=True)
   with tarfile.open(fileobj=io.BytesIO(b"".join(chunks)), mode="r:gz") as tar:
-    if hasattr(tarfile, "data_filter"):  # Python >= 3.10.12 / 3.11.4: refuses unsafe members
-      tar.extractall(root, filter="data")
-    else:
-      unsafe = [m.name for m in tar.getmembers() if not (m.isfile() or m.isdir())
-                or m.name.startswith("/") or ".." in pathlib.PurePosixPath(m.name).parts]
-      if unsafe:
-        raise ValueError(f"--resume-from: the bundle holds unsafe members {unsafe[:3]}")
-      tar.extractall(root)  # noqa: S202  (members checked above)
+    harness.extract_tar(tar, root, "--resume-from: the bundle")
   return manifest
 
 
