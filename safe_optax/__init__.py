@@ -59,7 +59,7 @@ from safe_optax._structures import PerOutput
 from safe_optax._structures import Projection
 from safe_optax import experimental
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 
 __all__ = (
     "ADMMState",
