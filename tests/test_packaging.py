@@ -113,7 +113,7 @@ def paths_the_tests_read() -> set[str]:
   """The top-level files and folders the test files name as ``ROOT / "..."``."""
   read = set()
   for test in (ROOT / "tests").glob("*.py"):
-    read.update(re.findall(r'ROOT / "([^"/]+)"', test.read_text(encoding="utf-8")))
+    read.update(re.findall(r'ROOT / "(\.?\w[\w.-]*)"', test.read_text(encoding="utf-8")))
   return read
 
 
