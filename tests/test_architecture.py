@@ -130,9 +130,6 @@ def test_no_private_name_is_imported_across_modules():
 # benchmarks/ is one package run as `python -m benchmarks.<module>` from the repository root.
 BENCHMARKS = ROOT / "benchmarks"
 BENCHMARK_SOURCES = sorted(p for p in BENCHMARKS.rglob("*.py") if "results" not in p.parts)
-# Tests owned elsewhere that still put a benchmarks folder on sys.path (to convert: import the
-# script as `from benchmarks.perf import X`).
-SYS_PATH_LEFT = {"test_notebook_time.py", "test_llm_safe_step.py", "test_llm_real.py"}
 
 
 def _imported(path: pathlib.Path) -> set[str]:
@@ -148,7 +145,7 @@ def _imported(path: pathlib.Path) -> set[str]:
 
 def _tests_importing_benchmarks() -> list[pathlib.Path]:
   return [p for p in sorted((ROOT / "tests").glob("test_*.py"))
-          if p.name not in SYS_PATH_LEFT and "benchmarks" in _imported(p)]
+          if "benchmarks" in _imported(p)]
 
 
 def test_benchmarks_and_their_tests_edit_no_sys_path():

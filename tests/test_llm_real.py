@@ -15,7 +15,6 @@ import importlib.util
 import json
 import pathlib
 import re
-import sys
 import unicodedata
 
 import gguf
@@ -25,11 +24,11 @@ from safe_optax.llm import checkpoints
 from safe_optax.llm import cli
 from safe_optax.llm import data
 
+from benchmarks.claims import llm_block0_seeds
+
 from data_required import require_data
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks" / "claims"))
-import llm_block0_seeds  # noqa: E402  pylint: disable=wrong-import-position
 
 
 

@@ -2,14 +2,13 @@
 
 import json
 import pathlib
-import sys
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "perf" / "llm_safe_step.py"
-sys.path.insert(0, str(SCRIPT.parent))
-import llm_safe_step  # noqa: E402  pylint: disable=wrong-import-position
+
+from benchmarks.perf import llm_safe_step
 
 
 @pytest.mark.parametrize("text, match", [("3", "A,B"), ("2,2", "A < B"), ("0,3", "A < B"),
