@@ -16,6 +16,7 @@ import safe_optax
 from safe_optax.vision import cli
 from safe_optax.vision import sweeps
 
+from cli_help import help_entries
 from data_required import require_data
 
 
@@ -232,21 +233,6 @@ def test_conv_impl_reaches_the_config_and_a_bad_one_names_the_choices(tmp_path, 
 # ----------------------------------------------------------------------------- help, version, logs
 
 
-def _help_entries(text: str) -> dict[str, str]:
-  """``--help`` output as ``{option or positional line: its help text}`` (wrapped lines joined)."""
-  entries: dict[str, str] = {}
-  current = None
-  for line in text.splitlines():
-    if re.match(r"  (  )?[^ ]", line):  # an option, a positional or (4 spaces) a subcommand
-      invocation, _, help_text = line.strip().partition("  ")
-      current = invocation
-      entries[current] = help_text.strip()
-    elif current is not None and line.startswith("      "):
-      entries[current] = (entries[current] + " " + line.strip()).strip()
-    else:
-      current = None
-  return entries
-
 
 def _help(argv, capsys) -> str:
   with pytest.raises(SystemExit) as info:
@@ -258,7 +244,7 @@ def _help(argv, capsys) -> str:
 @pytest.mark.parametrize("command", ["train", "sweep", "eval"])
 def test_every_flag_has_help_with_its_default(capsys, command):
   text = _help([command], capsys)
-  entries = {k: v for k, v in _help_entries(text).items() if k.startswith("-")}
+  entries = {k: v for k, v in help_entries(text).items() if k.startswith("-")}
   assert len(entries) >= {"train": 35, "sweep": 35, "eval": 9}[command], sorted(entries)
   for invocation, help_text in entries.items():
     if invocation.startswith("-h"):
@@ -279,7 +265,7 @@ def test_every_flag_has_help_with_its_default(capsys, command):
 
 
 def test_top_level_help_names_the_commands_and_version(capsys):
-  entries = _help_entries(_help([], capsys))
+  entries = help_entries(_help([], capsys))
   assert entries["COMMAND"].startswith("train, sweep or eval")
   for command in ("train", "sweep", "eval"):
     assert entries[command], command  # each subcommand has a one-line description

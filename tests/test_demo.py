@@ -12,6 +12,8 @@ pytest.importorskip("sklearn")
 from safe_optax import demo  # pylint: disable=wrong-import-position
 from safe_optax import experiment  # pylint: disable=wrong-import-position
 
+from cli_help import help_entries  # pylint: disable=wrong-import-position
+
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
@@ -91,27 +93,12 @@ def test_cli_rejects_bad_sparsity():
 # ----------------------------------------------------------------------------- command line
 
 
-def _help_entries(text: str) -> dict[str, str]:
-  """``--help`` output as ``{option line: its help text}`` (wrapped lines joined)."""
-  entries: dict[str, str] = {}
-  current = None
-  for line in text.splitlines():
-    if line.startswith("  -"):
-      invocation, _, help_text = line.strip().partition("  ")
-      current = invocation
-      entries[current] = help_text.strip()
-    elif current is not None and line.startswith("    "):
-      entries[current] = (entries[current] + " " + line.strip()).strip()
-    else:
-      current = None
-  return entries
-
 
 def test_every_flag_has_help_with_its_default(capsys):
   with pytest.raises(SystemExit) as info:
     demo.parse_args(["--help"])
   assert info.value.code == 0
-  entries = _help_entries(capsys.readouterr().out)
+  entries = {k: v for k, v in help_entries(capsys.readouterr().out).items() if k.startswith("-")}
   assert len(entries) >= 15 and "--log-level {DEBUG,INFO,WARNING,ERROR}" in entries
   for invocation, text in entries.items():
     if invocation.startswith(("-h", "--version")):
