@@ -36,6 +36,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.xla_optimized]
 # Seed 0 by default (each seed is a full evidence-budget run, the suite's largest cost);
 # SAFE_OPTAX_CLAIM_SEEDS="0,1" reruns more of the committed seeds.
 SEEDS = [int(s) for s in os.environ.get("SAFE_OPTAX_CLAIM_SEEDS", "0").split(",")]
+# The reruns save one checkpoint, at the end, where the committed runs saved one each epoch:
+# a save of these MLPs costs about a third of a second, a third of a 60-epoch run's wall
+# time, and checkpointing does not change the trained model (resuming is bit-for-bit, tested
+# in tests/test_vision_checkpoint.py and tests/test_fault_injection.py).
 
 
 def _committed(name: str) -> dict:
@@ -111,7 +115,7 @@ def test_safe_is_more_robust_to_label_noise_than_admm(label_noise_runs, seed, tm
   base = configs.get_config(
       "mlp-mnist", epochs=recorded["epochs"], warmup_epochs=recorded["warmup_epochs"],
       batch_size=recorded["batch_size"], test_only_split=tuple(recorded["test_only_split"]),
-      label_noise=0.25, sparsity=0.9, seed=seed)
+      label_noise=0.25, sparsity=0.9, seed=seed, checkpoint_every=recorded["epochs"])
   accuracy = {}
   for method in ("safe", "admm"):
     config = base.replace(method=method,
@@ -145,7 +149,8 @@ def test_rescaled_dual_keeps_safe_from_collapsing_at_extreme_sparsity(seed, tmp_
   base = configs.get_config(args["preset"], method="safe", sparsity=args["sparsity"],
                             epochs=args["epochs"], warmup_epochs=args["warmup_epochs"],
                             train_subset=args["train_subset"], test_subset=args["test_subset"],
-                            eval_every=args["epochs"], penalty=0.1, seed=seed)
+                            eval_every=args["epochs"], penalty=0.1, seed=seed,
+                            checkpoint_every=args["epochs"])
   record = {}
   for label, rescale in (("paper", False), ("rescaled", True)):
     config = base.replace(rescale_dual=rescale)
@@ -180,6 +185,7 @@ def test_extreme_sparsity_order_safe_above_admm_gmp_just_above_safe(seed, tmp_pa
   committed = json.loads((ROOT / "results" / "sparse_set_995_small" / "sweep_60epochs.json"
                           ).read_text(encoding="utf-8"))
   base = configs.from_dict(committed["config"]).replace(sparsity=0.995, seed=seed)
+  base = base.replace(checkpoint_every=base.epochs)
   overrides = selection_lib.rescaled_dual(["safe", "admm"], True)
   record = {}
   for method in ("safe", "admm", "gmp"):
