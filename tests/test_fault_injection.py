@@ -3,9 +3,10 @@
 For each engine (``safe-optax-vision train`` on a tiny MNIST, and
 ``safe-optax-llm prune`` with SAFE+ on a tiny 4-block model), one
 uninterrupted run gives the reference. Then ``SAFE_OPTAX_FAULT_RUNS`` child
-processes (default 6; 20 or more for a thorough run) each run the same command in one of two slots of
+processes (default 6; 20 or more for a thorough run), each forked from a server process that
+has imported the CLI (and started no JAX backend), run the same command in one of two slots of
 output folders and are killed with SIGKILL after a delay drawn by a seeded RNG,
-uniform over the reference's working time (from the end of the imports to
+uniform over the reference's working time (from the fork to
 the exit, measured on a run that finds the compiled programs in JAX's cache
 as the children do), so kills land in compilation, steps or blocks,
 checkpoint saves and the final export alike. A child that finishes before
@@ -22,8 +23,8 @@ accuracies and per-epoch losses; the LLM export's tensors, header metadata
 and per-block errors.
 No temporary file (``*.tmp*``, Orbax's ``*orbax-checkpoint-tmp*``) is left.
 
-Cost: 2 + runs + 2 processes per engine, a few seconds each, most of it Python and JAX
-starting (JAX's compilation cache in the test's folder spares the children the compiling).
+Cost: one import of each engine, then 2 + runs + 2 forked children per engine, a few seconds
+each (JAX's compilation cache in the test's folder spares the children the compiling).
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ import os
 import pathlib
 import signal
 import subprocess
+import queue
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -50,14 +53,48 @@ pytestmark = pytest.mark.slow  # child processes killed at random moments
 RUNS = int(os.environ.get("SAFE_OPTAX_FAULT_RUNS", "6"))
 FOLDERS = 2
 
-_CHILD = textwrap.dedent("""
-    import sys
+# One server process per engine imports the CLI once, then forks a child for each run: the
+# children start where a fresh process would be after its imports (no JAX backend exists before
+# the fork), without paying Python's and JAX's imports, about 5 s, each time. Protocol on the
+# pipes: the server prints "ready"; each argv line (JSON) it is sent answers "pid N", then
+# "exit S" when that child ends (-9 after SIGKILL). A child is reaped only when the next command
+# comes, so the pid the test kills is never another process's.
+_SERVER = textwrap.dedent("""
+    import json, os, sys, threading, traceback
     if sys.argv[1] == "vision":
-      from safe_optax.vision import cli, train  # noqa: F401  (imported before "ready")
+      from safe_optax.vision import cli, train  # noqa: F401
     else:
       from safe_optax.llm import cli, prune  # noqa: F401
+    assert threading.active_count() == 1, threading.enumerate()  # forking a single thread
+    log = os.open(sys.argv[2], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     print("ready", flush=True)
-    sys.exit(cli.main(sys.argv[2:]))
+    previous = None
+    for line in sys.stdin:
+      if previous is not None:
+        os.waitpid(previous, 0)  # reaped only now: until then a SIGKILL reaches it or its zombie
+      pid = os.fork()
+      if pid == 0:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.dup2(log, 2)
+        code = 1
+        try:
+          code = cli.main(json.loads(line))
+        except SystemExit as exit_:
+          code = exit_.code if isinstance(exit_.code, int) else 1
+        except BaseException:
+          traceback.print_exc()
+        finally:
+          sys.stdout.flush()
+          sys.stderr.flush()
+          os._exit(code or 0)
+      print(f"pid {pid}", flush=True)
+      info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+      killed = info.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
+      print(f"exit {-info.si_status if killed else info.si_status}", flush=True)
+      previous = pid
+    if previous is not None:
+      os.waitpid(previous, 0)
 """)
 
 
@@ -75,26 +112,62 @@ def _env(tmp_path: pathlib.Path) -> dict[str, str]:
              if name in os.environ}}
 
 
-def _run(engine: str, argv: list[str], env: dict[str, str], log: pathlib.Path,
-         kill_after: float | None = None) -> tuple[int | None, float]:
-  """Runs a child; kills it ``kill_after`` seconds after its imports.
+class _Server:
+  """The ``_SERVER`` process of one engine: ``run`` forks a child for one command line."""
 
-  Returns:
-    ``(exit status or None if killed, seconds from the imports to the end)``.
-  """
-  with open(log, "a", encoding="utf-8") as err:
-    child = subprocess.Popen([sys.executable, "-c", _CHILD, engine, *argv], env=env,
-                             stdout=subprocess.PIPE, stderr=err, text=True)
-    assert child.stdout.readline() == "ready\n", log.read_text()[-3000:]
+  def __init__(self, engine: str, env: dict[str, str], log: pathlib.Path):
+    self._log = log
+    self._process = subprocess.Popen([sys.executable, "-c", _SERVER, engine, str(log)], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    self._lines: queue.Queue = queue.Queue()
+    threading.Thread(target=self._read, daemon=True).start()
+    assert self._next() == "ready", log.read_text()[-3000:]
+
+  def _read(self) -> None:
+    for line in self._process.stdout:
+      self._lines.put(line.strip())
+    self._lines.put("")  # the server ended
+
+  def _next(self, timeout: float | None = None) -> str:
+    return self._lines.get(timeout=timeout)
+
+  def run(self, argv: list[str], kill_after: float | None = None) -> tuple[int | None, float]:
+    """Runs ``argv`` in a fresh child; SIGKILLs it ``kill_after`` seconds after it starts.
+
+    Returns:
+      ``(exit status or None if killed, seconds from the start to the end)``.
+    """
+    self._process.stdin.write(json.dumps(argv) + "\n")
+    self._process.stdin.flush()
+    answer = self._next()
+    assert answer.startswith("pid "), (answer, self._log.read_text()[-3000:])
     start = time.perf_counter()
     try:
-      status = child.wait(timeout=kill_after)
-    except subprocess.TimeoutExpired:
-      child.send_signal(signal.SIGKILL)
-      child.wait()
-      status = None
-    child.stdout.close()
-  return status, time.perf_counter() - start
+      answer = self._next(timeout=kill_after)
+    except queue.Empty:
+      os.kill(int(answer.split()[1]), signal.SIGKILL)  # the child, or its zombie (not reaped)
+      answer = self._next()
+    assert answer.startswith("exit "), (answer, self._log.read_text()[-3000:])
+    status = int(answer.split()[1])
+    return (None if status == -signal.SIGKILL else status), time.perf_counter() - start
+
+  def close(self) -> None:
+    self._process.stdin.close()
+    assert self._process.wait(timeout=60) == 0, self._log.read_text()[-3000:]
+
+
+@pytest.fixture(name="server")
+def _server_fixture():
+  """``server(engine, env, log)`` starts that engine's server; all are closed at the end."""
+  started = []
+
+  def start(engine, env, log):
+    started.append(_Server(engine, env, log))
+    return started[-1]
+
+  yield start
+  for one in started:
+    one.close()
 
 
 def _no_temporary_files(folder: pathlib.Path) -> None:
@@ -112,7 +185,7 @@ def _assert_same_tensors(got: dict[str, np.ndarray], want: dict[str, np.ndarray]
     np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
-def _kill_and_resume(engine, argv_for, env, log, check_finished, check_done, seed, *,
+def _kill_and_resume(server, argv_for, log, check_finished, check_done, seed, *,
                      rerun_finished):
   """An uninterrupted warm run, the kills (each followed by the finished-output check), then
   the completing reruns.
@@ -121,7 +194,7 @@ def _kill_and_resume(engine, argv_for, env, log, check_finished, check_done, see
   finishes (once more with ``rerun_finished``: a rerun that re-finishes a
   finished run, which must not leave a part of its outputs), then in a new one.
   """
-  status, reference_seconds = _run(engine, argv_for("warm"), env, log)  # compiled: cached
+  status, reference_seconds = server.run(argv_for("warm"))  # compiled: cached
   assert status == 0, log.read_text()[-3000:]
   check_done("warm")
   rng = np.random.default_rng(seed)
@@ -129,7 +202,7 @@ def _kill_and_resume(engine, argv_for, env, log, check_finished, check_done, see
   for i in range(RUNS):
     slot = i % FOLDERS
     delay = float(rng.uniform(0.0, reference_seconds))
-    status, _ = _run(engine, argv_for(folders[slot]), env, log, kill_after=delay)
+    status, _ = server.run(argv_for(folders[slot]), kill_after=delay)
     assert status in (None, 0), log.read_text()[-3000:]
     outcomes.append("killed" if status is None else "finished")
     check_finished(folders[slot])
@@ -141,7 +214,7 @@ def _kill_and_resume(engine, argv_for, env, log, check_finished, check_done, see
   # Not vacuous: most runs are cut short (a folder's later runs have less left to do).
   assert outcomes.count("killed") >= RUNS // 2, outcomes
   for folder in folders:
-    status, _ = _run(engine, argv_for(folder), env, log)
+    status, _ = server.run(argv_for(folder))
     assert status == 0, log.read_text()[-3000:]
     check_done(folder)
 
@@ -163,13 +236,14 @@ def _vision_outcome(workdir: pathlib.Path) -> dict:
                      for r in results["history"]]}
 
 
-def test_sigkill_the_vision_trainer_at_random_points(tmp_path):
+def test_sigkill_the_vision_trainer_at_random_points(tmp_path, server):
   data = tmp_path / "mnist"
   data.mkdir()
   test_vision_interrupt._write_tiny_mnist(data)  # pylint: disable=protected-access
-  env, log = _env(tmp_path), tmp_path / "children.log"
+  log = tmp_path / "children.log"
+  vision = server("vision", _env(tmp_path), log)
   reference = tmp_path / "reference"
-  status, _ = _run("vision", _vision_argv(data, reference), env, log)
+  status, _ = vision.run(_vision_argv(data, reference))
   assert status == 0, log.read_text()[-3000:]
   want = _vision_outcome(reference)
   exports = ("sparse_params.safetensors", "masks.safetensors")
@@ -187,7 +261,7 @@ def test_sigkill_the_vision_trainer_at_random_points(tmp_path):
     check_finished(folder)
     _no_temporary_files(run(folder))
 
-  _kill_and_resume("vision", lambda folder: _vision_argv(data, run(folder)), env, log,
+  _kill_and_resume(vision, lambda folder: _vision_argv(data, run(folder)), log,
                    check_finished, check_done, seed=0, rerun_finished=True)
 
 
@@ -210,14 +284,15 @@ def _export(folder: pathlib.Path) -> tuple[dict[str, np.ndarray], dict[str, str]
     return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
 
 
-def test_sigkill_the_llm_pruner_at_random_points(tmp_path):
+def test_sigkill_the_llm_pruner_at_random_points(tmp_path, server):
   model, text = _llm_fixture(tmp_path)
-  env, log = _env(tmp_path), tmp_path / "children.log"
+  log = tmp_path / "children.log"
+  llm = server("llm", _env(tmp_path), log)
   argv = lambda out: ["prune", "--model", str(model), "--calib", str(text), "--nsamples", "4",
                       "--seqlen", "16", "--out", str(out), "--no-progress", "--method", "safe-plus",
                       "--epochs", "3", "--batch-size", "2", "--lr", "3e-3", "--dual-every", "2"]
   reference = tmp_path / "reference"
-  status, _ = _run("llm", argv(reference), env, log)
+  status, _ = llm.run(argv(reference))
   assert status == 0, log.read_text()[-3000:]
   want_export = _export(reference)
   want_errors = [b["relative_error"]
@@ -241,5 +316,5 @@ def test_sigkill_the_llm_pruner_at_random_points(tmp_path):
     _no_temporary_files(out(folder))
 
   # A rerun of a finished export prunes nothing (tests/test_llm_cli_errors.py).
-  _kill_and_resume("llm", lambda folder: argv(out(folder)), env, log, check_finished,
+  _kill_and_resume(llm, lambda folder: argv(out(folder)), log, check_finished,
                    check_done, seed=1, rerun_finished=False)
