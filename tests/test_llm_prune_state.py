@@ -57,6 +57,13 @@ def _truncate(name):
   return lambda folder: (folder / name).write_bytes((folder / name).read_bytes()[:100])
 
 
+def _without_checksums(folder):
+  """A state with no file checksums (as none of this release writes): not trusted, refused."""
+  saved = json.loads((folder / "state.json").read_text())
+  del saved["sha256"]
+  (folder / "state.json").write_text(json.dumps(saved))
+
+
 @pytest.mark.parametrize("damage, named", [
     (_flip("block_0.npz", 0.5), "block_0.npz does not match its SHA-256"),
     (_flip("block_0.npz", 0.9), "block_0.npz does not match its SHA-256"),
@@ -66,7 +73,9 @@ def _truncate(name):
     (lambda folder: (folder / "state.json").write_text('{"identity": {'),
      "state.json does not parse"),
     (lambda folder: (folder / "state.json").write_text("[]"), "state.json does not parse"),
-], ids=["block-50%", "block-90%", "stream", "truncated", "missing", "cut-json", "wrong-json"])
+    (_without_checksums, "state.json does not parse: 'sha256'"),
+], ids=["block-50%", "block-90%", "stream", "truncated", "missing", "cut-json", "wrong-json",
+        "no-checksums"])
 def test_a_damaged_state_is_refused_in_one_line_naming_restart(stopped, damage, named):
   damage(stopped[0])
   with pytest.raises(CorruptPruneState) as info:

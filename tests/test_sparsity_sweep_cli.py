@@ -167,8 +167,10 @@ def test_reuse_selection_trains_only_the_edge_rules_new_values(monkeypatch, tmp_
       ("safe", 0.03)]
 
 
-def test_a_selection_written_before_rows_named_their_value_is_reused(monkeypatch, tmp_path):
-  # Older sweep.json files name a grid row's value "penalty" only (no "value", no "field").
+def test_a_selection_whose_rows_lack_value_and_field_is_refused_naming_them(monkeypatch, tmp_path,
+                                                                          capsys):
+  # Files older than safe_optax 0.1.0 named a grid row's value "penalty" only; the committed
+  # ones were rewritten, and such a file is refused before anything trains.
   seen = test_sweeps.install_fake_runs(monkeypatch, _score)
   assert _select_only(tmp_path, "first", "--safe-grid", "0.003", "0.01",
                       "--admm-grid", "0.001", "0.01") == 0
@@ -179,15 +181,12 @@ def test_a_selection_written_before_rows_named_their_value_is_reused(monkeypatch
     row.pop("field")
   path.write_text(json.dumps(old))
   seen.clear()
-  assert _select_only(tmp_path, "extended", "--safe-grid", "0.003", "0.01",
-                      "--admm-grid", "0.0001", "0.001", "0.01", "--reuse-selection",
-                      str(path)) == 0
-  assert [(c.method, c.admm_penalty) for c, _ in seen] == [("admm", 0.0001)]
-  selection = json.loads((tmp_path / "extended" / "sweep.json").read_text())["selection"]
-  assert selection["chosen"] == {"safe@0.99": 0.01, "admm@0.99": 0.001}
-  assert [(g["method"], g["value"], g["field"]) for g in selection["grid"]] == [
-      ("admm", 0.0001, "admm_penalty"), ("admm", 0.001, "admm_penalty"),
-      ("admm", 0.01, "admm_penalty"), ("safe", 0.003, "penalty"), ("safe", 0.01, "penalty")]
+  capsys.readouterr()
+  with pytest.raises(SystemExit) as exit_info:
+    _select_only(tmp_path, "extended", "--safe-grid", "0.003", "0.01",
+                 "--admm-grid", "0.0001", "0.001", "0.01", "--reuse-selection", str(path))
+  assert exit_info.value.code == 2 and not seen
+  assert "lack 'value' and 'field'" in capsys.readouterr().err
 
 
 def test_reuse_selection_extends_crams_rho_grid_training_only_the_new_value(monkeypatch, tmp_path):

@@ -76,7 +76,7 @@ class PruneState:
             f"Rerun with the saved arguments to continue it, or start over "
             f"(safe-optax-llm prune --restart, or delete the folder).")
       self._saved_blocks = saved["blocks"]
-      self._sha256 = saved.get("sha256", {})  # absent in states written before checksums
+      self._sha256 = saved["sha256"]
     for leftover in self.folder.glob(f"*{experiment.TMP_MARK}*"):
       leftover.unlink()
     self.resumed_blocks = len(self._saved_blocks)
@@ -87,8 +87,9 @@ class PruneState:
       return None
     try:
       saved = json.loads(file.read_text())
-      if not (isinstance(saved["identity"], dict) and isinstance(saved["blocks"], list)):
-        raise TypeError("identity or blocks of the wrong type")
+      if not (isinstance(saved["identity"], dict) and isinstance(saved["blocks"], list)
+              and isinstance(saved["sha256"], dict)):
+        raise TypeError("identity, blocks or sha256 of the wrong type")
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
       raise CorruptPruneState(self.folder, f"{STATE_FILE} does not parse: {err}") from err
     return saved
@@ -112,8 +113,7 @@ class PruneState:
     path = self.folder / name
     if not path.is_file():
       raise CorruptPruneState(self.folder, f"{name} is missing")
-    expected = self._sha256.get(name)
-    if expected is not None and file_sha256(path) != expected:
+    if file_sha256(path) != self._sha256.get(name):
       raise CorruptPruneState(self.folder, f"{name} does not match its SHA-256")
     try:
       with np.load(path) as arrays:

@@ -269,15 +269,11 @@ def throughput(history: list[dict[str, Any]]) -> dict[str, Any]:
     seconds = sum(r["epoch_seconds"] for r in records)
     return sum(r["trained_images"] for r in records) / seconds if seconds else None
 
-  # Records written before these fields existed: every example once, epoch 0 compiling.
-  records = [{"trained_images": r.get("trained_images", r["train_examples"]),
-              "epoch_seconds": r["epoch_seconds"],
-              "includes_compile": r.get("includes_compile", r["epoch"] == 0)} for r in history]
-  return {"train_seconds": sum(r["epoch_seconds"] for r in records),
-          "trained_images": sum(r["trained_images"] for r in records),
-          "images_per_second": rate(records),
+  return {"train_seconds": sum(r["epoch_seconds"] for r in history),
+          "trained_images": sum(r["trained_images"] for r in history),
+          "images_per_second": rate(history),
           # Without the first epoch of each process, which includes the compilation.
-          "steady_images_per_second": rate([r for r in records if not r["includes_compile"]])}
+          "steady_images_per_second": rate([r for r in history if not r["includes_compile"]])}
 
 
 def finish(programs: Any, config: configs.Config, params: Any, model_state: Any,

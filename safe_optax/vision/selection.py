@@ -117,13 +117,6 @@ def select_hyperparameters(base: configs.Config, methods: Sequence[str],
           "fixed": fixed, "at_grid_edge": edges}
 
 
-def grid_row(row: dict[str, Any]) -> dict[str, Any]:
-  """A selection's grid row with ``value`` and ``field``, also from files written before rows
-  had them (their value is named ``penalty`` only)."""
-  return {**row, "value": row.get("value", row.get("penalty")),
-          "field": row.get("field", sweeps.tuned_field(row["method"]))}
-
-
 def choose(rows: Sequence[dict[str, Any]], grids: dict[str, Sequence[float]],
            fixed: Sequence[str] = ()) -> tuple[dict[str, float], list[str]]:
   """The choice from scored grid rows: per (method, sparsity) the best mean validation accuracy,
@@ -173,6 +166,8 @@ def reuse_problem(earlier: dict[str, Any], selection: dict[str, Any], base: conf
   if (configs.from_dict(earlier["config"]) != base
       or selection["validation_examples"] != validation or selection["seeds"] != list(seeds)):
     return "its config, validation split or selection seeds differ from this run's"
+  if any("value" not in r or "field" not in r for r in selection["grid"]):
+    return "its grid rows lack 'value' and 'field' (a file older than safe_optax 0.1.0)"
   return _overrides_problem(selection, base, methods, method_overrides or {})
 
 
@@ -254,7 +249,7 @@ def extend_selection(base: configs.Config, earlier: dict[str, Any], methods: Seq
   ``earlier``'s rows must come from the same runs (check with
   :func:`reuse_problem`); rows of values outside ``grids`` are dropped.
   """
-  old_rows = [grid_row(r) for r in earlier["grid"]]
+  old_rows = earlier["grid"]
   rows = []
   for method in [m for m in methods if grids.get(m)]:
     for s in sparsities:
