@@ -127,6 +127,22 @@ def test_no_private_name_is_imported_across_modules():
   assert not offenders, offenders
 
 
+def test_vision_and_llm_use_only_the_public_modules_of_the_core():
+  """What vision/ and llm/ need of the core is public: no `safe_optax._m` module imported there."""
+  offenders = []
+  for path in sorted(p for sub in ("vision", "llm") for p in (PACKAGE / sub).rglob("*.py")):
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+      if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("safe_optax"):
+        modules = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+      elif isinstance(node, ast.Import):
+        modules = [a.name for a in node.names]
+      else:
+        continue
+      offenders += [f"{_name(path)}: {m}" for m in modules
+                    if m.startswith("safe_optax._") and m != "safe_optax.__version__"]
+  assert not offenders, offenders
+
+
 # benchmarks/ is one package run as `python -m benchmarks.<module>` from the repository root.
 BENCHMARKS = ROOT / "benchmarks"
 BENCHMARK_SOURCES = sorted(p for p in BENCHMARKS.rglob("*.py") if "results" not in p.parts)

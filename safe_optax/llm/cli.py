@@ -69,7 +69,6 @@ import numpy as np
 import safe_optax
 from safe_optax import distributed
 from safe_optax import experiment
-from safe_optax._prunable import path_str
 from safe_optax.llm import checkpoints
 from safe_optax.llm import data
 from safe_optax.llm import export
@@ -384,7 +383,8 @@ def _write_lane(args: argparse.Namespace, config: model_lib.LlamaConfig, pruned:
   cfg = _prune_config(args)
   # Only the blocks' matrices are pruned; the embedding (and untied head) stay dense.
   sparsity = safe_optax.sparsity_report(
-      pruned, prunable=lambda path, leaf: "layers_" in path_str(path) and leaf.ndim == 2)
+      pruned,
+      prunable=lambda path, leaf: "layers_" in jax.tree_util.keystr(path) and leaf.ndim == 2)
   checkpoints.save_safetensors(
       out, config, pruned, tokenizer, dtype=export_dtype, prune_config=cfg,
       source_metadata=checkpoints.source_metadata(args.model))

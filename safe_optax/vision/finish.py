@@ -41,7 +41,6 @@ import safe_optax
 from safe_optax import distributed
 from safe_optax import experiment
 from safe_optax import flax_utils
-from safe_optax._prunable import path_str
 from safe_optax import methods
 from safe_optax.vision import configs
 from safe_optax.vision import datasets
@@ -190,7 +189,8 @@ def deploy(programs: Any, config: configs.Config, params: Any, model_state: Any,
 
 def _named_arrays(tree: Any) -> dict[str, np.ndarray]:
   """``tree``'s leaves as host arrays named by their ``/``-joined paths (as sparsity reports)."""
-  return {path_str(path): np.asarray(jax.device_get(leaf))
+  return {jax.tree_util.keystr(path, simple=True, separator="/"):
+              np.asarray(jax.device_get(leaf))
           for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
