@@ -8,6 +8,10 @@ writes the final parameters and masks to ``--out`` (``.npz``).
 
   python tests/distributed_worker.py --out p.npz --steps 12 \\
       [--coordinator 127.0.0.1:PORT --num-processes 2 --process-id I] [--devices N]
+
+``--then`` separates several runs that each process makes one after the other
+(one start of Python, JAX and the distributed runtime for all of them); the
+launch flags and ``--devices`` apply to every run, wherever they stand.
 """
 
 from __future__ import annotations
@@ -33,10 +37,37 @@ def parse(argv):
   return p.parse_args(argv)
 
 
+THEN = "--then"  # separates the runs of one launch
+SHARED = ("--coordinator", "--num-processes", "--process-id", "--devices")  # apply to every run
+
+
+def split_runs(argv) -> list[list[str]]:
+  """``argv`` cut at each ``--then``, the flags of ``SHARED`` added to every run."""
+  runs, shared = [[]], []
+  args = iter(argv)
+  for arg in args:
+    if arg == THEN:
+      runs.append([])
+    elif arg in SHARED:
+      shared += [arg, next(args)]
+    else:
+      runs[-1].append(arg)
+  return [run + shared for run in runs]
+
+
 def main(argv=None) -> int:
-  args = parse(argv)
+  runs = [parse(run) for run in split_runs(sys.argv[1:] if argv is None else argv)]
   import process_launcher  # pylint: disable=import-outside-toplevel  (beside this script)
-  os.environ["XLA_FLAGS"] = process_launcher.forced_devices_flags(args.devices)
+  os.environ["XLA_FLAGS"] = process_launcher.forced_devices_flags(runs[0].devices)
+  for args in runs:
+    code = run(args)
+    if code:
+      return code
+  return 0
+
+
+def run(args) -> int:
+  """One run of the worker (the module docstring)."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel

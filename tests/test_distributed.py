@@ -6,6 +6,13 @@ one device, one process with two forced host devices, and two processes with
 one device each, each process feeding only its own rows. The parameters and
 the sparse targets must agree; checkpoints written by one layout resume in
 another.
+
+Cost: each launch starts Python, JAX and the distributed runtime, so the runs
+take three launches (the worker's ``--then``): one process (the uninterrupted
+run, saving a checkpoint on the way), two processes (the one-process checkpoint
+resumed, the uninterrupted run, then a run whose processes die) and one process
+with two devices (the two-process checkpoint resumed, then the uninterrupted
+run). A resumed run is the first of its launch: a fresh process resumes it.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import process_launcher  # noqa: E402  (the launcher shared with test_vision_distributed)
 
 WORKER = pathlib.Path(__file__).with_name("distributed_worker.py")
+THEN = "--then"  # between the runs of one launch (tests/distributed_worker.py)
 STEPS = 12
 TIMEOUT = process_launcher.TIMEOUT
 
@@ -45,15 +53,28 @@ def _weights(run: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict]:
   """The three layouts, uninterrupted; one process and two processes also save a checkpoint at
-  step 6 on the way (``checkpoints``), which the resume tests start from."""
+  step 6 on the way (``checkpoints``), which the other layout resumes (``resumed_in_one``,
+  ``resumed_in_two``). The two-process launch ends with a run whose processes exit abruptly at
+  step 2: the error of that launch is ``dead_peer`` (None if it ended well)."""
   root = tmp_path_factory.mktemp("distributed")
   save = lambda name: ("--save-at", "6", "--go-on", "--checkpoint", str(root / f"ckpt_{name}"))
-  launch(1, "--out", str(root / "one.npz"), "--steps", str(STEPS), *save("one"))
-  launch(1, "--out", str(root / "two_devices.npz"), "--steps", str(STEPS), "--devices", "2")
-  launch(2, "--out", str(root / "two_processes.npz"), "--steps", str(STEPS),
-         *save("two_processes"))
-  runs_ = {name: _load(root / f"{name}.npz") for name in ("one", "two_devices", "two_processes")}
+  steps = ("--steps", str(STEPS))
+  launch(1, "--out", str(root / "one.npz"), *steps, *save("one"))
+  dead_peer = None
+  try:
+    launch(2, "--out", str(root / "resumed_in_two.npz"), *steps, "--checkpoint",
+           str(root / "ckpt_one"),
+           THEN, "--out", str(root / "two_processes.npz"), *steps, *save("two_processes"),
+           THEN, "--out", str(root / "dead.npz"), *steps, "--die-at", "2")
+  except RuntimeError as err:
+    dead_peer = err
+  launch(1, "--out", str(root / "resumed_in_one.npz"), *steps, "--checkpoint",
+         str(root / "ckpt_two_processes"),
+         THEN, "--out", str(root / "two_devices.npz"), *steps, "--devices", "2")
+  names = ("one", "two_devices", "two_processes", "resumed_in_one", "resumed_in_two")
+  runs_ = {name: _load(root / f"{name}.npz") for name in names}
   runs_["checkpoints"] = {name: root / f"ckpt_{name}" for name in ("one", "two_processes")}
+  runs_["dead_peer"] = dead_peer
   return runs_
 
 
@@ -92,34 +113,34 @@ def test_sparse_target_has_the_requested_sparsity(runs):
 
 
 @pytest.mark.slow
-def test_checkpoint_of_two_processes_resumes_in_one(runs, tmp_path):
+def test_checkpoint_of_two_processes_resumes_in_one(runs):
   ckpt = runs["checkpoints"]["two_processes"]
   assert sorted(p.name for p in ckpt.iterdir() if p.name.isdigit()) == ["6"]
-  launch(1, "--out", str(tmp_path / "resumed.npz"), "--steps", str(STEPS), "--devices", "2",
-         "--checkpoint", str(ckpt))
-  resumed, straight = _weights(_load(tmp_path / "resumed.npz")), _weights(runs["two_devices"])
+  resumed, straight = _weights(runs["resumed_in_one"]), _weights(runs["two_devices"])
+  assert int(runs["resumed_in_one"]["process_count"]) == 1
+  assert int(runs["resumed_in_one"]["device_count"]) == 2
   for name in straight:
     # Same mesh shape as the uninterrupted run: bit-identical.
     np.testing.assert_array_equal(resumed[name], straight[name], err_msg=name)
 
 
 @pytest.mark.slow
-def test_checkpoint_of_one_process_resumes_in_two(runs, tmp_path):
+def test_checkpoint_of_one_process_resumes_in_two(runs):
   ckpt = runs["checkpoints"]["one"]
   assert sorted(p.name for p in ckpt.iterdir() if p.name.isdigit()) == ["6"]
-  launch(2, "--out", str(tmp_path / "resumed.npz"), "--steps", str(STEPS),
-         "--checkpoint", str(ckpt))
-  resumed, straight = _weights(_load(tmp_path / "resumed.npz")), _weights(runs["one"])
+  resumed, straight = _weights(runs["resumed_in_two"]), _weights(runs["one"])
+  assert int(runs["resumed_in_two"]["process_count"]) == 2
   for name in straight:
     # Steps 7-12 ran on two devices instead of one: equal to float rounding.
     np.testing.assert_allclose(resumed[name], straight[name], rtol=0, atol=1e-6, err_msg=name)
 
 
 @pytest.mark.slow
-def test_a_dead_peer_fails_the_launch_fast(tmp_path):
+def test_a_dead_peer_fails_the_launch_fast(runs):
+  # The last run of the two-process launch: its processes exit with 3 at step 2.
   with pytest.raises(RuntimeError, match=r"exited with 3"):
-    launch(2, "--out", str(tmp_path / "x.npz"), "--steps", str(STEPS), "--die-at", "2",
-           timeout=TIMEOUT)
+    if runs["dead_peer"] is not None:
+      raise runs["dead_peer"]
 
 
 # ---- launch settings (no processes) ----------------------------------------------------------

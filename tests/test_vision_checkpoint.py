@@ -118,15 +118,22 @@ def _flat(tree, prefix: str) -> dict[str, np.ndarray]:
           for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def _restore_with_the_docs_recipe(base: pathlib.Path) -> dict[str, np.ndarray]:
-  """Runs docs/checkpoints.md's Orbax recipe on ``base/runs/my-run`` in a one-device process
-  that cannot import safe_optax; returns what it restored, flattened."""
-  script = _NO_SAFE_OPTAX + _docs_python_blocks()[0] + _SAVE_RESTORED
+def _restore_with_the_docs_recipe(*bases: pathlib.Path) -> list[dict[str, np.ndarray]]:
+  """Runs docs/checkpoints.md's Orbax recipe on ``base/runs/my-run`` of each of ``bases`` (from
+  ``base`` as the current directory, one after the other) in one one-device process that cannot
+  import safe_optax; returns what it restored from each, flattened."""
+  recipe = _docs_python_blocks()[0] + _SAVE_RESTORED
+  script = _NO_SAFE_OPTAX + textwrap.dedent(f"""
+      import os
+      for base in sys.argv[1:]:
+        os.chdir(base)
+        exec({recipe!r}, {{"__name__": "__main__", "sys": sys}})
+  """)
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-  proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                        env=env, cwd=base, timeout=300, check=False)
+  proc = subprocess.run([sys.executable, "-c", script, *map(str, bases)], capture_output=True,
+                        text=True, env=env, timeout=300, check=False)
   assert proc.returncode == 0, proc.stderr[-4000:]
-  return dict(np.load(base / "restored.npz"))
+  return [dict(np.load(base / "restored.npz")) for base in bases]
 
 
 def _assert_restored(restored: dict[str, np.ndarray], state: dict[str, Any]) -> None:
@@ -140,13 +147,6 @@ def _assert_restored(restored: dict[str, np.ndarray], state: dict[str, Any]) -> 
   for name, value in want.items():
     np.testing.assert_array_equal(restored[name], value, err_msg=name)
     assert restored[name].dtype == value.dtype, name
-
-
-@pytest.mark.slow
-def test_plain_orbax_restores_the_trainers_checkpoint_without_safe_optax(bn_run):
-  out, base = bn_run
-  _assert_restored(_restore_with_the_docs_recipe(base), out.state._asdict())
-  assert int(out.state.step) == 2 * 7  # the last checkpoint: two epochs of seven batches
 
 
 _TWO_DEVICE_SAVE = textwrap.dedent("""
@@ -171,27 +171,47 @@ _TWO_DEVICE_SAVE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow
-def test_the_docs_recipe_reads_a_checkpoint_of_two_devices_on_one(tmp_path):
+@pytest.fixture(scope="module")
+def docs_recipe_reads(bn_run, tmp_path_factory):
+  """The trainer's checkpoint (``bn_run``) and one that a 2-device process saved (the state it
+  saved: ``saved.npz``), each read by the docs' recipe (one process reads both):
+  ``{"trainer": (restored, base), "two_devices": (restored, base)}``."""
+  _, trainer = bn_run
+  two = tmp_path_factory.mktemp("two_devices")
   env = {**os.environ, "JAX_PLATFORMS": "cpu",
          "XLA_FLAGS": process_launcher.forced_devices_flags(2)}
   proc = subprocess.run([sys.executable, "-c", _TWO_DEVICE_SAVE,
-                         str(tmp_path / "runs" / "my-run" / "checkpoints"),
-                         str(tmp_path / "saved.npz")], capture_output=True, text=True, env=env,
+                         str(two / "runs" / "my-run" / "checkpoints"),
+                         str(two / "saved.npz")], capture_output=True, text=True, env=env,
                         timeout=300, check=False)
   assert proc.returncode == 0, proc.stderr[-4000:]
+  restored = _restore_with_the_docs_recipe(trainer, two)
+  return {"trainer": (restored[0], trainer), "two_devices": (restored[1], two)}
+
+
+@pytest.mark.slow
+def test_plain_orbax_restores_the_trainers_checkpoint_without_safe_optax(bn_run,
+                                                                         docs_recipe_reads):
+  out, _ = bn_run
+  _assert_restored(docs_recipe_reads["trainer"][0], out.state._asdict())
+  assert int(out.state.step) == 2 * 7  # the last checkpoint: two epochs of seven batches
+
+
+@pytest.mark.slow
+def test_the_docs_recipe_reads_a_checkpoint_of_two_devices_on_one(docs_recipe_reads):
+  restored, base = docs_recipe_reads["two_devices"]
   # The state the 2-device process saved, rebuilt here (1 device) from its leaves.
   params = {"Dense_0": {"kernel": jnp.zeros((3, 4)), "bias": jnp.zeros(4)}}
   like = {"step": jnp.int32(0), "rng": jax.random.PRNGKey(0), "params": params,
           "model_state": {"batch_stats": {"BatchNorm_0": {"mean": jnp.zeros(4),
                                                           "var": jnp.zeros(4)}}},
           "opt_state": safe_optax.safe(0.1, 0.5, penalty=1e-2, total_steps=10).init(params)}
-  saved = np.load(tmp_path / "saved.npz")
+  saved = np.load(base / "saved.npz")
   names = ["/".join(str(getattr(p, "key", p)) for p in path)
            for path, _ in jax.tree_util.tree_flatten_with_path(like)[0]]
   state = jax.tree.unflatten(jax.tree.structure(like), [saved[n] for n in names])
   assert float(state["model_state"]["batch_stats"]["BatchNorm_0"]["var"][0]) == 2.0
-  _assert_restored(_restore_with_the_docs_recipe(tmp_path), state)
+  _assert_restored(restored, state)
 
 
 @pytest.mark.slow

@@ -13,7 +13,13 @@ processes after its first epoch resumes in one process.
 Run as a script, this module is the worker that :func:`process_launcher.launch`
 starts: the ``safe-optax-vision`` command line, with ``--record-writes DIR``
 (each process lists the files it opened for writing, found with an audit hook)
-and ``--stop-after-epoch N``.
+and ``--stop-after-epoch N``; ``--then`` separates several such runs that each
+process makes one after the other (the launch flags apply to all of them).
+
+Cost: each launch starts Python, JAX and the distributed runtime, so the five
+runs take three launches: two processes (the uninterrupted run, then the run
+stopped after its first epoch), one process with two devices (the stopped run
+resumed, then the uninterrupted run) and one process with one device.
 """
 
 from __future__ import annotations
@@ -64,8 +70,34 @@ def _record_writes(workdir: pathlib.Path, written: set[str]) -> None:
   sys.addaudithook(hook)
 
 
+THEN = "--then"  # separates the runs that one launch makes, one after the other
+LAUNCH_FLAGS = ("--coordinator", "--num-processes", "--process-id")
+
+
+def split_runs(argv: list[str]) -> list[list[str]]:
+  """``argv`` cut at each ``--then``; the launch flags (which :func:`process_launcher.launch`
+  appends to the end) are moved to the end of every run."""
+  runs, launch = [[]], []
+  args = iter(argv)
+  for arg in args:
+    if arg == THEN:
+      runs.append([])
+    elif arg in LAUNCH_FLAGS:
+      launch += [arg, next(args)]
+    else:
+      runs[-1].append(arg)
+  return [run + launch for run in runs]
+
+
 def worker(argv: list[str]) -> int:
-  """One process: the ``safe-optax-vision`` command line, its writes recorded."""
+  """One process: each run of ``argv`` (:func:`split_runs`) in turn."""
+  for run in split_runs(argv):
+    _worker_run(run)
+  return 0
+
+
+def _worker_run(argv: list[str]) -> None:
+  """One run: the ``safe-optax-vision`` command line, its writes recorded."""
   parser = argparse.ArgumentParser()
   parser.add_argument("--record-writes")
   parser.add_argument("--stop-after-epoch", type=int)
@@ -91,7 +123,6 @@ def worker(argv: list[str]) -> int:
     with open(out, "w", encoding="utf-8") as f:
       json.dump({"process_count": jax.process_count(), "device_count": jax.device_count(),
                  "written": sorted(written)}, f)
-  return 0
 
 
 # ----------------------------------------------------------------------------- the tests
@@ -110,15 +141,17 @@ def _write_mnist(directory: pathlib.Path) -> None:
   test_input_pipeline._write_idx(directory / "t10k-labels-idx1-ubyte", labels)
 
 
-def _run(root: pathlib.Path, name: str, num_processes: int, env: dict[str, str],
-         *extra: str) -> pathlib.Path:
-  """Launches the worker; returns the folder of its recorded writes."""
-  record = root / f"{name}-writes"
-  record.mkdir(exist_ok=True)
-  process_launcher.launch(__file__, num_processes, "--record-writes", str(record), *RUN,
-                      "--data-dir", str(root / "data"), "--workdir", str(root / name), *extra,
-                      env=env)
-  return record
+def _launch(root: pathlib.Path, num_processes: int, env: dict[str, str],
+            *runs: tuple[str, ...]) -> None:
+  """One launch of the worker that makes ``runs`` one after the other, each ``(record, workdir,
+  *extra flags)``: the run trains in ``root / workdir`` and records its writes in
+  ``root / record``."""
+  argv: list[str] = []
+  for record, name, *extra in runs:
+    (root / record).mkdir(exist_ok=True)
+    argv += [*([THEN] if argv else []), "--record-writes", str(root / record), *RUN,
+             "--data-dir", str(root / "data"), "--workdir", str(root / name), *extra]
+  process_launcher.launch(__file__, num_processes, *argv, env=env)
 
 
 def _final(root: pathlib.Path, name: str) -> dict[str, np.ndarray]:
@@ -149,15 +182,24 @@ def _results(root: pathlib.Path, name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+  """Every run of the tests, in three launches (the module docstring). ``resumed`` is stopped
+  by the two processes after its first epoch (its writes in ``stopped-writes``, its workdir as it
+  was then in ``stopped``) and finished by the two-device process, as the first run of that
+  launch (a fresh process resumes it)."""
   root = tmp_path_factory.mktemp("vision_distributed")
   (root / "data").mkdir()
   _write_mnist(root / "data")
-  records = {
-      "two_processes": _run(root, "two_processes", 2, ONE_DEVICE),
-      "two_devices": _run(root, "two_devices", 1, TWO_DEVICES),
-      "one_device": _run(root, "one_device", 1, ONE_DEVICE),
-  }
-  return root, records
+  _launch(root, 2, ONE_DEVICE, ("two_processes-writes", "two_processes"),
+          ("stopped-writes", "resumed", "--stop-after-epoch", "1"))
+  stopped = {"results": (root / "resumed" / "results.json").exists(),
+             "checkpoints": sorted(p.name for p in (root / "resumed" / "checkpoints").iterdir()
+                                   if p.name.isdigit())}
+  _launch(root, 1, TWO_DEVICES, ("resumed-writes", "resumed"),
+          ("two_devices-writes", "two_devices"))
+  _launch(root, 1, ONE_DEVICE, ("one_device-writes", "one_device"))
+  records = {name: root / f"{name}-writes" for name in
+             ("two_processes", "two_devices", "one_device", "stopped", "resumed")}
+  return root, records, stopped
 
 
 def _writes(record: pathlib.Path) -> dict[int, dict]:
@@ -167,7 +209,7 @@ def _writes(record: pathlib.Path) -> dict[int, dict]:
 
 @pytest.mark.slow
 def test_two_processes_form_one_global_mesh(runs):
-  root, records = runs
+  root, records, _ = runs
   two = _writes(records["two_processes"])
   assert sorted(two) == [0, 1]
   assert all(w["process_count"] == 2 and w["device_count"] == 2 for w in two.values())
@@ -177,7 +219,7 @@ def test_two_processes_form_one_global_mesh(runs):
 
 @pytest.mark.slow
 def test_only_process_0_writes_outside_the_checkpoints(runs):
-  _, records = runs
+  _, records, _ = runs
   writes = _writes(records["two_processes"])
   outside = {i: [p for p in w["written"] if not p.startswith("checkpoints")]
              for i, w in writes.items()}
@@ -189,7 +231,7 @@ def test_only_process_0_writes_outside_the_checkpoints(runs):
 
 @pytest.mark.slow
 def test_two_processes_match_one_process_with_two_devices(runs):
-  root, _ = runs
+  root, _, _ = runs
   a, b = _final(root, "two_processes"), _final(root, "two_devices")
   assert a.keys() == b.keys()
   for key in a:  # the same program over the same mesh shape: the same bits
@@ -202,7 +244,7 @@ def test_two_processes_match_one_process_with_two_devices(runs):
 
 @pytest.mark.slow
 def test_two_processes_match_one_device(runs):
-  root, _ = runs
+  root, _, _ = runs
   a, b = _final(root, "two_processes"), _final(root, "one_device")
   for key in a:
     if key.startswith("mask"):
@@ -217,13 +259,14 @@ def test_two_processes_match_one_device(runs):
 
 @pytest.mark.slow
 def test_a_run_stopped_by_two_processes_resumes_in_one(runs):
-  root, _ = runs
-  record = _run(root, "resumed", 2, ONE_DEVICE, "--stop-after-epoch", "1")
-  assert not (root / "resumed" / "results.json").exists()
-  assert [p.name for p in (root / "resumed" / "checkpoints").iterdir() if p.name.isdigit()] == [
-      str(-(-N_TRAIN // 16))]
-  assert [w for w in _writes(record)[1]["written"] if not w.startswith("checkpoints")] == []
-  _run(root, "resumed", 1, TWO_DEVICES)
+  root, records, stopped = runs
+  assert not stopped["results"]
+  assert stopped["checkpoints"] == [str(-(-N_TRAIN // 16))]
+  two = _writes(records["stopped"])
+  assert sorted(two) == [0, 1] and all(w["process_count"] == 2 for w in two.values())
+  assert [w for w in two[1]["written"] if not w.startswith("checkpoints")] == []
+  one = _writes(records["resumed"])
+  assert sorted(one) == [0] and one[0]["process_count"] == 1 and one[0]["device_count"] == 2
   a, b = _final(root, "resumed"), _final(root, "two_devices")
   for key in b:  # resumed on the mesh shape of the uninterrupted run: bit-identical
     np.testing.assert_array_equal(a[key], b[key], err_msg=key)
