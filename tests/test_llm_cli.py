@@ -24,15 +24,20 @@ def _byte_tokenizer():
   return tokenizer
 
 
-@pytest.fixture(name="tiny")
-def fixture_tiny(tmp_path):
+def make_tiny(folder):
+  """A tiny generated checkpoint ``folder/tiny`` and a calibration text ``folder/calib.txt``."""
   cfg = model_lib.LlamaConfig(vocab_size=256, hidden_size=16, intermediate_size=32,
                               num_layers=2, num_heads=4, num_kv_heads=2)
-  folder = checkpoints.save_safetensors(tmp_path / "tiny", cfg, model_lib.init_params(cfg),
-                                        _byte_tokenizer())
-  text = tmp_path / "calib.txt"
+  checkpoint = checkpoints.save_safetensors(folder / "tiny", cfg, model_lib.init_params(cfg),
+                                            _byte_tokenizer())
+  text = folder / "calib.txt"
   text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
-  return folder, text
+  return checkpoint, text
+
+
+@pytest.fixture(name="tiny")
+def fixture_tiny(tmp_path):
+  return make_tiny(tmp_path)
 
 
 @pytest.mark.slow

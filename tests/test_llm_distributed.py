@@ -10,6 +10,11 @@ over two processes writes one export, equal to one process's, and a process
 count that does not divide the windows is refused naming ``--nsamples``.
 
 Run as a script, this module is the worker :func:`process_launcher.launch` starts.
+Each launch (one process, then two) runs the command line first, in fresh
+processes that it joins to the distributed runtime as a user's launch does, and
+then prunes with the library in the same processes: three processes in all. The
+one process draws the model's parameters (``model.init_params``) and saves them;
+the two processes prune those same parameters, read from the file.
 """
 
 from __future__ import annotations
@@ -25,30 +30,61 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import process_launcher  # noqa: E402
-from test_llm_cli import fixture_tiny  # noqa: E402,F401  (the tiny checkpoint, fixture "tiny")
+from test_llm_cli import make_tiny  # noqa: E402  (the tiny checkpoint of test_llm_cli's "tiny")
 
 METHODS = ("safe-plus", "sparsegpt")
 ONE_DEVICE = {"XLA_FLAGS": process_launcher.forced_devices_flags(1)}
 TIMEOUT = 400  # a hang guard: two processes on 2 cores shared with other jobs can be slow
 
 
+def _cli_argv(model, calib, out):
+  """``safe-optax-llm prune`` of the tiny checkpoint with Wanda (the launcher's flags follow)."""
+  return ["prune", "--model", str(model), "--method", "wanda", "--calib", str(calib),
+          "--nsamples", "4", "--seqlen", "16", "--out", str(out), "--no-progress"]
+
+
 def _worker(argv):
-  if argv[0] == "cli":  # the command line, with the launcher's flags appended
-    from safe_optax.llm import cli
-    sys.exit(cli.main(argv[1:]))
+  """The command line, then the library's prunes (saved to ``OUT.<process>.npz``)."""
   parser = argparse.ArgumentParser()
   parser.add_argument("out")
+  parser.add_argument("--cli-model", required=True)
+  parser.add_argument("--cli-calib", required=True)
+  parser.add_argument("--cli-out", required=True)
+  parser.add_argument("--cli-fixed-order", action="store_true")
+  parser.add_argument("--params", required=True, help="the one process saves, two read")
   parser.add_argument("--coordinator")
   parser.add_argument("--num-processes", type=int)
   parser.add_argument("--process-id", type=int)
   args = parser.parse_args(argv)
+  # First the command line, in a fresh process as a user's launch starts it: it joins the
+  # distributed runtime from the launcher's flags before anything touches a device.
+  from safe_optax.llm import cli
+  launch = ([] if args.coordinator is None else
+            ["--coordinator", args.coordinator, "--num-processes", str(args.num_processes),
+             "--process-id", str(args.process_id)])
+  fixed = ["--fixed-order"] if args.cli_fixed_order else []
+  code = cli.main(_cli_argv(args.cli_model, args.cli_calib, args.cli_out) + fixed + launch)
+  if code:
+    sys.exit(code)
   from safe_optax import distributed
-  distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+  # Joined already (a no-op); one process: nothing to join.
+  assert distributed.initialize(args.coordinator, args.num_processes,
+                                args.process_id) == (args.num_processes or 1)
+  _prune_with_the_library(args.out, pathlib.Path(args.params))
+
+
+def _prune_with_the_library(out, saved):
   import jax
+  import jax.numpy as jnp
+  from flax import serialization
   from safe_optax.llm import model, prune
   cfg = model.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
                           num_layers=1, num_heads=4, num_kv_heads=2)
-  params = model.init_params(cfg)
+  if jax.process_count() == 1:  # draws the parameters (compiling init's programs once, here)
+    params = model.init_params(cfg)
+    saved.write_bytes(serialization.msgpack_serialize(params))
+  else:  # the one process's parameters, as they were saved
+    params = jax.tree.map(jnp.asarray, serialization.msgpack_restore(saved.read_bytes()))
   calib = np.random.default_rng(0).integers(0, 32, (8, 8))
   results = {}
   for method in METHODS:
@@ -59,7 +95,7 @@ def _worker(argv):
         name = "/".join(str(getattr(k, "key", k)) for k in path)
         results[f"{method}/{i}/{name}"] = np.asarray(leaf)
       results[f"{method}/{i}/error"] = np.asarray(report["blocks"][i]["relative_error"])
-  np.savez(f"{args.out}.{jax.process_index()}.npz", **results)
+  np.savez(f"{out}.{jax.process_index()}.npz", **results)
 
 
 def _load(path):
@@ -67,12 +103,24 @@ def _load(path):
     return {k: f[k] for k in f.files}
 
 
-@pytest.fixture(scope="module")
-def layouts(tmp_path_factory):
+@pytest.fixture(name="launches", scope="module")
+def fixture_launches(tmp_path_factory):
+  """One launch of one process and one of two; each runs the command line (the one process
+  with ``--fixed-order``), then prunes with the library. Returns the folder."""
   tmp = tmp_path_factory.mktemp("llm_mp")
-  process_launcher.launch(__file__, 1, str(tmp / "one"), env=ONE_DEVICE, timeout=TIMEOUT)
-  process_launcher.launch(__file__, 2, str(tmp / "two"), env=ONE_DEVICE, timeout=TIMEOUT)
-  return (_load(tmp / "one.0.npz"), _load(tmp / "two.0.npz"), _load(tmp / "two.1.npz"))
+  model, calib = make_tiny(tmp)
+  for name, processes, fixed in (("one", 1, ["--cli-fixed-order"]), ("two", 2, [])):
+    process_launcher.launch(
+        __file__, processes, str(tmp / name), "--cli-model", str(model), "--cli-calib",
+        str(calib), "--cli-out", str(tmp / f"cli_{name}"), *fixed,
+        "--params", str(tmp / "params.msgpack"), env=ONE_DEVICE, timeout=TIMEOUT)
+  return tmp
+
+
+@pytest.fixture(scope="module")
+def layouts(launches):
+  return (_load(launches / "one.0.npz"), _load(launches / "two.0.npz"),
+          _load(launches / "two.1.npz"))
 
 
 @pytest.mark.slow
@@ -100,17 +148,10 @@ def test_pruning_did_prune(layouts):
 
 
 @pytest.mark.slow
-def test_cli_two_processes_write_one_export_like_one_process(tiny, tmp_path):
-  folder, text = tiny
-
-  def argv(out):
-    return ["cli", "prune", "--model", str(folder), "--method", "wanda", "--calib", str(text),
-            "--nsamples", "4", "--seqlen", "16", "--out", str(out), "--no-progress"]
-
-  process_launcher.launch(__file__, 1, *argv(tmp_path / "one"), "--fixed-order",
-                          env=ONE_DEVICE, timeout=TIMEOUT)
-  process_launcher.launch(__file__, 2, *argv(tmp_path / "two"), env=ONE_DEVICE, timeout=TIMEOUT)
-  one, two = tmp_path / "one", tmp_path / "two"
+def test_cli_two_processes_write_one_export_like_one_process(launches):
+  """``safe-optax-llm prune`` (Wanda, the tiny checkpoint): two processes write one export,
+  bit for bit the one process's ``--fixed-order`` export."""
+  one, two = launches / "cli_one", launches / "cli_two"
   from safetensors.numpy import load_file
   got, want = load_file(str(two / "model.safetensors")), load_file(str(one / "model.safetensors"))
   assert set(got) == set(want)

@@ -38,7 +38,7 @@ from safe_optax.llm import prune_config
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_llm_cli import _prune_argv, fixture_tiny  # noqa: E402,F401
-from test_llm_prune import CFG, _block_data, _Interrupt, _stop_after  # noqa: E402
+from test_llm_prune import CFG, _block_data, _block_fns, _Interrupt, _stop_after  # noqa: E402
 
 SAFE_KW = dict(learning_rate=3e-3, warmup_epochs=1, penalty=0.3, dual_every=3, rho=1e-3)
 
@@ -55,7 +55,7 @@ def _assert_lane_equals_lone(lane, lone, rtol=1e-4):
 def _lanes(method, seeds, n, seq=8):
   """One dense block, and per seed its own windows, dense targets and Wanda norms."""
   block_params = _block_data(seed=1)[0]
-  _, forward_with_stats = block.block_fns(CFG, with_hessian=False)
+  _, forward_with_stats = _block_fns(CFG)
   xs, ys, norms = [], [], []
   for seed in seeds:
     x = jax.random.normal(jax.random.PRNGKey(100 + seed), (n, seq, CFG.hidden_size))
@@ -116,33 +116,40 @@ def test_safe_blocks_property(lanes, n, batch, method, nm):
 @pytest.mark.slow
 def test_safe_blocks_compile_once(monkeypatch):
   """Two blocks' worth of packs with other data: the packed step is traced twice in all
-  (with and without a dual update), never again."""
+  (with and without a dual update), never again.
+
+  The pack's shapes and configs are ``test_safe_blocks_lanes_equal_lone_runs[safe-plus]``'s,
+  so the traces here lower to programs that XLA compiled there (JAX's compilation cache).
+  """
   calls = []
   real = block.safe_transform
   monkeypatch.setattr(block, "safe_transform", lambda *a, **k: calls.append(1) or real(*a, **k))
   block._compiled_step.cache_clear()
-  cfgs = [prune_config.PruneConfig("safe-plus", epochs=3, batch_size=2, seed=s, **SAFE_KW)
-          for s in (0, 1)]
-  for seeds in ((0, 1), (7, 8)):
-    block_params, xs, ys, norms = _lanes("safe-plus", seeds, n=4)
+  cfgs = [prune_config.PruneConfig("safe-plus", epochs=5, batch_size=5, seed=s, **SAFE_KW)
+          for s in (0, 1, 2)]
+  for seeds in ((4, 5, 6), (7, 8, 9)):
+    block_params, xs, ys, norms = _lanes("safe-plus", seeds, n=12)
     block.safe_blocks(CFG, block_params, np.stack(xs), np.stack(ys), cfgs, _stack(norms))
-  # Each pack builds one transform per lane for the optimizer's init (2 x 2); a trace of
+  # Each pack builds one transform per lane for the optimizer's init (2 x 3); a trace of
   # the step builds one more: 2 traces in all, where a recompiled step would add 2 a pack.
-  assert len(calls) == 2 * 2 + 2
+  assert len(calls) == 2 * 3 + 2
   block._compiled_step.cache_clear()
 
 
 @pytest.mark.slow
 def test_lone_runs_of_other_seeds_share_one_compiled_step(monkeypatch):
   """The seed orders minibatches on the host: lone ``safe_block`` runs at two seeds trace
-  the step twice in all (with and without a dual update), not twice per seed."""
+  the step twice in all (with and without a dual update), not twice per seed.
+
+  The lone runs of ``test_safe_blocks_lanes_equal_lone_runs[safe]``'s shapes and configs
+  (their programs come from JAX's compilation cache), at other seeds."""
   calls = []
   real = block.safe_transform
   monkeypatch.setattr(block, "safe_transform", lambda *a, **k: calls.append(1) or real(*a, **k))
   block._compiled_step.cache_clear()
-  block_params, xs, ys, _ = _lanes("safe", (0,), n=4)
+  block_params, xs, ys, _ = _lanes("safe", (0,), n=12)
   for seed in (3, 4):
-    cfg = prune_config.PruneConfig("safe", epochs=3, batch_size=2, seed=seed, **SAFE_KW)
+    cfg = prune_config.PruneConfig("safe", epochs=5, batch_size=5, seed=seed, **SAFE_KW)
     block.safe_block(CFG, block_params, xs[0], ys[0], cfg)
   assert len(calls) == 2 + 2  # one optimizer init a run, two traces in all
   block._compiled_step.cache_clear()

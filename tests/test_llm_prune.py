@@ -1,6 +1,7 @@
 """Block-wise pruning: Wanda rows, SparseGPT vs numpy OBS and least squares, SAFE, N:M, errors."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -150,12 +151,23 @@ def test_sparsegpt_exact_counts_and_dead_inputs(rows, cols, sparsity, dead_colum
     assert (out[:, 0] == 0).all()
 
 
+@functools.lru_cache(maxsize=None)
+def _block_fns(config):
+  """``block.block_fns(config, with_hessian=False)``, made once a config: each call of
+  ``block_fns`` makes new jitted functions, which trace and lower again."""
+  return block.block_fns(config, with_hessian=False)
+
+
+@functools.lru_cache(maxsize=None)
 def _block_data(seed=0, n=8, seq=8):
-  """A block, its inputs, dense outputs and the engine's activation statistics."""
+  """A block, its inputs, dense outputs and the engine's activation statistics.
+
+  Made once per arguments (the tests only read them; JAX arrays are immutable).
+  """
   # Weights of std 0.2 (not the init's 0.02), so the block is far from the identity.
   params = jax.tree.map(lambda a: a * 10 if a.ndim == 2 else a, model_lib.init_params(CFG, seed))
   x = jax.random.normal(jax.random.PRNGKey(seed + 7), (n, seq, CFG.hidden_size))
-  _, forward_with_stats = block.block_fns(CFG, with_hessian=False)
+  _, forward_with_stats = _block_fns(CFG)
   out, stats = forward_with_stats(params["layers_0"], x)
   return params["layers_0"], x, out, stats
 
@@ -180,15 +192,18 @@ def _rel_error(block_params, x, y):
   return float(jnp.sum(jnp.square(out - y)) / jnp.sum(jnp.square(y)))
 
 
+# A tiny block learns fast: a larger step than the paper's 2e-4 keeps the test short.
+BEATS_KW = dict(epochs=40, batch_size=4, learning_rate=3e-3, warmup_epochs=2, penalty=0.3,
+                dual_every=4, rho=1e-3)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method, baseline", [("safe", "magnitude"), ("safe-plus", "wanda")])
 def test_safe_block_beats_one_shot_baseline(method, baseline):
   """SAFE lowers the block reconstruction error below magnitude's (SAFE+: below Wanda's)."""
   block_params, x, y, stats = _block_data(seed=1)
   base, _ = prune.prune_block(CFG, block_params, x, y, stats, prune_config.PruneConfig(baseline))
-  # A tiny block learns fast: a larger step than the paper's 2e-4 keeps the test short.
-  cfg = prune_config.PruneConfig(method, epochs=40, batch_size=4, learning_rate=3e-3, warmup_epochs=2,
-                          penalty=0.3, dual_every=4, rho=1e-3)
+  cfg = prune_config.PruneConfig(method, **BEATS_KW)
   safe, info = prune.prune_block(CFG, block_params, x, y, stats, cfg)
   for group, linear in model_lib.LINEAR_INPUTS:
     kernel = np.asarray(safe[group][linear]["kernel"])
@@ -462,9 +477,11 @@ def test_safe_block_steps_refuse_implicit_transfers(monkeypatch, leak):
   A step handed a numpy minibatch, or numpy minibatch indices, raises instead
   of costing a host-to-device transfer every step. (Reading a loss back is
   refused too on an accelerator; on the CPU backend that read is no transfer.)
+  The block and config of ``test_safe_block_beats_one_shot_baseline[safe-magnitude]``,
+  whose compiled step this reuses (the first step raises).
   """
-  block_params, x, y, _ = _block_data(seed=3)
-  cfg = prune_config.PruneConfig("safe", epochs=2, batch_size=4, dual_every=2)
+  block_params, x, y, _ = _block_data(seed=1)
+  cfg = prune_config.PruneConfig("safe", **BEATS_KW)
   real = block.safe_step
 
   def leaky_step(*args):

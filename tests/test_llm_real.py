@@ -44,12 +44,36 @@ def _gguf() -> pathlib.Path:
   return pathlib.Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+@pytest.fixture(name="gguf_reads_once", scope="module")
+def fixture_gguf_reads_once():
+  """Each GGUF file is parsed once in this module.
+
+  ``checkpoints.load_gguf`` and ``checkpoints.load_tokenizer`` each open the file
+  through ``checkpoints._gguf_reader``; gguf's reader parses the metadata (49,152
+  tokens and their merges) in pure Python, about 6 s of CPU a parse. Memoised here
+  for this module, the weights, the tokenizer and the reference tokenizer's
+  vocabulary come from one parse of the file (the reader is read-only: a memory map
+  opened with mode 'r'), and every loader still runs on it in full.
+  """
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(checkpoints, "_gguf_reader",
+                  functools.lru_cache(maxsize=None)(checkpoints._gguf_reader))
+    yield checkpoints._gguf_reader
+
+
+@pytest.fixture(name="smollm2_tokenizer", scope="module")
+def fixture_smollm2_tokenizer(gguf_reads_once):
+  """``checkpoints.load_tokenizer`` of the GGUF, rebuilt once for the module's tests."""
+  del gguf_reads_once
+  return checkpoints.load_tokenizer(_gguf())
+
+
 @pytest.fixture(name="smollm2", scope="module")
-def fixture_smollm2():
-  """The GGUF's config, weights and tokenizer, loaded once for both tests (about 15 s)."""
-  path = _gguf()
-  config, params = checkpoints.load_gguf(path)
-  return config, params, checkpoints.load_tokenizer(path)
+def fixture_smollm2(gguf_reads_once, smollm2_tokenizer):
+  """The GGUF's config, weights and tokenizer, loaded once for the module's tests (about 15 s)."""
+  del gguf_reads_once
+  config, params = checkpoints.load_gguf(_gguf())
+  return config, params, smollm2_tokenizer
 
 
 def test_smollm2_wikitext2_perplexity(smollm2):
@@ -158,11 +182,16 @@ class _ReferenceBPE:
             for i in self.bpe("".join(self.chars[b] for b in piece.encode("utf-8")))]
 
 
-def test_gguf_tokenizer_matches_llama_cpp_pre_tokenizer_on_real_text(tmp_path):
+def test_gguf_tokenizer_matches_llama_cpp_pre_tokenizer_on_real_text(tmp_path, smollm2_tokenizer,
+                                                                    gguf_reads_once):
   """SmolLM2's GGUF ('smollm'), and the same vocabulary marked 'gpt2', encode the start of
-  WikiText-2 test and of Emma as the reference does, id for id."""
+  WikiText-2 test and of Emma as the reference does, id for id.
+
+  The 'smollm' tokenizer is the module's (``checkpoints.load_tokenizer`` of the GGUF,
+  fixture ``smollm2_tokenizer``); the reference reads the file's fields from the same
+  parse (``gguf_reads_once``)."""
   path = _gguf()
-  reader = gguf.GGUFReader(str(path))
+  reader = gguf_reads_once(path)
   assert reader.fields["tokenizer.ggml.pre"].contents() == "smollm"
   tokens = reader.fields["tokenizer.ggml.tokens"].contents()
   merges = reader.fields["tokenizer.ggml.merges"].contents()
@@ -186,9 +215,11 @@ def test_gguf_tokenizer_matches_llama_cpp_pre_tokenizer_on_real_text(tmp_path):
   apart = wikitext.index(" Support for the IRA increased further after Bloody Sunday")
   texts = [wikitext[:40_000] + wikitext[apart:apart + 20_000],
            data.read_text(require_data("austen/austen_emma.txt"))[:50_000]]
-  for pre, gguf_path in (("smollm", path), ("gpt2", gpt2_path)):
-    tokenizer = checkpoints.load_tokenizer(gguf_path)
-    for text in texts:
-      assert tokenizer.encode(text).ids == reference.encode(text, pre), (pre, text[:60])
+  tokenizers = {"smollm": smollm2_tokenizer, "gpt2": checkpoints.load_tokenizer(gpt2_path)}
+  want = {(pre, i): reference.encode(text, pre) for pre in tokenizers
+          for i, text in enumerate(texts)}
+  for pre, tokenizer in tokenizers.items():
+    for i, text in enumerate(texts):
+      assert tokenizer.encode(text).ids == want[pre, i], (pre, text[:60])
   # The two pre-tokenizers differ on this text, so the check tells them apart.
-  assert reference.encode(texts[0], "smollm") != reference.encode(texts[0], "gpt2")
+  assert want["smollm", 0] != want["gpt2", 0]
