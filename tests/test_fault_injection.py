@@ -266,12 +266,12 @@ def test_sigkill_the_vision_trainer_at_random_points(tmp_path, server):
 
 
 def _llm_fixture(tmp_path: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
-  from safe_optax.llm import checkpoints
+  from safe_optax.llm import export
   from safe_optax.llm import model as model_lib
   import test_llm_cli  # noqa: E402  (the byte-level tokenizer)
   cfg = model_lib.LlamaConfig(vocab_size=256, hidden_size=16, intermediate_size=32,
                               num_layers=4, num_heads=4, num_kv_heads=2)
-  folder = checkpoints.save_safetensors(tmp_path / "tiny", cfg, model_lib.init_params(cfg),
+  folder = export.save_safetensors(tmp_path / "tiny", cfg, model_lib.init_params(cfg),
                                         test_llm_cli._byte_tokenizer())  # pylint: disable=protected-access
   text = tmp_path / "calib.txt"
   text.write_text("the quick brown fox jumps over the lazy dog. " * 40)

@@ -10,6 +10,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from safe_optax.llm import checkpoints
+from safe_optax.llm import export
 from safe_optax.llm import model as model_lib
 
 CFG = model_lib.LlamaConfig(vocab_size=260, hidden_size=16, intermediate_size=24, num_layers=2,
@@ -46,7 +47,7 @@ def _writer_with_fields(reader, path):
 def test_safetensors_round_trip(tmp_path, tie):
   cfg = dataclasses.replace(CFG, tie_embeddings=tie)
   params = _params(cfg)
-  checkpoints.save_safetensors(tmp_path, cfg, params)
+  export.save_safetensors(tmp_path, cfg, params)
   raw = load_file(str(tmp_path / "model.safetensors"))
   # Hugging Face layout: (out, in) linear weights.
   assert raw["model.layers.1.self_attn.k_proj.weight"].shape == (8, 16)
@@ -60,7 +61,7 @@ def test_export_interleaved_as_hf_layout(tmp_path):
   """A GGUF-layout (interleaved) model exports to a half-layout folder with the same logits."""
   cfg = dataclasses.replace(CFG, rope_layout="interleaved")
   params = _params(cfg, seed=1)
-  checkpoints.save_safetensors(tmp_path, cfg, params)
+  export.save_safetensors(tmp_path, cfg, params)
   loaded_cfg, loaded = checkpoints.load_safetensors(tmp_path)
   assert loaded_cfg.rope_layout == "half"
   np.testing.assert_allclose(_logits(loaded_cfg, loaded), _logits(cfg, params), atol=1e-5)
@@ -130,7 +131,7 @@ def test_gguf_round_trip_and_tokenizer(tmp_path):
   assert tokens[ids[0]] == "hell" and tokens.index("<|end|>") == ids[-1]
   assert tokenizer.decode(ids, skip_special_tokens=False) == "hello hell<|end|>"
   # Exported to safetensors (Hugging Face layout) it is the same model.
-  checkpoints.save_safetensors(tmp_path / "hf", loaded_cfg, loaded, tokenizer)
+  export.save_safetensors(tmp_path / "hf", loaded_cfg, loaded, tokenizer)
   hf_cfg, hf = checkpoints.load_model(tmp_path / "hf")
   np.testing.assert_allclose(_logits(hf_cfg, hf), _logits(cfg, params), atol=1e-5)
   assert checkpoints.load_tokenizer(tmp_path / "hf").encode("hello").ids == ids[:2]
@@ -186,7 +187,7 @@ def test_gguf_source_metadata_becomes_hf_side_files(tmp_path):
   assert tokenizer_config["chat_template"].startswith("{% for m in messages %}")
   config, params = checkpoints.load_model(path)
   tokenizer = checkpoints.load_tokenizer(path)
-  out = checkpoints.save_safetensors(tmp_path / "hf", config, params, tokenizer,
+  out = export.save_safetensors(tmp_path / "hf", config, params, tokenizer,
                                      source_metadata=meta)
   written = json.loads((out / "config.json").read_text())
   assert written["max_position_embeddings"] == 64 and written["eos_token_id"] == end
@@ -238,7 +239,7 @@ def test_bad_paths_and_mismatched_config(tmp_path):
   with pytest.raises(FileNotFoundError, match="config.json"):
     checkpoints.load_safetensors(tmp_path)
   folder = tmp_path / "ckpt"
-  checkpoints.save_safetensors(folder, CFG, _params(CFG))
+  export.save_safetensors(folder, CFG, _params(CFG))
   raw = json.loads((folder / "config.json").read_text())
   (folder / "config.json").write_text(json.dumps(dict(raw, intermediate_size=32)))
   with pytest.raises(ValueError, match="kernel' has shape .* but the config implies"):
@@ -287,7 +288,7 @@ _ON_DISK = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 def test_export_keeps_the_requested_dtype_and_reloads(tmp_path, dtype, on_disk):
   import ml_dtypes
   params = _params(CFG)
-  folder = checkpoints.save_safetensors(tmp_path / dtype, CFG, params, dtype=dtype)
+  folder = export.save_safetensors(tmp_path / dtype, CFG, params, dtype=dtype)
   assert _safetensors_dtypes(folder / "model.safetensors") == {on_disk}
   assert json.loads((folder / "config.json").read_text())["torch_dtype"] == dtype
   assert checkpoints.source_dtype(folder) == dtype
@@ -300,7 +301,7 @@ def test_export_keeps_the_requested_dtype_and_reloads(tmp_path, dtype, on_disk):
   n = sum(np.asarray(a).size for a in jax.tree.leaves(params))
   assert abs(size - n * np.dtype(np_dtype).itemsize) < 4096  # the header is all that is extra
   with pytest.raises(ValueError, match="dtype must be one of"):
-    checkpoints.save_safetensors(tmp_path / "bad", CFG, params, dtype="int8")
+    export.save_safetensors(tmp_path / "bad", CFG, params, dtype="int8")
 
 
 @pytest.mark.slow
@@ -344,7 +345,7 @@ def test_prune_exports_in_the_source_dtype_with_sparsity_metadata(tmp_path, caps
   the source's config fields are carried; --export-dtype overrides the precision only."""
   from safe_optax.llm import cli
   params = _params(CFG)
-  folder = checkpoints.save_safetensors(tmp_path / dtype, CFG, params, dtype=dtype)
+  folder = export.save_safetensors(tmp_path / dtype, CFG, params, dtype=dtype)
   raw = json.loads((folder / "config.json").read_text())
   (folder / "config.json").write_text(json.dumps(dict(raw, max_position_embeddings=8192)))
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -412,7 +413,7 @@ def test_gguf_export_reads_in_transformers(tmp_path, tie, dtype):
   pruned, _ = safe_optax.project_topk(
       params, structure=safe_optax.NM(2, 4),
       prunable=lambda p, leaf: "layers_" in jax.tree_util.keystr(p) and leaf.ndim == 2)
-  folder = checkpoints.save_safetensors(
+  folder = export.save_safetensors(
       tmp_path / "hf", config, pruned, tokenizer, dtype=dtype,
       prune_config=PruneConfig("magnitude", nm=(2, 4)),
       source_metadata=checkpoints.source_metadata(path))

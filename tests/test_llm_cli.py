@@ -9,7 +9,9 @@ import pytest
 from safetensors.numpy import load_file
 
 from safe_optax.llm import checkpoints
+from safe_optax.llm import export
 from safe_optax.llm import cli
+from safe_optax.llm import pipeline
 from safe_optax.llm import model as model_lib
 from safe_optax.llm import prune as prune_lib
 
@@ -28,8 +30,8 @@ def make_tiny(folder):
   """A tiny generated checkpoint ``folder/tiny`` and a calibration text ``folder/calib.txt``."""
   cfg = model_lib.LlamaConfig(vocab_size=256, hidden_size=16, intermediate_size=32,
                               num_layers=2, num_heads=4, num_kv_heads=2)
-  checkpoint = checkpoints.save_safetensors(folder / "tiny", cfg, model_lib.init_params(cfg),
-                                            _byte_tokenizer())
+  checkpoint = export.save_safetensors(folder / "tiny", cfg, model_lib.init_params(cfg),
+                                       _byte_tokenizer())
   text = folder / "calib.txt"
   text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
   return checkpoint, text
@@ -103,7 +105,7 @@ def test_ppl_and_errors(tiny, tmp_path, capsys):
   # A tokenizer whose ids exceed the model's vocabulary is a mismatched checkpoint.
   small = model_lib.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
                                 num_layers=1, num_heads=4, num_kv_heads=2)
-  checkpoints.save_safetensors(tmp_path / "small", small, model_lib.init_params(small),
+  export.save_safetensors(tmp_path / "small", small, model_lib.init_params(small),
                                _byte_tokenizer())
   assert cli.main(["prune", "--model", str(tmp_path / "small"), "--method", "magnitude",
                    "--calib", str(text), "--nsamples", "2", "--seqlen", "8",
@@ -136,15 +138,15 @@ def test_prune_resumes_after_interruption(tiny, tmp_path, monkeypatch, capsys):
   assert cli.main(_prune_argv(folder, text, out, "--method", "safe-plus")) == 130
   assert capsys.readouterr().err == (
       f"safe-optax-llm prune: interrupted; the finished blocks are saved in "
-      f"{out / cli.STATE_DIR}; rerun the same command to resume\n")
+      f"{out / pipeline.STATE_DIR}; rerun the same command to resume\n")
   monkeypatch.setattr(prune_lib, "prune_model", original)
-  state = json.loads((out / cli.STATE_DIR / "state.json").read_text())
+  state = json.loads((out / pipeline.STATE_DIR / "state.json").read_text())
   assert [b["block"] for b in state["blocks"]] == [0]
   capsys.readouterr()
   assert cli.main(_prune_argv(folder, text, out, "--method", "safe", "--seed", "1")) == 2
   err = capsys.readouterr().err
   assert "--method: saved 'safe-plus', now 'safe'" in err and "--seed: saved 0, now 1" in err
-  assert (out / cli.STATE_DIR / "block_0.npz").exists()  # a refused rerun keeps the state
+  assert (out / pipeline.STATE_DIR / "block_0.npz").exists()  # a refused rerun keeps the state
   # Evaluation arguments do not change the pruned weights: allowed to differ.
   assert cli.main(_prune_argv(folder, text, out, "--method", "safe-plus", "--eval", str(text),
                               "--eval-protocol", "short", "--eval-seqlen", "32",
@@ -159,7 +161,7 @@ def test_prune_resumes_after_interruption(tiny, tmp_path, monkeypatch, capsys):
   assert got.keys() == want.keys()
   for name in want:
     np.testing.assert_array_equal(got[name], want[name], err_msg=name)
-  assert not (out / cli.STATE_DIR).exists()  # removed once the export is written
+  assert not (out / pipeline.STATE_DIR).exists()  # removed once the export is written
 
 
 @pytest.mark.slow
@@ -218,6 +220,6 @@ def test_bad_text_fails_before_model_load(tmp_path, capsys, which, problem):
 
 
 def test_versions_from_package_metadata():
-  found = cli.versions()
+  found = pipeline.versions()
   assert found["gguf"] == importlib.metadata.version("gguf") != "missing"
   assert found["numpy"] == np.__version__

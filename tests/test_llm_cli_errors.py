@@ -22,8 +22,10 @@ import numpy as np
 import pytest
 
 from safe_optax.llm import checkpoints
+from safe_optax.llm import export
 from safe_optax.llm import cli
 from safe_optax.llm import model as model_lib
+from safe_optax.llm import pipeline
 from safe_optax.llm import prune as prune_lib
 from safe_optax.llm import prune_state
 
@@ -127,7 +129,7 @@ def test_float16_export_of_weights_beyond_its_range_is_refused(tmp_path, monkeyp
   params = model_lib.init_params(cfg)
   params["layers_0"]["mlp"]["down_proj"]["kernel"] = (
       params["layers_0"]["mlp"]["down_proj"]["kernel"].at[3, 5].set(1e5))
-  folder = checkpoints.save_safetensors(tmp_path / "big", cfg, params, _byte_tokenizer(),
+  folder = export.save_safetensors(tmp_path / "big", cfg, params, _byte_tokenizer(),
                                         dtype="bfloat16")
   text = tmp_path / "calib.txt"
   text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
@@ -140,7 +142,7 @@ def test_float16_export_of_weights_beyond_its_range_is_refused(tmp_path, monkeyp
           "weights reach 9.98e+04") in err and "choose bfloat16 or float32" in err
   assert not (out / "model.safetensors").exists()
   with pytest.raises(ValueError, match="dtype float16 cannot hold"):
-    checkpoints.save_safetensors(tmp_path / "f16", cfg, params, dtype="float16")
+    export.save_safetensors(tmp_path / "f16", cfg, params, dtype="float16")
   assert not (tmp_path / "f16" / "model.safetensors").exists()
 
 
@@ -158,7 +160,7 @@ def test_ctrl_c_while_writing_a_block_prints_one_line_and_leaves_no_tmp_file(
   assert cli.main(_prune_argv(folder, text, out, "--method", "wanda")) == 130
   err = _one_line(capsys.readouterr().err)
   assert err == (f"safe-optax-llm prune: interrupted; the finished blocks are saved in "
-                 f"{out / cli.STATE_DIR}; rerun the same command to resume")
+                 f"{out / pipeline.STATE_DIR}; rerun the same command to resume")
   assert not [p for p in out.rglob("*") if ".tmp" in p.name]
-  assert sorted(p.name for p in (out / cli.STATE_DIR).iterdir()) == [
+  assert sorted(p.name for p in (out / pipeline.STATE_DIR).iterdir()) == [
       "block_0.npz", "state.json", "stream_1.npz"]

@@ -125,7 +125,7 @@ def test_ppl_logs_and_bars_and_no_progress(tiny, capsys, caplog):
   assert json.loads(captured.out)["windows"] == 2  # stdout is the JSON result alone
   messages = {(r.name, r.levelno): r.getMessage() for r in caplog.records}
   assert "loaded" in messages["safe_optax.llm.checkpoints", logging.INFO]
-  assert "perplexity" in messages["safe_optax.llm.cli", logging.INFO]
+  assert "perplexity" in messages["safe_optax.llm.pipeline", logging.INFO]
   caplog.clear()
   assert cli.main(_ppl_argv(folder, text, "--log-level", "warning")) == 0
   captured = capsys.readouterr()

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from safe_optax.llm import checkpoints
+from safe_optax.llm import export
 from safe_optax.llm import model as model_lib
 
 
@@ -127,12 +127,12 @@ def test_rope_layouts_are_a_permutation(seq, heads, dim, base):
   rope = jax.jit(model_lib.apply_rope, static_argnames=("layout",))
   half = np.asarray(rope(x, jnp.arange(seq), base, layout="half"))
   as_kernel = lambda a: a.reshape(-1, heads * dim)
-  to_inter = lambda a: checkpoints.half_to_interleaved(as_kernel(a), dim).reshape(a.shape)
+  to_inter = lambda a: export.half_to_interleaved(as_kernel(a), dim).reshape(a.shape)
   inter = np.asarray(rope(to_inter(x), jnp.arange(seq), base, layout="interleaved"))
   np.testing.assert_allclose(inter, to_inter(half), rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(half[0], np_rope(x[0].astype(np.float64), base, "half"),
                              rtol=1e-4, atol=1e-4)
-  back = checkpoints.interleaved_to_half(as_kernel(to_inter(x)), dim).reshape(x.shape)
+  back = export.interleaved_to_half(as_kernel(to_inter(x)), dim).reshape(x.shape)
   np.testing.assert_array_equal(back, x)
 
 

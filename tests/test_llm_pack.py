@@ -32,6 +32,7 @@ from safetensors.numpy import load_file
 
 from safe_optax.llm import block
 from safe_optax.llm import cli
+from safe_optax.llm import pipeline
 from safe_optax.llm import model as model_lib
 from safe_optax.llm import prune
 from safe_optax.llm import prune_config
@@ -280,7 +281,7 @@ def test_cli_several_seeds_write_what_one_seed_writes(tiny, tmp_path, capsys, ca
     got = load_file(str(packed_dir / "model.safetensors"))
     want = load_file(str(lone_dir / "model.safetensors"))
     _assert_lane_equals_lone(got, want, rtol=1e-2)
-    assert not (packed_dir / cli.STATE_DIR).exists()
+    assert not (packed_dir / pipeline.STATE_DIR).exists()
     # The one-seed command on the packed export: finished, nothing pruned (a log record).
     caplog.clear()
     with caplog.at_level("INFO", logger="safe_optax"):

@@ -8,9 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from safe_optax.llm import checkpoints
+from safe_optax.llm import export
 from safe_optax.llm import cli
 from safe_optax.llm import data
 from safe_optax.llm import model as model_lib
+from safe_optax.llm import pipeline
 from test_llm_cli import _byte_tokenizer
 
 CONTEXT = 48  # the tiny model's context: the standard window is min(48, 2048)
@@ -76,7 +78,7 @@ def test_protocol_window():
 def fixture_tiny(tmp_path):
   cfg = model_lib.LlamaConfig(vocab_size=256, hidden_size=16, intermediate_size=32,
                               num_layers=2, num_heads=4, num_kv_heads=2)
-  folder = checkpoints.save_safetensors(
+  folder = export.save_safetensors(
       tmp_path / "tiny", cfg, model_lib.init_params(cfg), _byte_tokenizer(),
       source_metadata={"config.json": {"max_position_embeddings": CONTEXT}})
   text = tmp_path / "rows.txt"
@@ -87,7 +89,7 @@ def fixture_tiny(tmp_path):
 @pytest.mark.slow
 def test_ppl_standard_is_default_and_recorded(tiny, tmp_path):
   cfg, folder, text = tiny
-  assert cli.model_context(str(folder)) == CONTEXT
+  assert pipeline.model_context(str(folder)) == CONTEXT
   out = tmp_path / "ppl.json"
   assert cli.main(["ppl", "--model", str(folder), "--text", str(text), "--json", str(out)]) == 0
   result = json.loads(out.read_text())

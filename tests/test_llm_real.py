@@ -21,7 +21,7 @@ import gguf
 import pytest
 
 from safe_optax.llm import checkpoints
-from safe_optax.llm import cli
+from safe_optax.llm import pipeline
 from safe_optax.llm import data
 
 from benchmarks.claims import llm_block0_seeds
@@ -82,7 +82,7 @@ def test_smollm2_wikitext2_perplexity(smollm2):
       30, 576, 9, 3)
   assert config.rope_base == 1e5 and config.tie_embeddings
   wikitext = require_data("wikitext-2-raw/wiki.test.raw")
-  result = cli.evaluate(config, params, tokenizer, str(wikitext), 512, 2048,
+  result = pipeline.evaluate(config, params, tokenizer, str(wikitext), 512, 2048,
                         protocol="short")
   assert result["tokens"] == 2048 and result["windows"] == 4
   assert 27.0 < result["perplexity"] < 33.0, result  # measured 30.23

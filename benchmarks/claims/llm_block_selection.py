@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from safe_optax.llm import checkpoints
-from safe_optax.llm import cli
+from safe_optax.llm import pipeline
 from safe_optax.llm import data
 from safe_optax.llm import model as model_lib
 from safe_optax.llm import block
@@ -182,7 +182,7 @@ def collect(args, path, record):
                       "windows": CALIB_WINDOWS, "seqlen": SEQLEN, "seed": CALIB_SEED},
       "held_out": {"split": f"last {1 - SPLIT:.0%} of tokens", "windows": HELDOUT_WINDOWS,
                    "seqlen": SEQLEN, "seed": HELDOUT_SEED},
-      "versions": cli.versions()})
+      "versions": pipeline.versions()})
   record.setdefault("commands", []).append(" ".join(["python"] + sys.argv))
   config, params = checkpoints.load_gguf(run_results.gguf_path())
   blocks = {}

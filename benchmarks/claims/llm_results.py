@@ -29,7 +29,7 @@ import numpy as np
 
 from safe_optax import data_paths
 from safe_optax.llm import checkpoints
-from safe_optax.llm import cli
+from safe_optax.llm import pipeline
 from safe_optax.llm import data
 from safe_optax.llm import prune
 from benchmarks import harness
@@ -109,7 +109,7 @@ def run_all(only=None, budget: str = "paper-step") -> None:
                                          BUDGET["seed"])
 
   def evaluate(p):
-    return {name: cli.evaluate(config, p, tokenizer, str(path), BUDGET["eval_seqlen"],
+    return {name: pipeline.evaluate(config, p, tokenizer, str(path), BUDGET["eval_seqlen"],
                                BUDGET["eval_tokens"], protocol="short")
             for name, path in EVALS.items()}
 
@@ -140,7 +140,7 @@ def _name(method, label, budget="paper-step"):
 def _dense(runs, config, params, model_path, evaluate):
   dense = {"name": "dense", "method": "dense", "structure": "-", "eval": evaluate(params),
            "command": f"safe-optax-llm ppl --model {model_path} --text TEXT --protocol short "
-                      f"--seqlen 512 --max-tokens 2048", "versions": cli.versions()}
+                      f"--seqlen 512 --max-tokens 2048", "versions": pipeline.versions()}
   harness.write_json(runs / "dense.json", dense, indent=2)
   print("dense", {k: v["perplexity"] for k, v in dense["eval"].items()}, flush=True)
 
@@ -171,7 +171,7 @@ def _run(runs, name, method, label, nm, config, params, calibration, model_path,
             "seconds_total": total, "load_average": load, **report,
             "block_sparsity": sparsity,
             "eval": evaluate(pruned), "command": command(method, nm, model_path, budget),
-            "versions": cli.versions()}
+            "versions": pipeline.versions()}
   harness.write_json(runs / f"{name}.json", result, indent=2)
   print(name, f"{total:.0f}s", {k: v["perplexity"] for k, v in result["eval"].items()},
         flush=True)

@@ -21,8 +21,7 @@ quantisation step, at half the size of float32. :func:`source_metadata`
 collects what the source says beyond the weights (context length, special
 tokens, chat template) for the export.
 
-Writing is :mod:`safe_optax.llm.export`; :func:`save_safetensors` and the
-RoPE permutations are re-exported here, where callers have always found them.
+Writing is :mod:`safe_optax.llm.export`.
 """
 
 from __future__ import annotations
@@ -39,14 +38,9 @@ import numpy as np
 
 from safe_optax import experiment
 from safe_optax.llm import model as model_lib
-# Re-exported: the writer and its tables live in export.py.
-from safe_optax.llm.export import EXPORT_DTYPES  # pylint: disable=unused-import
 from safe_optax.llm.export import HF_LINEARS as _HF_LINEARS
 from safe_optax.llm.export import HF_NORMS as _HF_NORMS
 from safe_optax.llm.export import SIDE_FILES
-from safe_optax.llm.export import half_to_interleaved  # pylint: disable=unused-import
-from safe_optax.llm.export import interleaved_to_half  # pylint: disable=unused-import
-from safe_optax.llm.export import save_safetensors  # pylint: disable=unused-import
 
 _GGUF_LINEARS = {
     "attn_q": ("self_attn", "q_proj"), "attn_k": ("self_attn", "k_proj"),

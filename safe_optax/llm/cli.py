@@ -54,16 +54,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
-import logging
 import pathlib
-import shutil
 import sys
-import time
 from typing import Any, Optional, Sequence
 
-import jax
 import numpy as np
 
 import safe_optax
@@ -73,11 +68,8 @@ from safe_optax.llm import checkpoints
 from safe_optax.llm import data
 from safe_optax.llm import export
 from safe_optax.llm import model as model_lib
-from safe_optax.llm import prune as prune_lib
+from safe_optax.llm import pipeline
 from safe_optax.llm import prune_config
-
-# Named, not __name__: under ``python -m safe_optax.llm.cli`` this module is ``__main__``.
-_LOG = logging.getLogger("safe_optax.llm.cli")
 
 DESCRIPTION = """\
 Prune a LLaMA-family checkpoint block by block (SAFE, SAFE+, magnitude, Wanda,
@@ -108,15 +100,6 @@ Perplexity of a checkpoint on a text. The standard protocol (SparseGPT's and
 Wanda's) scores the whole text in windows of min(context, 2048) tokens; the
 short one the first --max-tokens tokens in 512-token windows, for quick
 checks."""
-
-
-def versions() -> dict[str, Any]:
-  """Versions of the packages a result depends on, the device and the machine.
-
-  :func:`safe_optax.experiment.versions` with the LLM readers' packages
-  (``None`` for one that is not installed).
-  """
-  return experiment.versions("safetensors", "gguf", "tokenizers")
 
 
 def parse_nm(text: Optional[str]) -> Optional[tuple[int, int]]:
@@ -156,67 +139,6 @@ def _non_negative(text: str) -> float:
   return value
 
 
-@functools.lru_cache(maxsize=4)
-def _apply_fn(config: model_lib.LlamaConfig):
-  """One jitted forward per architecture, shared by every evaluation of a session."""
-  return jax.jit(model_lib.Llama(config).apply)
-
-
-def model_context(path: str) -> Optional[int]:
-  """The checkpoint's context length (``max_position_embeddings``), ``None`` if it says none."""
-  value = checkpoints.source_metadata(path).get("config.json", {}).get("max_position_embeddings")
-  return None if value is None else int(value)
-
-
-def evaluate(config: model_lib.LlamaConfig, params: Any, tokenizer: Any, text_path: str,
-             seqlen: Optional[int] = None, max_tokens: Optional[int] = None, *,
-             protocol: str = "standard", context: Optional[int] = None,
-             flags: tuple[str, str] = ("--seqlen", "--max-tokens"),
-             progress: bool = False) -> dict[str, Any]:
-  """Perplexity of the model on a text under an evaluation protocol (:data:`data.PROTOCOLS`).
-
-  ``"standard"``: the whole text, rows joined as SparseGPT and Wanda join
-  them, windows of ``min(context, 2048)`` tokens (or ``seqlen``).
-  ``"short"``: the first ``max_tokens`` (default 2,048) tokens of the text
-  as it is, in windows of ``seqlen`` (default 512). ``flags`` names the
-  options that set ``seqlen`` and ``max_tokens`` in error messages.
-  ``progress`` shows a bar of the windows scored on stderr.
-
-  Returns the protocol, the window length, the joined text's token count
-  (standard), the tokens and windows scored, the perplexity and the seconds.
-  """
-  window = data.protocol_window(protocol, context, seqlen)
-  text = data.read_text(text_path)
-  if protocol == "standard":
-    if max_tokens is not None:
-      raise ValueError(f"{flags[1]} applies only to the short protocol: the standard protocol "
-                       "scores the whole text.")
-    tokens = data.tokenize(tokenizer, data.join_rows(text))
-  else:
-    max_tokens = data.SHORT_TOKENS if max_tokens is None else max_tokens
-    # Tokenising only a prefix keeps a long text cheap; 8 characters per token is ample.
-    tokens = data.tokenize(tokenizer, text, max_chars=8 * max_tokens + 1000)
-  windows = data.eval_windows(tokens, window, max_tokens, flag=flags[0])
-  apply = _apply_fn(config)
-  logits_fn = lambda t: apply({"params": params}, t)
-  start = time.perf_counter()
-  ppl, nll = data.perplexity(logits_fn, windows, progress=progress)
-  _LOG.info("perplexity %.4g on %s (%s protocol, %d windows of %d tokens)", ppl, text_path,
-            protocol, windows.shape[0], window)
-  return {"text": str(text_path), "protocol": protocol, "window": window, "seqlen": window,
-          "context": context,
-          "text_tokens": int(len(tokens)) if protocol == "standard" else None,
-          "tokens": int(windows.size), "windows": int(windows.shape[0]), "perplexity": ppl,
-          "mean_nll": nll, "seconds": time.perf_counter() - start}
-
-
-# The arguments that decide the pruned weights: a resumed run must have the same.
-PRUNING_ARGS = ("model", "method", "sparsity", "nm", "grouping", "calib", "nsamples", "seqlen",
-                "epochs", "batch_size", "lr", "lr_scale", "warmup_epochs", "rho", "penalty",
-                "dual_every", "seed", "dtype")
-STATE_DIR = "prune_state"
-
-
 def _add_protocol_arguments(parser: argparse.ArgumentParser, protocol: str, seqlen: str,
                             tokens: str) -> None:
   """The perplexity protocol's three flags (``prune --eval-*`` and ``ppl`` name them apart)."""
@@ -233,18 +155,6 @@ def _add_protocol_arguments(parser: argparse.ArgumentParser, protocol: str, seql
                            "scores the whole text)")
 
 
-def _fixed_order(args: argparse.Namespace) -> bool:
-  # Several processes always sum in the fixed order; it changes the pruned weights' rounding.
-  return bool(args.fixed_order or (args.num_processes or 1) > 1)
-
-
-def _identity(args: argparse.Namespace) -> dict[str, Any]:
-  """The pruning arguments by flag, as JSON has them (a finished report stores its args)."""
-  identity = {"--" + k.replace("_", "-"): getattr(args, k) for k in PRUNING_ARGS}
-  identity["--fixed-order"] = _fixed_order(args)
-  return json.loads(json.dumps(identity))
-
-
 def _make_folder(path: pathlib.Path, flag: str) -> None:
   try:
     path.mkdir(parents=True, exist_ok=True)
@@ -253,173 +163,26 @@ def _make_folder(path: pathlib.Path, flag: str) -> None:
                      "give a folder path whose parents are folders you can write.") from err
 
 
-def _finished(args: argparse.Namespace, out: pathlib.Path) -> Optional[dict[str, Any]]:
-  """The report of a finished export in ``out`` made with these pruning arguments, or None.
-
-  Raises:
-    ValueError: ``out`` holds a finished export with other pruning arguments
-      (and no ``--restart``), or a ``report.json`` that does not parse.
-  """
-  report_file = out / "report.json"
-  if not report_file.exists():
-    return None
-  try:
-    saved = json.loads(report_file.read_text())
-    old = {"--" + k.replace("_", "-"): saved["args"].get(k) for k in PRUNING_ARGS}
-    old["--fixed-order"] = bool(saved.get("fixed_order", False))
-  except (ValueError, KeyError, TypeError, AttributeError) as err:
-    raise ValueError(f"--out '{out}' holds a report.json that does not parse ({err}); rerun "
-                     "with --restart to replace that export, or give another --out.") from err
-  new = _identity(args)
-  differing = [k for k in new if old[k] != new[k]]
-  if differing:
-    details = "; ".join(f"{k}: saved {old[k]!r}, now {new[k]!r}" for k in differing)
-    raise ValueError(f"--out '{out}' holds a finished export with other pruning arguments "
-                     f"({details}); give another --out, or --restart to replace it.")
-  return saved
-
-
-def _lane_args(args: argparse.Namespace, seed: int) -> argparse.Namespace:
-  """The arguments of one calibration seed's prune: ``--seed`` one value, ``--out`` filled in."""
-  return argparse.Namespace(**{**vars(args), "seed": seed,
-                               "out": str(args.out).replace("{seed}", str(seed))})
-
-
-def _start_lane(args: argparse.Namespace) -> Optional[dict[str, Any]]:
-  """``--restart`` and the finished check for one seed's ``--out``: its report, or None."""
-  out = pathlib.Path(args.out)
-  state_dir = out / STATE_DIR
-  # Several processes share OUT: process 0 alone removes, the others wait for it.
-  if args.restart and distributed.is_primary():
-    # The report goes first: a folder without it no longer claims a finished export.
-    if (out / "report.json").exists():
-      (out / "report.json").unlink()
-    if state_dir.exists():
-      shutil.rmtree(state_dir)
-  distributed.barrier("safe_optax_llm_restart")
-  finished = _finished(args, out)
-  if finished is not None:
-    # A run killed between its report and this removal.
-    if state_dir.exists() and distributed.is_primary():
-      shutil.rmtree(state_dir)
-    _LOG.info("'%s' already holds this export; nothing to prune (--restart prunes it again)",
-              out)
-    return finished
-  _make_folder(out, "--out")
-  return None
-
-
-def _prune_config(args: argparse.Namespace) -> prune_config.PruneConfig:
-  return prune_config.PruneConfig(
+def prune_run(args: argparse.Namespace) -> pipeline.PruneRun:
+  """The :class:`~safe_optax.llm.pipeline.PruneRun` that ``prune``'s arguments ask for."""
+  cfg = prune_config.PruneConfig(
       method=args.method, sparsity=args.sparsity, nm=args.nm, grouping=args.grouping,
-      epochs=args.epochs,
-      batch_size=args.batch_size, learning_rate=args.lr, warmup_epochs=args.warmup_epochs,
-      rho=args.rho, penalty=args.penalty, dual_every=args.dual_every, lr_scale=args.lr_scale,
-      seed=args.seed)
+      epochs=args.epochs, batch_size=args.batch_size, learning_rate=args.lr,
+      warmup_epochs=args.warmup_epochs, rho=args.rho, penalty=args.penalty,
+      dual_every=args.dual_every, lr_scale=args.lr_scale, seed=args.seed[0])
+  evaluation = pipeline.Evaluation(tuple(args.eval or ()), args.eval_protocol, args.eval_seqlen,
+                                   args.eval_tokens)
+  return pipeline.PruneRun(
+      model=args.model, calib=args.calib, out=args.out, prune=cfg, seeds=tuple(args.seed),
+      nsamples=args.nsamples, seqlen=args.seqlen, dtype=args.dtype,
+      export_dtype=args.export_dtype, evaluation=evaluation, fixed_order=args.fixed_order,
+      restart=args.restart, progress=not args.no_progress, command=args.command_line)
 
 
 def _prune(args: argparse.Namespace) -> dict[str, Any]:
-  # Cheap checks first: a bad text path or output folder should not cost a model load.
-  calib_text = data.read_text(args.calib)
-  for text in args.eval or []:
-    data.read_text(text)
-  lanes = [_lane_args(args, seed) for seed in args.seed]
-  for lane in lanes:
-    _prune_config(lane)  # a bad value fails here, before the model loads
-  finished = {lane.seed: _start_lane(lane) for lane in lanes}
-  pending = [lane for lane in lanes if finished[lane.seed] is None]
-  if not pending:
-    return _result(args, [finished[lane.seed] for lane in lanes])
-  export_dtype = args.export_dtype or checkpoints.source_dtype(args.model)
-  tokenizer = checkpoints.load_tokenizer(args.model)
-  calib_tokens = data.tokenize(tokenizer, calib_text)
-  if len(calib_tokens) <= args.seqlen:
-    raise ValueError(f"--calib '{args.calib}' has {len(calib_tokens)} tokens, too few for "
-                     f"--seqlen {args.seqlen}; give a longer text or a smaller --seqlen.")
-  calibrations = [data.calibration_windows(calib_tokens, args.nsamples, args.seqlen, lane.seed)
-                  for lane in pending]
-  _LOG.info("calibration: %d windows of %d tokens from %s (%d tokens) for seed %s",
-            args.nsamples, args.seqlen, args.calib, len(calib_tokens),
-            ", ".join(str(lane.seed) for lane in pending))
-  progress = not args.no_progress
-  config, params = checkpoints.load_model(args.model, progress=progress)
-  if args.dtype:
-    config = dataclasses.replace(config, dtype=args.dtype)
-  # Pruning only zeroes or refits weights of the same scale: a dense weight out of the
-  # export's range fails now rather than after hours of pruning (the export checks again).
-  export.check_range(export.hf_tensors(config, params)[0], export_dtype, "--export-dtype")
-  start = time.perf_counter()
-  state_dirs = [pathlib.Path(lane.out) / STATE_DIR for lane in pending]
-  if len(pending) == 1:
-    pruned = [prune_lib.prune_model(
-        config, params, calibrations[0], _prune_config(pending[0]), progress=progress,
-        state_dir=state_dirs[0], identity=_identity(pending[0]),
-        fixed_order=True if args.fixed_order else None)]
-  else:
-    pruned = prune_lib.prune_models(
-        config, params, calibrations, [_prune_config(lane) for lane in pending],
-        progress=progress, state_dirs=state_dirs,
-        identities=[_identity(lane) for lane in pending])
-  total = time.perf_counter() - start
-  _LOG.info("pruning took %.1f s", total)
-  # Every process holds the same pruned model; process 0 alone writes and evaluates.
-  distributed.barrier("safe_optax_llm_pruned")
-  if not distributed.is_primary():
-    return {"process": jax.process_index(), "seconds_total": total}
-  context = model_context(args.model)
-  for lane, (lane_params, prune_report) in zip(pending, pruned):
-    finished[lane.seed] = _write_lane(lane, config, lane_params, prune_report, tokenizer,
-                                      export_dtype, context, total,
-                                      [p.seed for p in pending] if len(pending) > 1 else None)
-  return _result(args, [finished[lane.seed] for lane in lanes])
-
-
-def _write_lane(args: argparse.Namespace, config: model_lib.LlamaConfig, pruned: Any,
-                prune_report: dict[str, Any], tokenizer: Any, export_dtype: str,
-                context: Optional[int], total: float,
-                pack: Optional[list[int]]) -> dict[str, Any]:
-  """One seed's export, perplexities and ``report.json`` (last), then its state is removed."""
-  out = pathlib.Path(args.out)
-  cfg = _prune_config(args)
-  # Only the blocks' matrices are pruned; the embedding (and untied head) stay dense.
-  sparsity = safe_optax.sparsity_report(
-      pruned,
-      prunable=lambda path, leaf: "layers_" in jax.tree_util.keystr(path) and leaf.ndim == 2)
-  checkpoints.save_safetensors(
-      out, config, pruned, tokenizer, dtype=export_dtype, prune_config=cfg,
-      source_metadata=checkpoints.source_metadata(args.model))
-  report = {
-      "command": args.command_line,
-      "args": {k: v for k, v in vars(args).items() if k not in ("func", "command_line")},
-      "prune_config": dataclasses.asdict(cfg),
-      "calibration": {"text": str(args.calib), "nsamples": args.nsamples,
-                      "seqlen": args.seqlen, "seed": args.seed},
-      "processes": jax.process_count(),
-      "fixed_order": _fixed_order(args),
-      # The seeds pruned in one walk with this one (None: alone); their SAFE steps
-      # ran as one program on one device (safe_optax.llm.prune.prune_models).
-      "pack_seeds": pack,
-      # Wall time of this process (of the whole pack) only; a resumed run's earlier
-      # blocks are in "blocks".
-      "seconds_total": total, "export_dtype": export_dtype, **prune_report,
-      "sparsity": {"prunable": sparsity.sparsity, "overall": sparsity.overall_sparsity},
-      "eval": [evaluate(config, pruned, tokenizer, text, args.eval_seqlen, args.eval_tokens,
-                        protocol=args.eval_protocol, context=context,
-                        flags=("--eval-seqlen", "--eval-tokens"), progress=not args.no_progress)
-               for text in args.eval or []],
-      "versions": versions(),
-  }
-  with experiment.atomic_write(out / "report.json") as tmp:
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-  # The export and report now hold everything the state was kept for.
-  shutil.rmtree(out / STATE_DIR)
-  _LOG.info("wrote %s (model.safetensors, sparsity.json, report.json)", out)
-  return report
-
-
-def _result(args: argparse.Namespace, reports: list[dict[str, Any]]) -> dict[str, Any]:
   """One seed: its report; several: ``{"seeds": [...], "reports": [...]}``."""
-  if len(args.seed) == 1:
+  reports = pipeline.prune_and_export(prune_run(args))
+  if len(reports) == 1:
     return reports[0]
   return {"seeds": list(args.seed), "reports": [_summary(r) for r in reports]}
 
@@ -438,10 +201,10 @@ def _ppl(args: argparse.Namespace) -> dict[str, Any]:
   if args.dtype:
     config = dataclasses.replace(config, dtype=args.dtype)
   tokenizer = checkpoints.load_tokenizer(args.model)
-  result = evaluate(config, params, tokenizer, args.text, args.seqlen, args.max_tokens,
-                    protocol=args.protocol, context=model_context(args.model),
-                    progress=progress)
-  result.update(model=str(args.model), dtype=config.dtype, versions=versions())
+  result = pipeline.evaluate(config, params, tokenizer, args.text, args.seqlen, args.max_tokens,
+                             protocol=args.protocol, context=pipeline.model_context(args.model),
+                             progress=progress)
+  result.update(model=str(args.model), dtype=config.dtype, versions=pipeline.versions())
   if args.json:
     with experiment.atomic_write(args.json) as tmp:
       tmp.write_text(json.dumps(result, indent=2) + "\n")
@@ -518,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "as one program, and need '{seed}' in --out (default: 0)")
   p.add_argument("--dtype", choices=tuple(model_lib.DTYPES), default=None,
                  help="computation dtype while pruning and evaluating (default: float32)")
-  p.add_argument("--export-dtype", choices=tuple(checkpoints.EXPORT_DTYPES), default=None,
+  p.add_argument("--export-dtype", choices=tuple(export.EXPORT_DTYPES), default=None,
                  help="precision of the written safetensors (default: the source's; a "
                       "quantised GGUF counts as float16)")
   p.add_argument("--eval", action="append", metavar="TEXT",
@@ -528,9 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="sum over calibration windows in the fixed order a multi-process run uses, "
                       "so one process gives its bits (default: off; on with several processes)")
   p.add_argument("--restart", action="store_true",
-                 help=f"discard the saved state of an interrupted run in OUT/{STATE_DIR} and "
-                      "a finished export in OUT (default: off: a rerun continues, and refuses "
-                      "other pruning arguments)")
+                 help="discard the saved state of an interrupted run in "
+                      f"OUT/{pipeline.STATE_DIR} and a finished export in OUT (default: off: "
+                      "a rerun continues, and refuses other pruning arguments)")
   _add_output_options(p)
   distributed.add_launch_arguments(p)
   p.set_defaults(func=_prune)
@@ -626,8 +389,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"safe-optax-llm {args.command}: error: {err}", file=sys.stderr)
     return 2
   except KeyboardInterrupt:
-    states = [] if args.command != "prune" else [
-        pathlib.Path(_lane_args(args, seed).out) / STATE_DIR for seed in args.seed]
+    states = [] if args.command != "prune" else prune_run(args).state_dirs()
     states = [str(state) for state in states if (state / "state.json").exists()]
     saved = (f"the finished blocks are saved in {', '.join(states)}; rerun the same command to "
              "resume" if states else "nothing was saved")
