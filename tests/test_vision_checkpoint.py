@@ -9,8 +9,8 @@
   safetensors, read with ``safetensors.numpy.load_file``, equal the deployed
   model; the masks are its nonzeros and their sparsity is the requested one.
 * A run in a relative workdir resumes from another current directory.
-* A checkpoint of the earlier format (the state's leaves as one unnamed list)
-  is still read: a run resumes from it to the uninterrupted result.
+* A checkpoint of the unreleased formats before 0.1.0 (the state's leaves as
+  one unnamed list; a layout naming another version) is refused naming ``--restart``.
 * A damaged checkpoint (a changed byte in a data file, a truncated data file,
   garbage in ``_METADATA`` or the layout) is refused at restore with one line
   naming it and ``--restart``; the trainer does not resume from it, and
@@ -290,28 +290,33 @@ def test_a_relative_workdir_resumes_from_another_current_directory(whole_mlp_run
 
 
 def _save_format_1(directory, step: int, state) -> None:
-  """What the earlier Checkpointer.save wrote: the state's leaves as one unnamed item."""
+  """What the Checkpointer of the development versions before 0.1.0 wrote: the state's leaves
+  as one unnamed item."""
   options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
   with ocp.CheckpointManager(directory, options=options) as manager:
     manager.save(step, args=ocp.args.StandardSave(jax.tree.leaves(state)))
 
 
-@pytest.mark.slow
-def test_a_run_resumes_from_a_checkpoint_of_the_earlier_format(whole_mlp_run, tmp_path):
-  config, data = test_train.tiny_config(**MLP_CONFIG), test_train.tiny_dataset()
-  stopped = train.train_and_evaluate(config, tmp_path, data_dir=None, dataset=data,
-                                     stop_after_epoch=1)
-  checkpoints = tmp_path / "checkpoints"
-  ckpt = checkpoint_lib.Checkpointer(checkpoints)
-  ckpt._manager.delete(7)  # pylint: disable=protected-access
-  ckpt.close()
-  _save_format_1(checkpoints, 7, stopped.state)
-  assert (checkpoints / "7" / "default").is_dir()
-  resumed = train.train_and_evaluate(config, tmp_path, data_dir=None, dataset=data)
-  _assert_same(resumed.state, whole_mlp_run.state)
-  # The run went on in the current format, next to the old step.
-  assert sorted(os.listdir(checkpoints)) == ["14", "7"]
-  assert (checkpoints / "14" / "layout").is_dir()
+def test_a_checkpoint_of_an_unreleased_format_is_refused_naming_restart(tmp_path):
+  state = {"params": {"w": jnp.arange(4.0)}, "step": jnp.int32(7)}
+  _save_format_1(tmp_path / "old", 7, state)
+  with pytest.raises(checkpoint_lib.CorruptCheckpoint,
+                     match=r"no 'layout' item: not a checkpoint of .* version 3.*--restart"):
+    checkpoint_lib.Checkpointer(tmp_path / "old").restore(7, state)
+
+
+def test_a_checkpoint_whose_layout_names_another_version_is_refused(tmp_path):
+  state = {"params": {"w": jnp.arange(4.0)}, "step": jnp.int32(7)}
+  ckpt = checkpoint_lib.Checkpointer(tmp_path)
+  ckpt.save(7, state)
+  metadata = tmp_path / "7" / checkpoint_lib.LAYOUT_ITEM / "metadata"
+  layout = json.loads(metadata.read_text())
+  metadata.write_text(json.dumps({**layout, "version": 2}))
+  with pytest.raises(checkpoint_lib.CorruptCheckpoint, match="version 2, not .* version 3"):
+    checkpoint_lib.Checkpointer(tmp_path).restore(7, state)
+  metadata.write_text(json.dumps(layout))
+  restored = checkpoint_lib.Checkpointer(tmp_path).restore(7, state)
+  np.testing.assert_array_equal(restored["params"]["w"], np.arange(4.0))
 
 
 class _TwiceX:

@@ -80,7 +80,7 @@ def _window_grad(config: model_lib.LlamaConfig):
   return jax.jit(jax.value_and_grad(loss_fn))
 
 
-def safe_block(
+def safe_block_fixed_order(
     config: model_lib.LlamaConfig,
     block_params: dict[str, Any],
     inputs: np.ndarray,

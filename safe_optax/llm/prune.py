@@ -121,7 +121,7 @@ def prune_block(
 
   ``mesh`` splits SAFE's minibatches over its devices (:func:`calibration_mesh`);
   ``fixed_order`` splits them over the processes instead, summing in a fixed
-  order (:func:`safe_optax.llm.fixed_order.safe_block`). ``progress`` shows a
+  order (:func:`safe_optax.llm.fixed_order.safe_block_fixed_order`). ``progress`` shows a
   bar of SAFE's steps.
   """
   linears, norms = split_block(block_params)
@@ -139,7 +139,7 @@ def prune_block(
         num_rows, sparsity=cfg.sparsity, nm=cfg.nm, blocksize=cfg.blocksize,
         percdamp=cfg.percdamp).T)
   elif fixed_order:
-    pruned, info = fixed_order_lib.safe_block(
+    pruned, info = fixed_order_lib.safe_block_fixed_order(
         config, block_params, inputs, targets, cfg,
         input_norms if cfg.method == "safe-plus" else None, progress=progress)
   else:

@@ -30,8 +30,8 @@ that Orbax cannot read (a truncated data file, garbage metadata), with
 
 :meth:`Checkpointer.restore` reads the items back into a freshly built state
 of the same configuration, every array with that state's sharding. A
-checkpoint of the earlier format (the state's leaves as one unnamed list, an
-Orbax ``default`` item) is still read.
+folder that is not a checkpoint of this format (no ``layout`` item, or
+another format or version in it) is refused with :class:`CorruptCheckpoint`.
 
 A save is never left half-written by Ctrl-C: SIGINT is held back while orbax
 writes and commits (the ``KeyboardInterrupt`` comes right after), and a save
@@ -61,14 +61,13 @@ import safe_optax
 _TMP_GLOB = "*.orbax-checkpoint-tmp*"
 FORMAT = "safe_optax.vision.checkpoint"
 FORMAT_VERSION = 3
-"""Version 1 was the state's leaves as one unnamed list, version 2 had no checksums (both read)."""
+"""The layout above; versions 1 and 2 (before safe_optax 0.1.0) are not read."""
 LAYOUT_ITEM = "layout"
 """The JSON item naming the format and every other item's kind."""
 COLLECTIONS_FIELD = "model_state"
 """The state field whose Flax collections are items of their own (``batch_stats``)."""
 _RENAMED = {"metrics": "epoch_metrics"}
 """Fields stored under another item name (Orbax's manager keeps ``metrics`` for itself)."""
-_LEGACY_ITEM = "default"  # orbax's folder for the single unnamed item of format 1
 
 # An item's kind: how it is written and read.
 _PYTREE, _JSON = "pytree", "json"
@@ -376,8 +375,9 @@ class Checkpointer:
         Orbax cannot read the checkpoint.
     """
     folder = self._directory / str(step)
-    if (folder / _LEGACY_ITEM).is_dir():
-      return self._restore_format_1(step, like)
+    if not (folder / LAYOUT_ITEM).is_dir():
+      raise CorruptCheckpoint(folder, f"no '{LAYOUT_ITEM}' item: not a checkpoint of "
+                              f"{FORMAT} version {FORMAT_VERSION}")
     items = _items(like)
     try:
       restored = self._manager.restore(step, args=ocp.args.Composite(
@@ -387,12 +387,14 @@ class Checkpointer:
       values = {name: _from_restored(restored[name], tree) for name, tree in items.items()}
     except Exception as err:  # TensorStore, JSON and Orbax errors alike: the files are bad
       raise CorruptCheckpoint(folder, _problem(err)) from err
-    if "sha256" in layout:  # format 2 had none
-      for name, value in values.items():
-        if _kind(value) == _JSON:  # as saved, before the cast to the state's dtype
-          value = np.asarray(restored[name], layout["dtypes"][name])
-        if digest(value) != layout["sha256"].get(name):
-          raise CorruptCheckpoint(folder, f"item '{name}' does not match its SHA-256")
+    if (layout.get("format"), layout.get("version")) != (FORMAT, FORMAT_VERSION):
+      raise CorruptCheckpoint(folder, f"its layout says {layout.get('format')!r} version "
+                              f"{layout.get('version')!r}, not {FORMAT} version {FORMAT_VERSION}")
+    for name, value in values.items():
+      if _kind(value) == _JSON:  # as saved, before the cast to the state's dtype
+        value = np.asarray(restored[name], layout["dtypes"][name])
+      if digest(value) != layout["sha256"].get(name):
+        raise CorruptCheckpoint(folder, f"item '{name}' does not match its SHA-256")
     fields = {}
     for name, value in _fields(like).items():
       if name == COLLECTIONS_FIELD:
@@ -401,14 +403,6 @@ class Checkpointer:
         # A field without leaves (nothing saved) stays as built.
         fields[name] = values.get(_RENAMED.get(name, name), value)
     return type(like)(**fields) if hasattr(like, "_asdict") else type(like)(fields)
-
-  def _restore_format_1(self, step: int, like: Any) -> Any:
-    """A checkpoint of format 1: ``like``'s leaves as one list, Orbax's unnamed item."""
-    leaves, treedef = jax.tree.flatten(like)
-    with ocp.StandardCheckpointer() as checkpointer:
-      restored = checkpointer.restore(self._directory / str(step) / _LEGACY_ITEM,
-                                      [_abstract(x) for x in leaves])
-    return jax.tree.unflatten(treedef, list(restored))
 
   def close(self) -> None:
     self._manager.close()
