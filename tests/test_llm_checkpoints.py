@@ -274,6 +274,23 @@ def test_truncated_gguf_names_the_file_and_says_truncated(tmp_path, keep):
     assert str(path) in str(err.value), load
 
 
+def test_a_gguf_is_parsed_once_per_version_of_the_file(tmp_path):
+  """The loaders of one file share one parse; a file rewritten in place is parsed again."""
+  tokens, merges = _byte_vocab()
+  cfg = dataclasses.replace(CFG, vocab_size=len(tokens), rope_layout="interleaved")
+  path = tmp_path / "tiny.gguf"
+  _write_gguf(path, cfg, _params(cfg), tokens, merges)
+  reader = checkpoints.gguf_reader(path)
+  assert checkpoints.gguf_reader(tmp_path / "." / "tiny.gguf") is reader  # one file, one parse
+  checkpoints.load_tokenizer(path)
+  checkpoints.source_dtype(path)
+  assert checkpoints.gguf_reader(path) is reader
+  wider = dataclasses.replace(cfg, num_layers=cfg.num_layers + 1)
+  _write_gguf(path, wider, _params(wider), tokens, merges)
+  assert checkpoints.gguf_reader(path) is not reader
+  assert checkpoints.load_model(path)[0].num_layers == wider.num_layers
+
+
 def _safetensors_dtypes(file):
   """The dtype names in a safetensors header (what is on disk, not what numpy makes of it)."""
   with open(file, "rb") as f:

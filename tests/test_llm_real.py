@@ -44,34 +44,16 @@ def _gguf() -> pathlib.Path:
   return pathlib.Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-@pytest.fixture(name="gguf_reads_once", scope="module")
-def fixture_gguf_reads_once():
-  """Each GGUF file is parsed once in this module.
-
-  ``checkpoints.load_gguf`` and ``checkpoints.load_tokenizer`` each open the file
-  through ``checkpoints._gguf_reader``; gguf's reader parses the metadata (49,152
-  tokens and their merges) in pure Python, about 6 s of CPU a parse. Memoised here
-  for this module, the weights, the tokenizer and the reference tokenizer's
-  vocabulary come from one parse of the file (the reader is read-only: a memory map
-  opened with mode 'r'), and every loader still runs on it in full.
-  """
-  with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(checkpoints, "_gguf_reader",
-                  functools.lru_cache(maxsize=None)(checkpoints._gguf_reader))
-    yield checkpoints._gguf_reader
-
-
 @pytest.fixture(name="smollm2_tokenizer", scope="module")
-def fixture_smollm2_tokenizer(gguf_reads_once):
-  """``checkpoints.load_tokenizer`` of the GGUF, rebuilt once for the module's tests."""
-  del gguf_reads_once
+def fixture_smollm2_tokenizer():
+  """``checkpoints.load_tokenizer`` of the GGUF, rebuilt once for the module's tests (the file
+  is parsed once: ``checkpoints.gguf_reader``)."""
   return checkpoints.load_tokenizer(_gguf())
 
 
 @pytest.fixture(name="smollm2", scope="module")
-def fixture_smollm2(gguf_reads_once, smollm2_tokenizer):
+def fixture_smollm2(smollm2_tokenizer):
   """The GGUF's config, weights and tokenizer, loaded once for the module's tests (about 15 s)."""
-  del gguf_reads_once
   config, params = checkpoints.load_gguf(_gguf())
   return config, params, smollm2_tokenizer
 
@@ -83,7 +65,7 @@ def test_smollm2_wikitext2_perplexity(smollm2):
   assert config.rope_base == 1e5 and config.tie_embeddings
   wikitext = require_data("wikitext-2-raw/wiki.test.raw")
   result = pipeline.evaluate(config, params, tokenizer, str(wikitext), 512, 2048,
-                        protocol="short")
+                             protocol="short")
   assert result["tokens"] == 2048 and result["windows"] == 4
   assert 27.0 < result["perplexity"] < 33.0, result  # measured 30.23
 
@@ -182,16 +164,15 @@ class _ReferenceBPE:
             for i in self.bpe("".join(self.chars[b] for b in piece.encode("utf-8")))]
 
 
-def test_gguf_tokenizer_matches_llama_cpp_pre_tokenizer_on_real_text(tmp_path, smollm2_tokenizer,
-                                                                    gguf_reads_once):
+def test_gguf_tokenizer_matches_llama_cpp_pre_tokenizer_on_real_text(tmp_path, smollm2_tokenizer):
   """SmolLM2's GGUF ('smollm'), and the same vocabulary marked 'gpt2', encode the start of
   WikiText-2 test and of Emma as the reference does, id for id.
 
   The 'smollm' tokenizer is the module's (``checkpoints.load_tokenizer`` of the GGUF,
   fixture ``smollm2_tokenizer``); the reference reads the file's fields from the same
-  parse (``gguf_reads_once``)."""
+  parse (``checkpoints.gguf_reader``)."""
   path = _gguf()
-  reader = gguf_reads_once(path)
+  reader = checkpoints.gguf_reader(path)
   assert reader.fields["tokenizer.ggml.pre"].contents() == "smollm"
   tokens = reader.fields["tokenizer.ggml.tokens"].contents()
   merges = reader.fields["tokenizer.ggml.merges"].contents()

@@ -26,6 +26,7 @@ Writing is :mod:`safe_optax.llm.export`.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -196,11 +197,28 @@ def _place_hf_tensor(params: dict[str, Any], config: model_lib.LlamaConfig, name
     unknown.append(name)
 
 
-def _gguf_reader(path: pathlib.Path) -> Any:
-  """``gguf.GGUFReader`` of ``path``; a cut or damaged file is named, not a reshape error."""
+def gguf_reader(path: os.PathLike) -> Any:
+  """The ``gguf.GGUFReader`` of ``path``, parsed once per version of the file.
+
+  gguf parses a file's metadata (a tokenizer's vocabulary and merges) in pure
+  Python, seconds for a small model; the loaders of one file (:func:`load_model`,
+  :func:`load_tokenizer`, :func:`source_dtype`, :func:`source_metadata`) share
+  one parse, kept for the two most recent files and redone when a file's size
+  or modification time changes. The reader is read-only (a memory map opened
+  with mode ``'r'``). A cut or damaged file raises ``ValueError`` naming it.
+  """
+  resolved = pathlib.Path(path).resolve()
+  stat = resolved.stat()
+  return _parsed_gguf(str(resolved), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _parsed_gguf(path: str, size: int, mtime_ns: int) -> Any:
+  """:func:`gguf_reader`'s parse, keyed on the file's version."""
+  del size, mtime_ns
   import gguf  # pylint: disable=import-outside-toplevel
   try:
-    return gguf.GGUFReader(str(path))
+    return gguf.GGUFReader(path)
   except (ValueError, IndexError, EOFError) as err:
     raise ValueError(f"'{path}' is truncated or corrupt, or not a GGUF file (gguf says: {err}); "
                      "download it again.") from err
@@ -238,7 +256,7 @@ def source_dtype(path: os.PathLike) -> str:
   kinds = gguf.GGMLQuantizationType
   named = {kinds.F32: "float32", kinds.F64: "float32", kinds.BF16: "bfloat16",
            kinds.F16: "float16"}
-  for tensor in _gguf_reader(path).tensors:
+  for tensor in gguf_reader(path).tensors:
     if len(tensor.shape) == 2:
       found.add(named.get(tensor.tensor_type, "float16"))
   return _widest(found) if found else "float32"
@@ -306,7 +324,7 @@ def source_metadata(path: os.PathLike) -> dict[str, dict[str, Any]]:
         out[name] = json.loads((path / name).read_text())
     return out
   if path.is_file() and path.suffix == ".gguf":
-    return _gguf_metadata(_gguf_reader(path))
+    return _gguf_metadata(gguf_reader(path))
   raise _missing(path, "model (a safetensors folder or a .gguf file)")
 
 
@@ -329,7 +347,7 @@ def load_gguf(path: os.PathLike, *,
   path = pathlib.Path(path)
   if not path.is_file():
     raise _missing(path, "GGUF file")
-  reader = _gguf_reader(path)
+  reader = gguf_reader(path)
   arch = _gguf_field(reader, "general.architecture")
   if arch != "llama":
     raise ValueError(f"'{path}': general.architecture is {arch!r}; only 'llama' is supported.")
@@ -433,7 +451,7 @@ def tokenizer_from_gguf(path: os.PathLike) -> Any:
   """
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # pylint: disable=import-outside-toplevel
 
-  reader = _gguf_reader(pathlib.Path(path))
+  reader = gguf_reader(pathlib.Path(path))
   kind = _gguf_field(reader, "tokenizer.ggml.model")
   if kind != "gpt2":
     raise ValueError(f"'{path}': tokenizer.ggml.model is {kind!r}; only byte-level BPE "
