@@ -191,7 +191,7 @@ def test_benchmarks_import_no_private_name_of_safe_optax():
 # Files still over the 450-line bound, each with its size today as its ceiling: shrink them,
 # never grow them; remove an entry once the file is within the bound.
 MODULE_LINES = 450
-MODULE_LINES_LEFT = {"safe_optax/llm/checkpoints.py": 478, "safe_optax/methods.py": 493,
+MODULE_LINES_LEFT = {"safe_optax/llm/checkpoints.py": 475, "safe_optax/methods.py": 493,
                      "safe_optax/vision/cli.py": 575}
 
 

@@ -198,35 +198,20 @@ def _place_hf_tensor(params: dict[str, Any], config: model_lib.LlamaConfig, name
 
 
 def gguf_reader(path: os.PathLike) -> Any:
-  """The ``gguf.GGUFReader`` of ``path``, parsed once per version of the file.
-
-  gguf parses a file's metadata (a tokenizer's vocabulary and merges) in pure
-  Python, seconds for a small model; the loaders of one file (:func:`load_model`,
-  :func:`load_tokenizer`, :func:`source_dtype`, :func:`source_metadata`) share
-  one parse, kept for the two most recent files and redone when a file's size
-  or modification time changes. The reader is read-only (a memory map opened
-  with mode ``'r'``). A cut or damaged file raises ``ValueError`` naming it.
-  """
-  resolved = pathlib.Path(path).resolve()
-  stat = resolved.stat()
+  """The read-only ``gguf.GGUFReader`` of ``path``, parsed once per version of the file (its
+  size and mtime): the loaders share a parse, seconds of pure Python for a tokenizer."""
+  stat = (resolved := pathlib.Path(path).resolve()).stat()
   return _parsed_gguf(str(resolved), stat.st_size, stat.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=2)
-def _parsed_gguf(path: str, size: int, mtime_ns: int) -> Any:
-  """:func:`gguf_reader`'s parse, keyed on the file's version."""
-  del size, mtime_ns
+def _parsed_gguf(path: str, size: int, mtime_ns: int) -> Any:  # pylint: disable=unused-argument
   import gguf  # pylint: disable=import-outside-toplevel
   try:
     return gguf.GGUFReader(path)
   except (ValueError, IndexError, EOFError) as err:
     raise ValueError(f"'{path}' is truncated or corrupt, or not a GGUF file (gguf says: {err}); "
                      "download it again.") from err
-
-
-def _widest(dtypes: set[str]) -> str:
-  """One precision holding every one of ``dtypes`` exactly (bf16 + fp16 need float32)."""
-  return dtypes.pop() if len(dtypes) == 1 else "float32"
 
 
 def source_dtype(path: os.PathLike) -> str:
@@ -250,7 +235,7 @@ def source_dtype(path: os.PathLike) -> str:
                 if k != "__metadata__" and v["dtype"] in _SAFETENSORS_DTYPES}
     if not found:
       raise _missing(path / "*.safetensors", "floating-point safetensors weights")
-    return _widest(found)
+    return found.pop() if len(found) == 1 else "float32"  # bf16 + fp16 need float32
   if not (path.is_file() and path.suffix == ".gguf"):
     raise _missing(path, "model (a safetensors folder or a .gguf file)")
   kinds = gguf.GGMLQuantizationType
@@ -259,7 +244,7 @@ def source_dtype(path: os.PathLike) -> str:
   for tensor in gguf_reader(path).tensors:
     if len(tensor.shape) == 2:
       found.add(named.get(tensor.tensor_type, "float16"))
-  return _widest(found) if found else "float32"
+  return found.pop() if len(found) == 1 else "float32"
 
 
 def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
@@ -432,17 +417,11 @@ def load_model(path: os.PathLike, *,
 
 
 def tokenizer_from_gguf(path: os.PathLike) -> Any:
-  """Rebuilds the byte-level BPE tokenizer stored in a GGUF file's metadata.
+  """The byte-level BPE ``tokenizers.Tokenizer`` stored in a GGUF file's metadata.
 
-  The vocabulary, merges and special tokens come from the file; the
-  pre-tokenizer from its name, ``tokenizer.ggml.pre``, which must be one of
-  :data:`GGUF_PRE_TOKENIZERS`.
-
-  Args:
-    path: a ``.gguf`` file whose ``tokenizer.ggml.model`` is ``gpt2``.
-
-  Returns:
-    A ``tokenizers.Tokenizer``.
+  The vocabulary, merges and special tokens come from ``path`` (whose
+  ``tokenizer.ggml.model`` must be ``gpt2``); the pre-tokenizer from its name,
+  ``tokenizer.ggml.pre``, which must be one of :data:`GGUF_PRE_TOKENIZERS`.
 
   Raises:
     ValueError: another tokenizer model, or a pre-tokenizer that is absent or
