@@ -13,9 +13,7 @@
 
 import json
 import logging
-import os
 import re
-import sys
 
 import numpy as np
 import pytest
@@ -27,8 +25,9 @@ from safe_optax.llm import cli
 from safe_optax.llm import model as model_lib
 from safe_optax.llm import prune as prune_lib
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_llm_cli import _byte_tokenizer, fixture_tiny  # noqa: E402,F401
+from cli_help import help_entries
+from test_llm_cli import _byte_tokenizer, fixture_tiny  # noqa: F401
+
 
 @pytest.fixture(autouse=True)
 def _restore_log_level():
@@ -47,26 +46,11 @@ def _help(capsys, monkeypatch, argv):
   return capsys.readouterr().out
 
 
-def _entries(text):
-  """``{invocation: help}`` for each entry of an argparse help text's argument sections."""
-  entries, current = {}, None
-  for line in text.splitlines():
-    entry = re.match(r"^ {2,4}(\S.*?)(?: {2,}(\S.*))?$", line)
-    if entry and not line.startswith(" " * 6):
-      current = entry.group(1)
-      entries[current] = entry.group(2) or ""
-    elif current is not None and line.startswith(" " * 6):
-      entries[current] = (entries[current] + " " + line.strip()).strip()
-    else:
-      current = None
-  return entries
-
-
 @pytest.mark.parametrize("command", [[], ["prune"], ["ppl"]])
 def test_every_option_has_help_with_its_default(capsys, monkeypatch, command):
   text = _help(capsys, monkeypatch, command)
   usage, _, body = text.partition("\n\n")
-  entries = _entries(body)
+  entries = help_entries(body)
   flags = {m for m in re.findall(r"--[a-z][a-z-]*", usage)} - {"--help"}
   by_flag = {}
   for invocation, help_text in entries.items():
@@ -90,7 +74,7 @@ def test_every_option_has_help_with_its_default(capsys, monkeypatch, command):
     ("--epochs", "30"), ("--lr", "0.0002"), ("--rho", "0.0002"), ("--nsamples", "128"),
     ("--seqlen", "2048"), ("--penalty", "0.001"), ("--log-level", "INFO")])
 def test_prune_help_shows_the_parser_defaults(capsys, monkeypatch, flag, default):
-  entries = _entries(_help(capsys, monkeypatch, ["prune"]))
+  entries = help_entries(_help(capsys, monkeypatch, ["prune"]))
   (help_text,) = [h for inv, h in entries.items() if inv.split(" ")[0] == flag]
   assert f"(default: {default})" in help_text
 
