@@ -26,7 +26,7 @@ from safe_optax.llm import model as model_lib
 from safe_optax.llm import prune as prune_lib
 
 from cli_help import help_entries
-from test_llm_cli import _byte_tokenizer, fixture_tiny  # noqa: F401
+from test_llm_cli import fixture_tiny  # noqa: F401  (the tiny checkpoint)
 
 
 @pytest.fixture(autouse=True)
