@@ -155,14 +155,6 @@ def _add_protocol_arguments(parser: argparse.ArgumentParser, protocol: str, seql
                            "scores the whole text)")
 
 
-def _make_folder(path: pathlib.Path, flag: str) -> None:
-  try:
-    path.mkdir(parents=True, exist_ok=True)
-  except OSError as err:
-    raise ValueError(f"{flag} '{path}' cannot be created ({err.strerror or err}); "
-                     "give a folder path whose parents are folders you can write.") from err
-
-
 def prune_run(args: argparse.Namespace) -> pipeline.PruneRun:
   """The :class:`~safe_optax.llm.pipeline.PruneRun` that ``prune``'s arguments ask for."""
   cfg = prune_config.PruneConfig(
@@ -195,7 +187,7 @@ def _summary(result: dict[str, Any]) -> dict[str, Any]:
 def _ppl(args: argparse.Namespace) -> dict[str, Any]:
   data.read_text(args.text)
   if args.json:
-    _make_folder(pathlib.Path(args.json).parent, "--json's folder")
+    pipeline.make_folder(pathlib.Path(args.json).parent, "--json's folder")
   progress = not args.no_progress
   config, params = checkpoints.load_model(args.model, progress=progress)
   if args.dtype:

@@ -247,14 +247,15 @@ class PruneRun:
     """:meth:`settings` by flag, with ``--fixed-order``: what the saved state must match."""
     identity = {"--" + k.replace("_", "-"): v for k, v in self.settings().items()}
     identity["--fixed-order"] = self.fixed()
-    return identity
+    return json.loads(json.dumps(identity))  # as a saved state or report reads back
 
   def state_dirs(self) -> list[pathlib.Path]:
     """Each seed's folder of saved blocks."""
     return [pathlib.Path(lane.out) / STATE_DIR for lane in self.lanes()]
 
 
-def _make_folder(path: pathlib.Path, name: str) -> None:
+def make_folder(path: pathlib.Path, name: str) -> None:
+  """Creates ``path`` (and its parents); ``ValueError`` naming ``name`` when it cannot."""
   try:
     path.mkdir(parents=True, exist_ok=True)
   except OSError as err:
@@ -279,7 +280,7 @@ def finished_report(run: PruneRun) -> Optional[dict[str, Any]]:
   except (ValueError, KeyError, TypeError, AttributeError) as err:
     raise ValueError(f"--out '{run.out}' holds a report.json that does not parse ({err}); "
                      "rerun with --restart to replace that export, or give another --out.") from err
-  new = json.loads(json.dumps(run.identity()))
+  new = run.identity()
   differing = [k for k in new if old[k] != new[k]]
   if differing:
     details = "; ".join(f"{k}: saved {old[k]!r}, now {new[k]!r}" for k in differing)
@@ -308,7 +309,7 @@ def _start_lane(run: PruneRun) -> Optional[dict[str, Any]]:
     _LOG.info("'%s' already holds this export; nothing to prune (--restart prunes it again)",
               out)
     return finished
-  _make_folder(out, "--out")
+  make_folder(out, "--out")
   return None
 
 
@@ -358,13 +359,13 @@ def prune_and_export(run: PruneRun) -> list[dict[str, Any]]:
   if len(pending) == 1:
     pruned = [prune_lib.prune_model(
         config, params, calibrations[0], pending[0].prune, progress=run.progress,
-        state_dir=state_dirs[0], identity=json.loads(json.dumps(pending[0].identity())),
+        state_dir=state_dirs[0], identity=pending[0].identity(),
         fixed_order=True if run.fixed_order else None)]
   else:
     pruned = prune_lib.prune_models(
         config, params, calibrations, [lane.prune for lane in pending],
         progress=run.progress, state_dirs=state_dirs,
-        identities=[json.loads(json.dumps(lane.identity())) for lane in pending])
+        identities=[lane.identity() for lane in pending])
   total = time.perf_counter() - start
   _LOG.info("pruning took %.1f s", total)
   # Every process holds the same pruned model; process 0 alone writes and evaluates.
